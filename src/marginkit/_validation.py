@@ -1,0 +1,143 @@
+"""Argument checks shared by every public function.
+
+Bad input must fail loudly with the argument's name and what was expected, never as a
+silent NaN. Numerics run in float32 or better whatever the input dtype: use
+:func:`compute_dtype` / :func:`float_tensor` to get the working precision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+Reduction = str  # "mean" | "sum" | "none"
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Working precision for an input dtype: float64 stays, everything else is float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def float_tensor(
+    x: Any, name: str, *, min_dim: int = 1, allow_inf: bool = False, allow_empty: bool = False
+) -> torch.Tensor:
+    """Check that ``x`` is a floating tensor with at least ``min_dim`` dims and finite values.
+
+    Returns ``x`` unchanged (callers cast with :func:`compute_dtype` themselves so that
+    they can return results in the input dtype). ``allow_inf`` admits ``-inf`` only (masked
+    entries), never ``+inf`` or NaN.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not torch.is_floating_point(x):
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+    if not allow_empty and x.dim() > 0 and x.shape[-1] == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if allow_inf:
+        bad = torch.isnan(x) | (x == math.inf)
+        if bool(bad.any()):
+            raise ValueError(f"{name} contains NaN or +inf values (only -inf is allowed, for masked entries)")
+    elif not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return x
+
+
+def label_tensor(
+    labels: Any, name: str, *, shape: Iterable[int] | None = None, num_classes: int | None = None
+) -> torch.Tensor:
+    """Check integer labels: dtype, optional exact ``shape``, range ``[0, num_classes)``."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
+    if labels.dtype == torch.bool or torch.is_floating_point(labels) or torch.is_complex(labels):
+        raise TypeError(f"{name} must be an integer tensor, got dtype {labels.dtype}")
+    if shape is not None:
+        shape = tuple(shape)
+        if tuple(labels.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(labels.shape)}")
+    if num_classes is not None and labels.numel() > 0:
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(f"{name} must lie in [0, {num_classes}), got values in [{lo}, {hi}]")
+    return labels
+
+
+def positive_float(value: Any, name: str, *, allow_zero: bool = False) -> float:
+    """Check a finite scalar ``> 0`` (or ``>= 0`` with ``allow_zero``) and return it as float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
+    return value
+
+
+def positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+    """Check an integer ``>= minimum`` and return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def choice(value: Any, name: str, choices: Iterable[str]) -> str:
+    """Check that ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def reduce(loss: torch.Tensor, reduction: Reduction, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply ``reduction`` to per-example losses.
+
+    With ``weight`` (a 0/1 or float mask of examples that count), ``"mean"`` divides by the
+    weight sum (0 when nothing counts, keeping the graph connected) and ``"sum"`` sums the
+    weighted losses; ``"none"`` returns the per-example values unchanged.
+    """
+    if reduction == "none":
+        return loss
+    if weight is not None:
+        loss = loss * weight
+        if reduction == "sum":
+            return loss.sum()
+        return loss.sum() / weight.sum().clamp_min(1)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.mean() if loss.numel() else loss.sum()
+    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def cosine_tensor(x: Any, name: str, *, atol: float = 1e-3) -> torch.Tensor:
+    """Check a floating tensor of cosines: finite and inside ``[-1, 1]`` up to rounding ``atol``.
+
+    Values within ``atol`` outside the interval (normalisation round-off, half precision) are
+    accepted; callers clamp. Anything further out means the input is not a cosine.
+    """
+    float_tensor(x, name, min_dim=1)
+    if x.numel() and bool((x.abs() > 1 + atol).any()):
+        worst = float(x.abs().max())
+        raise ValueError(f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {worst:.4g}")
+    return x
+
+
+def same_batch(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
+    """Check that two tensors share their first (batch) dimension."""
+    if a.shape[:1] != b.shape[:1]:
+        raise ValueError(
+            f"{b_name} must have one entry per row of {a_name}: "
+            f"got {a_name} batch {a.shape[0] if a.dim() else '()'} and {b_name} batch "
+            f"{b.shape[0] if b.dim() else '()'}"
+        )

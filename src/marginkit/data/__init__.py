@@ -1,0 +1,10 @@
+"""Data: batch samplers, built-in data sets and loaders for users' files."""
+
+from marginkit._lazy import attach
+
+__getattr__, __dir__, __all__ = attach(
+    __name__,
+    {
+        "PKSampler": "samplers",
+    },
+)

@@ -1,0 +1,10 @@
+"""K-nearest-neighbour classification over learned embeddings."""
+
+from marginkit._lazy import attach
+
+__getattr__, __dir__, __all__ = attach(
+    __name__,
+    {
+        "KNNClassifier": "classifier",
+    },
+)
