@@ -1,0 +1,429 @@
+"""Triplet losses: the local-margin (K-NN-aware) triplet loss and the classic triplet baseline.
+
+- :class:`LocalMarginTripletLoss` — Thammasorn et al., "Neighborhood Watch: Representation
+  Learning with Local-Margin Triplet Loss and Sampling Strategy for K-Nearest-Neighbor Image
+  Classification", arXiv:1911.07940 (formulation of SPEC §5).
+- :class:`TripletMarginLoss` — Schroff, Kalenichenko, Philbin, "FaceNet", CVPR 2015 (semi-hard
+  mining); Hermans, Beyer, Leibe, "In Defense of the Triplet Loss for Person
+  Re-Identification", arXiv:1703.07737 (batch-hard, batch-all).
+
+Every loss works on a ``[B, R]`` distance matrix between the batch and its references, never
+on a ``[B, R, R]`` triplet tensor held for backward: batch-hard / local-margin select one
+triplet per anchor, semi-hard one negative per anchor-positive pair (sort + searchsorted),
+and batch-all runs a custom autograd function over blocks of anchors whose backward only
+needs per-pair counts of active triplets (memory ``O(B·R)`` plus one block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marginkit._validation import REDUCTIONS, choice, positive_float, positive_int
+from marginkit.mining.triplets import _batch_hard_select, _local_select, _semi_hard_select
+from marginkit.ops.pairs import (
+    DISTANCES,
+    PairBatch,
+    check_indices,
+    collapsed_flag,
+    distance_matrix,
+    label_masks,
+    max_sq_norm,
+    nonfinite_flag,
+    prepare_pairs,
+    read_flags,
+    report_checks,
+    rowwise_distance,
+)
+
+MINING = ("batch_hard", "batch_all", "semi_hard")
+AVERAGES = ("valid", "active")
+
+#: Elements of one block of the batch-all triplet tensor (anchors × positives × references).
+BLOCK_ELEMENTS = 1 << 22
+
+
+class _BatchAllTriplets(torch.autograd.Function):
+    """Sum over all valid triplets of ``relu(d[a, p] − d[a, n] + margin)``, per anchor.
+
+    Inputs: ``dist [B, R]``; ``pos_idx [B, P]`` the positive columns of each anchor (padded),
+    ``pos_valid [B, P]``; ``neg [B, R]`` the negative mask. Outputs per anchor: the hinge sum
+    and the number of active triplets (``int64``, not differentiable).
+
+    Backward: with ``A[a, p, n]`` the indicator of an active triplet,
+    ``∂/∂d[a, p] = Σ_n A[a, p, n]`` and ``∂/∂d[a, n] = −Σ_p A[a, p, n]`` — only these two
+    ``[B, P]`` / ``[B, R]`` count matrices are saved, never the triplet tensor.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        dist: torch.Tensor,
+        pos_idx: torch.Tensor,
+        pos_valid: torch.Tensor,
+        neg: torch.Tensor,
+        margin: float,
+        block: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n_anchor = dist.shape[0]
+        d_ap = dist.gather(1, pos_idx)
+        sums = dist.new_zeros(n_anchor)
+        active = torch.zeros(n_anchor, dtype=torch.int64, device=dist.device)
+        cnt_p = torch.zeros_like(d_ap)
+        cnt_n = torch.zeros_like(dist)
+        for start in range(0, n_anchor, block):  # blocks of anchors bound the memory, not a row loop
+            sl = slice(start, start + block)
+            t = d_ap[sl, :, None] - dist[sl, None, :] + margin
+            act = (t > 0) & pos_valid[sl, :, None] & neg[sl, None, :]
+            sums[sl] = torch.where(act, t, 0.0).sum((1, 2))
+            active[sl] = act.sum((1, 2))
+            cnt_p[sl] = act.sum(2, dtype=dist.dtype)
+            cnt_n[sl] = act.sum(1, dtype=dist.dtype)
+        ctx.save_for_backward(pos_idx, cnt_p, cnt_n)
+        ctx.mark_non_differentiable(active)
+        return sums, active
+
+    @staticmethod
+    def backward(ctx: Any, grad_sums: torch.Tensor, _grad_active: Any) -> tuple[Any, ...]:
+        pos_idx, cnt_p, cnt_n = ctx.saved_tensors
+        g = grad_sums[:, None]
+        grad = (-g * cnt_n).scatter_add_(1, pos_idx, g * cnt_p)
+        return grad, None, None, None, None, None
+
+
+def _sq_dist(d: torch.Tensor, distance: str) -> torch.Tensor:
+    """Squared Euclidean distance from a distance value (cosine: on unit vectors, 2·(1 − cos))."""
+    if distance == "l2":
+        return d * d
+    if distance == "cosine":
+        return 2.0 * d
+    return d
+
+
+class _TripletBase(nn.Module):
+    """Shared checks, mined-indices path and bookkeeping of the triplet losses."""
+
+    distance: str
+    normalize: bool
+    validate: bool
+    reduction: str
+    last_active_fraction: torch.Tensor | None
+    last_counts: torch.Tensor | None
+
+    def _embed(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch.x, batch.y
+        if self.normalize:
+            x = F.normalize(x, dim=-1)
+            y = x if batch.self_ref else F.normalize(y, dim=-1)
+        return x, y
+
+    def _scale(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
+        return 1.0 if (self.normalize or self.distance == "cosine") else max_sq_norm(x, y)
+
+    def _finish(
+        self,
+        per_unit: torch.Tensor,
+        counts: torch.Tensor,
+        active: torch.Tensor,
+        valid: torch.Tensor,
+        out_dtype: Any,
+    ) -> torch.Tensor:
+        """Reduce per-anchor (or per-triplet) sums; ``counts`` are the units in the mean."""
+        self.last_counts = counts.detach()
+        self.last_active_fraction = (active.sum() / valid.sum().clamp_min(1)).to(per_unit.dtype).detach()
+        if self.reduction == "none":
+            out = per_unit
+        elif self.reduction == "sum":
+            out = per_unit.sum()
+        else:
+            out = per_unit.sum() / counts.sum().clamp_min(1).to(per_unit.dtype)
+        return out.to(out_dtype)
+
+    def _indices_forward(self, batch: PairBatch, indices: Any, margin: float, average: str) -> torch.Tensor:
+        x, y = self._embed(batch)
+        (a, p, n), out_of_range = check_indices(indices, x.shape[0], y.shape[0], x.device)
+        if self.validate:
+            nonfinite, bad = read_flags(nonfinite_flag(batch.x, batch.y), out_of_range)
+            report_checks(self, type(self).__name__, nonfinite, None, None)
+        else:
+            (bad,) = read_flags(out_of_range)
+        if bad:
+            raise ValueError(
+                f"indices out of range: anchors must lie in [0, {x.shape[0]}) and positives/negatives "
+                f"in [0, {y.shape[0]})"
+            )
+        xa = x[a]
+        d_ap = rowwise_distance(xa, y[p], self.distance)
+        d_an = rowwise_distance(xa, y[n], self.distance)
+        loss = F.relu(d_ap - d_an + margin)
+        if self.validate and a.numel():
+            collapsed = collapsed_flag(
+                torch.maximum(_sq_dist(d_ap, self.distance), _sq_dist(d_an, self.distance))[None],
+                self._scale(x, y),
+                False,
+            )
+            # one extra sync only on the mined-indices path, which has synced for the index check
+            report_checks(self, type(self).__name__, 0, None, read_flags(collapsed)[0])
+        active = loss.detach() > 0
+        valid = torch.ones_like(active)
+        counts = active if average == "active" else valid
+        return self._finish(loss, counts.to(loss.dtype), active, valid, batch.out_dtype)
+
+    def _matrix_checks(
+        self,
+        batch: PairBatch,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        dist: torch.Tensor,
+        pos: torch.Tensor,
+        *extra: torch.Tensor,
+    ) -> list[int]:
+        """The one host sync of a forward: NaN check, warnings, and ``extra`` integers."""
+        if not self.validate:
+            return read_flags(*extra) if extra else []
+        nonfinite, no_pos, collapsed, *rest = read_flags(
+            nonfinite_flag(batch.x, batch.y),
+            ~pos.any(),
+            collapsed_flag(_sq_dist(dist.detach(), self.distance), self._scale(x, y), batch.self_ref),
+            *extra,
+        )
+        report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed)
+        return rest
+
+
+class LocalMarginTripletLoss(_TripletBase):
+    """Local-margin triplet loss for K-NN classification (Thammasorn et al., arXiv:1911.07940).
+
+    With squared Euclidean distances ``d`` between (by default L2-normalised) embeddings, for
+    each anchor ``a`` with ``n_a >= 1`` positives and at least one negative:
+
+    .. math::
+
+        b_a = d(a, p_{(\\min(k, n_a))}), \\qquad
+        L_a = \\big[\\, b_a - \\min_{n \\in N(a)} d(a, n) + \\text{margin} \\,\\big]_+
+
+    where ``p_(j)`` is the j-th nearest positive: the local positive bound is the radius
+    of the anchor's ``k`` nearest same-class neighbours (``k`` = the downstream K-NN's K),
+    and the nearest negative must lie outside it by the margin — exactly what a k-NN vote
+    needs. ``"mean"`` averages over the anchors that have a positive and a negative; other
+    anchors are skipped (0 in ``"none"``).
+
+    Fully vectorised: one ``[B, R]`` distance matrix, one stable sort of the masked
+    positive distances per row, one masked ``min``; the gradient flows through the two
+    selected distances of each anchor only, identical to the per-anchor formulation (ties
+    are taken in index order).
+
+    Normalisation: the paper's text is not available offline here; its brief's code is not
+    either. We default to ``normalize=True`` (FaceNet's convention for triplet embeddings)
+    so that ``margin`` has a fixed scale (``d ∈ [0, 4]``); ``normalize=False`` uses the raw
+    embeddings.
+
+    Args:
+        k: the K of the downstream K-NN classifier (``>= 1``; capped per anchor by the number
+            of positives).
+        margin: ``>= 0``, in squared-distance units.
+        normalize: L2-normalise the embeddings (and references) first.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per anchor, or per triplet with
+            ``indices=``).
+        validate: NaN/inf check and once-per-instance warnings (no positive pair, collapsed
+            embeddings), all read in ONE host synchronisation per forward; ``False`` makes
+            forward sync-free.
+
+    Attributes (tensors set by forward, no host sync):
+        last_active_fraction: active anchors (positive loss) / anchors that count.
+        last_counts: per anchor (or triplet) 1 if it counts in the mean, else 0.
+
+    Shape:
+        embeddings ``[B, D]``, labels ``[B]``; optional ``ref_embeddings [R, D]`` and
+        ``ref_labels [R]`` (a memory bank or another modality; self-pairs are excluded only
+        when the references are the batch itself). ``indices=(a, p, n)`` (e.g. from
+        :func:`marginkit.mining.local_triplets`) computes the hinge on those triplets only.
+
+    Example:
+        >>> import torch
+        >>> from marginkit.losses import LocalMarginTripletLoss
+        >>> emb = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
+        >>> LocalMarginTripletLoss(k=3)(emb, torch.arange(12) % 3).shape
+        torch.Size([])
+    """
+
+    distance = "squared_l2"
+
+    def __init__(
+        self,
+        k: int = 5,
+        margin: float = 0.2,
+        *,
+        normalize: bool = True,
+        reduction: str = "mean",
+        validate: bool = True,
+    ) -> None:
+        super().__init__()
+        self.k = positive_int(k, "k")
+        self.margin = positive_float(margin, "margin", allow_zero=True)
+        self.normalize = bool(normalize)
+        self.reduction = choice(reduction, "reduction", REDUCTIONS)
+        self.validate = bool(validate)
+        self.last_active_fraction = None
+        self.last_counts = None
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, margin={self.margin}, normalize={self.normalize}, reduction={self.reduction!r}"
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ref_embeddings: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+        indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        k = positive_int(self.k, "k")
+        margin = positive_float(self.margin, "margin", allow_zero=True)
+        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
+        if indices is not None:
+            return self._indices_forward(batch, indices, margin, "valid")
+        x, y = self._embed(batch)
+        dist = distance_matrix(x, y, "squared_l2")
+        pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
+        self._matrix_checks(batch, x, y, dist, pos)
+        p_idx, n_idx, valid = _local_select(dist, pos, neg, k)
+        bound = dist.gather(1, p_idx[:, None]).squeeze(1)
+        d_neg = dist.gather(1, n_idx[:, None]).squeeze(1)
+        loss = torch.where(valid, F.relu(bound - d_neg + margin), 0.0)
+        active = valid & (loss.detach() > 0)
+        return self._finish(loss, valid.to(loss.dtype), active, valid, batch.out_dtype)
+
+
+class TripletMarginLoss(_TripletBase):
+    """Triplet margin loss ``[d(a, p) − d(a, n) + margin]_+`` with in-batch mining.
+
+    Mining (``"mean"`` denominators in brackets; ``average`` switches between counting every
+    valid unit and only the active ones, those with a positive hinge):
+
+    - ``"batch_hard"`` (Hermans et al. 2017): per anchor, the farthest positive and the
+      nearest negative. Units: anchors with a positive and a negative [default ``"valid"``].
+      ``"none"``: one value per anchor.
+    - ``"batch_all"``: every valid triplet ``(a, p, n)``. Units: triplets [default
+      ``"active"``, i.e. the mean over triplets with a non-zero loss — Hermans' "BA≠0" and
+      pytorch-metric-learning's ``TripletMarginLoss`` with its default ``AvgNonZeroReducer``].
+      ``"none"``: per anchor, the SUM over its triplets (``last_counts`` holds its number of
+      counted triplets, so ``mean == none.sum() / last_counts.sum()``).
+    - ``"semi_hard"`` (FaceNet; TF ``triplet_semihard_loss``): per anchor-positive pair, the
+      nearest negative farther than the positive, else the farthest negative. Units:
+      anchor-positive pairs [default ``"valid"``, as TF]. ``"none"``: per-anchor sums.
+    - ``indices=(a, p, n)``: the given (mined) triplets; units: triplets [default ``"valid"``];
+      ``"none"``: one value per triplet. ``mining`` is not used then.
+
+    Distances: ``"squared_l2"``, ``"l2"`` (through a safe square root: the gradient is finite,
+    0, when two embeddings coincide), ``"cosine"`` (``1 − cos``). With ``normalize=True``
+    (default, as pytorch-metric-learning's default distance) the embeddings are L2-normalised
+    first.
+
+    Memory: batch-all never stores the ``[B, R, R]`` triplet tensor. A custom autograd
+    function walks blocks of anchors (``BLOCK_ELEMENTS`` entries of ``anchors × max positives
+    × references``) and keeps, for backward, only the per-pair counts of active triplets; it
+    needs the largest number of positives per anchor, read in the forward's single host sync.
+
+    Args:
+        margin: ``>= 0``.
+        mining: ``"batch_hard"`` | ``"batch_all"`` | ``"semi_hard"``.
+        distance: ``"squared_l2"`` | ``"l2"`` | ``"cosine"``.
+        normalize: L2-normalise embeddings first.
+        average: ``None`` (the per-mining default above), ``"valid"`` or ``"active"``.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        validate: NaN/inf check and once-per-instance warnings in one host sync per forward.
+
+    Attributes (tensors set by forward, no host sync):
+        last_active_fraction: active units / valid units (triplets for batch-all).
+        last_counts: per anchor (triplet with ``indices``) the number of units in the mean.
+
+    Example:
+        >>> import torch
+        >>> from marginkit.losses import TripletMarginLoss
+        >>> emb = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
+        >>> TripletMarginLoss(mining="batch_all")(emb, torch.arange(12) % 3).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        margin: float = 0.2,
+        mining: str = "batch_hard",
+        distance: str = "squared_l2",
+        *,
+        normalize: bool = True,
+        average: str | None = None,
+        reduction: str = "mean",
+        validate: bool = True,
+    ) -> None:
+        super().__init__()
+        self.margin = positive_float(margin, "margin", allow_zero=True)
+        self.mining = choice(mining, "mining", MINING)
+        self.distance = choice(distance, "distance", DISTANCES)
+        self.normalize = bool(normalize)
+        self.average = None if average is None else choice(average, "average", AVERAGES)
+        self.reduction = choice(reduction, "reduction", REDUCTIONS)
+        self.validate = bool(validate)
+        self.last_active_fraction = None
+        self.last_counts = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"margin={self.margin}, mining={self.mining!r}, distance={self.distance!r}, "
+            f"normalize={self.normalize}, average={self.average!r}, reduction={self.reduction!r}"
+        )
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ref_embeddings: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+        indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        margin = positive_float(self.margin, "margin", allow_zero=True)
+        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
+        if indices is not None:
+            return self._indices_forward(batch, indices, margin, self.average or "valid")
+        mining = self.mining
+        average = self.average or ("active" if mining == "batch_all" else "valid")
+        x, y = self._embed(batch)
+        dist = distance_matrix(x, y, self.distance)
+        pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
+        if mining == "batch_hard":
+            self._matrix_checks(batch, x, y, dist, pos)
+            p_idx, n_idx, valid = _batch_hard_select(dist, pos, neg)
+            d_ap = dist.gather(1, p_idx[:, None]).squeeze(1)
+            d_an = dist.gather(1, n_idx[:, None]).squeeze(1)
+            loss = torch.where(valid, F.relu(d_ap - d_an + margin), 0.0)
+            active = valid & (loss.detach() > 0)
+            counts = active if average == "active" else valid
+            return self._finish(loss, counts.to(loss.dtype), active, valid, batch.out_dtype)
+        if mining == "semi_hard":
+            self._matrix_checks(batch, x, y, dist, pos)
+            n_idx, valid = _semi_hard_select(dist, pos, neg)
+            loss = torch.where(valid, F.relu(dist - dist.gather(1, n_idx) + margin), 0.0)
+            active = valid & (loss.detach() > 0)
+            counts = (active if average == "active" else valid).sum(1)
+            return self._finish(loss.sum(1), counts.to(loss.dtype), active, valid, batch.out_dtype)
+        # batch_all
+        npos = pos.sum(1)
+        (max_pos,) = self._matrix_checks(batch, x, y, dist, pos, npos.max())
+        nneg = neg.sum(1)
+        n_valid = npos * nneg
+        if max_pos == 0:
+            sums = dist.sum(1) * 0.0
+            active = torch.zeros_like(npos)
+        else:
+            pos_idx = torch.sort(pos.to(torch.uint8), dim=1, descending=True, stable=True).indices[
+                :, :max_pos
+            ]
+            pos_valid = torch.arange(max_pos, device=dist.device)[None, :] < npos[:, None]
+            block = max(1, BLOCK_ELEMENTS // (max_pos * dist.shape[1]))
+            sums, active = _BatchAllTriplets.apply(dist, pos_idx, pos_valid, neg, margin, block)
+        counts = active if average == "active" else n_valid
+        return self._finish(sums, counts.to(sums.dtype), active, n_valid, batch.out_dtype)

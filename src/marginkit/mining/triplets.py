@@ -1,0 +1,194 @@
+"""Triplet mining: K-NN-aware local triplets and batch-hard triplets, as index tensors.
+
+The selection rules are shared with the triplet losses (:mod:`marginkit.losses.triplet`):
+a loss selects its triplets with the private ``_*_select`` functions below (under
+``no_grad``) and then differentiates through the selected distances only, so a mined triplet
+tuple passed back as ``indices=`` gives the same value and gradient.
+
+Ties are broken by index (first the smallest index), so the selection is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from marginkit._validation import choice, float_tensor, positive_float, positive_int
+from marginkit.ops.pairs import DISTANCES, distance_matrix, label_masks, prepare_pairs
+
+Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@torch.no_grad()
+def _local_select(
+    dist: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per anchor: the k-th nearest positive (k capped by #positives) and the nearest negative.
+
+    Returns ``(p_idx [B], n_idx [B], valid [B])`` where ``valid`` marks anchors that have a
+    positive and a negative. Positives are ordered by a stable sort, so equal distances are
+    taken in index order; the nearest negative is the first minimal one.
+    """
+    d = dist.detach()
+    npos = pos.sum(1)
+    kk = min(k, d.shape[1])
+    order = torch.sort(d.masked_fill(~pos, math.inf), dim=1, stable=True).indices[:, :kk]
+    kth = (npos.clamp(max=k) - 1).clamp_min(0)
+    p_idx = order.gather(1, kth[:, None]).squeeze(1)
+    n_idx = d.masked_fill(~neg, math.inf).min(dim=1).indices
+    valid = (npos > 0) & neg.any(1)
+    return p_idx, n_idx, valid
+
+
+@torch.no_grad()
+def _batch_hard_select(
+    dist: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per anchor: the farthest positive and the nearest negative (Hermans et al., 2017)."""
+    d = dist.detach()
+    p_idx = d.masked_fill(~pos, -math.inf).max(dim=1).indices
+    n_idx = d.masked_fill(~neg, math.inf).min(dim=1).indices
+    valid = pos.any(1) & neg.any(1)
+    return p_idx, n_idx, valid
+
+
+@torch.no_grad()
+def _semi_hard_select(
+    dist: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per anchor-positive pair: the semi-hard negative of FaceNet / TF ``triplet_semihard_loss``.
+
+    For the pair ``(a, p)``: the nearest negative strictly farther than ``d(a, p)``; if there
+    is none, the farthest negative. Done with one sort and ``searchsorted`` per anchor row,
+    ``O(B R log R)`` time and ``O(B R)`` memory. Returns ``(n_idx [B, R], valid [B, R])``.
+    """
+    d = dist.detach()
+    nneg = neg.sum(1, keepdim=True)
+    sorted_neg, order = torch.sort(d.masked_fill(~neg, math.inf), dim=1, stable=True)
+    first_farther = torch.searchsorted(sorted_neg, d.contiguous(), right=True)
+    slot = torch.where(first_farther >= nneg, nneg - 1, first_farther).clamp_min(0)
+    n_idx = order.gather(1, slot)
+    valid = pos & (nneg > 0)
+    return n_idx, valid
+
+
+def _prepare(
+    embeddings: Any,
+    labels: Any,
+    ref_embeddings: Any,
+    ref_labels: Any,
+    distance: str,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels)
+    float_tensor(batch.x, "embeddings")
+    if not batch.self_ref:
+        float_tensor(batch.y, "ref_embeddings")
+    x, y = batch.x, batch.y
+    if normalize:
+        x = F.normalize(x, dim=-1)
+        y = x if batch.self_ref else F.normalize(y, dim=-1)
+    pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
+    return distance_matrix(x, y, distance), pos, neg
+
+
+@torch.no_grad()
+def local_triplets(
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
+    k: int,
+    margin: float,
+    *,
+    normalize: bool = True,
+    ref_embeddings: torch.Tensor | None = None,
+    ref_labels: torch.Tensor | None = None,
+) -> Triplets:
+    """K-NN-aware local triplet mining (Thammasorn et al., arXiv:1911.07940).
+
+    With squared Euclidean distances ``d`` (on L2-normalised embeddings by default), for each
+    anchor ``a`` that has a positive and a negative: the local positive ``p`` is its k-th
+    nearest positive (``k`` = the downstream K-NN's K, capped by the number of positives)
+    and the negative ``n`` its nearest negative. The triplet is returned when it violates
+    the local margin, i.e. ``d(a, n) < d(a, p) + margin`` — the negative lies within the
+    anchor's local positive bound plus the margin. These are exactly the triplets with a
+    non-zero :class:`~marginkit.losses.LocalMarginTripletLoss`.
+
+    Args:
+        embeddings: ``[B, D]`` float tensor.
+        labels: ``[B]`` integer labels.
+        k: the K of the downstream K-NN classifier, ``>= 1``.
+        margin: ``>= 0``, in squared-distance units.
+        normalize: L2-normalise the embeddings first (default, as the loss does).
+        ref_embeddings, ref_labels: optional reference set (then ``p``, ``n`` index it and
+            no self-pair is excluded unless it is ``embeddings`` itself).
+
+    Returns:
+        ``(anchor, positive, negative)``: 1-D ``int64`` index tensors of equal length.
+
+    Example:
+        >>> import torch
+        >>> from marginkit.mining import local_triplets
+        >>> emb = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+        >>> a, p, n = local_triplets(emb, torch.arange(12) % 3, k=3, margin=0.2)
+        >>> a.shape == p.shape == n.shape
+        True
+    """
+    k = positive_int(k, "k")
+    margin = positive_float(margin, "margin", allow_zero=True)
+    dist, pos, neg = _prepare(embeddings, labels, ref_embeddings, ref_labels, "squared_l2", normalize)
+    p_idx, n_idx, valid = _local_select(dist, pos, neg, k)
+    rows = torch.arange(dist.shape[0], device=dist.device)
+    keep = valid & (dist[rows, n_idx] < dist[rows, p_idx] + margin)
+    anchors = keep.nonzero().squeeze(1)
+    return anchors, p_idx[anchors], n_idx[anchors]
+
+
+@torch.no_grad()
+def batch_hard_triplets(
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    margin: float | None = None,
+    distance: str = "squared_l2",
+    normalize: bool = True,
+    ref_embeddings: torch.Tensor | None = None,
+    ref_labels: torch.Tensor | None = None,
+) -> Triplets:
+    """Batch-hard mining (Hermans, Beyer, Leibe, "In Defense of the Triplet Loss", 2017).
+
+    For each anchor with a positive and a negative: its farthest positive and nearest
+    negative. With ``margin`` given, only the triplets that violate it
+    (``d(a, p) − d(a, n) + margin > 0``) are returned.
+
+    Args:
+        embeddings: ``[B, D]`` float tensor.
+        labels: ``[B]`` integer labels.
+        margin: optional ``>= 0``: keep only margin-violating triplets.
+        distance: ``"squared_l2"`` | ``"l2"`` | ``"cosine"`` (``1 − cos``).
+        normalize: L2-normalise the embeddings first (default).
+        ref_embeddings, ref_labels: optional reference set (``p``, ``n`` index it).
+
+    Returns:
+        ``(anchor, positive, negative)``: 1-D ``int64`` index tensors of equal length.
+
+    Example:
+        >>> import torch
+        >>> from marginkit.mining import batch_hard_triplets
+        >>> emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+        >>> a, p, n = batch_hard_triplets(emb, torch.tensor([0, 0, 1, 1, 2, 2]))
+        >>> a.tolist()
+        [0, 1, 2, 3, 4, 5]
+    """
+    distance = choice(distance, "distance", DISTANCES)
+    if margin is not None:
+        margin = positive_float(margin, "margin", allow_zero=True)
+    dist, pos, neg = _prepare(embeddings, labels, ref_embeddings, ref_labels, distance, normalize)
+    p_idx, n_idx, keep = _batch_hard_select(dist, pos, neg)
+    if margin is not None:
+        rows = torch.arange(dist.shape[0], device=dist.device)
+        keep = keep & (dist[rows, p_idx] - dist[rows, n_idx] + margin > 0)
+    anchors = keep.nonzero().squeeze(1)
+    return anchors, p_idx[anchors], n_idx[anchors]
