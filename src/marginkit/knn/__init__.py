@@ -6,5 +6,6 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "KNNClassifier": "classifier",
+        "model_fingerprint": "fingerprint",
     },
 )

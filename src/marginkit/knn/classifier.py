@@ -1,0 +1,417 @@
+"""K-nearest-neighbour classifier over learned embeddings, with pluggable index backends."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from marginkit._validation import choice, compute_dtype, positive_float, positive_int
+from marginkit.knn._backends import ExactIndex, FaissFlatIndex, HNSWIndex, Index, import_faiss
+from marginkit.knn._search import check_embeddings, check_labels, check_metric, exact_search, prepare
+from marginkit.knn.fingerprint import model_fingerprint as fingerprint_of
+
+BACKENDS = ("exact", "faiss", "hnsw")
+WEIGHTS = ("uniform", "distance")
+_FORMAT = "marginkit.knn.KNNClassifier"
+_FORMAT_VERSION = 1
+
+
+def vote_proba(
+    values: torch.Tensor, neighbour_labels: torch.Tensor, *, metric: str, weights: str, num_classes: int
+) -> torch.Tensor:
+    r"""Class votes of the ``k`` neighbours, normalised per row (``[N, k] -> [N, C]``).
+
+    .. math::
+        p_c(x) = \frac{\sum_{j \le k} w_j\,[y_j = c]}{\sum_{j \le k} w_j},\qquad
+        w_j = 1 \text{ (uniform)} \quad\text{or}\quad w_j = 1/d_j \text{ (distance)},
+
+    with ``d`` the Euclidean distance (``l2``) or the cosine distance ``1 - cos`` clipped at 0
+    (``cosine``), as scikit-learn's ``KNeighborsClassifier``. A row with a neighbour at
+    distance exactly 0 gives weight 1 to its zero-distance neighbours and 0 to the others.
+    """
+    dtype = compute_dtype(values.dtype)
+    values = values.to(dtype)
+    if weights == "uniform":
+        w = torch.ones_like(values)
+    else:
+        dist = (1 - values).clamp_min(0) if metric == "cosine" else values
+        zero = dist == 0
+        w = torch.where(zero.any(dim=1, keepdim=True), zero.to(dtype), 1 / dist)
+    votes = torch.zeros(values.shape[0], num_classes, dtype=dtype, device=values.device)
+    votes.scatter_add_(1, neighbour_labels, w)
+    return votes / votes.sum(dim=1, keepdim=True)
+
+
+class KNNClassifier:
+    r"""K-NN classification by majority or distance-weighted vote over stored embeddings.
+
+    Non-parametric: new classes and examples arrive with :meth:`add`, without retraining or
+    rebuilding the index. SPEC §6 ("K-NN classification").
+
+    Args:
+        k: number of neighbours that vote.
+        metric: ``"cosine"`` (rows L2-normalised; neighbours by decreasing cosine
+            similarity) or ``"l2"`` (by increasing Euclidean distance).
+        weights: ``"uniform"`` (majority vote) or ``"distance"`` (weights ``1/d``, see
+            :func:`vote_proba`).
+        backend: ``"exact"`` (pure torch, any device, chunked under ``memory_limit_mb``; the
+            default, no extra dependency), ``"faiss"`` (FAISS exact flat index, CPU, float32)
+            or ``"hnsw"`` (FAISS HNSW graph, approximate; measure it with
+            :meth:`recall_at_k`). The FAISS backends need ``pip install 'marginkit[faiss]'``.
+        memory_limit_mb: bound on the temporary memory of one exact search (the score matrix
+            is computed in chunks under it). The FAISS backends use FAISS's own blocking.
+        num_classes: number of classes ``C`` (columns of :meth:`predict_proba`); default
+            ``max(label) + 1`` of the references, growing with :meth:`add`.
+        hnsw_m, hnsw_ef_construction, hnsw_ef_search: HNSW's ``M`` (graph degree),
+            ``efConstruction`` (build beam) and ``efSearch`` (query beam, raised to ``k``
+            when smaller); ``hnsw_ef_search`` can be changed after fitting.
+
+    Tie-breaking (deterministic): neighbours are ordered by similarity (distance), and among
+    equal computed values by increasing reference index, so of several tied candidates for
+    the k-th place the lowest index wins (``exact`` and ``faiss``; ``hnsw`` is approximate and
+    only orders what it returns). A vote tie goes to the smallest class id (as
+    scikit-learn's ``mode``/``weighted_mode``).
+
+    Precision: the ``exact`` backend works in float32 (float64 when fitted on float64
+    embeddings); float16/bfloat16 inputs are upcast. FAISS works in float32.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> ref, lab = torch.randn(100, 8, generator=g), torch.arange(100) % 4
+        >>> clf = KNNClassifier(k=3).fit(ref, lab)
+        >>> clf.predict(ref[:5]).shape, clf.predict_proba(ref[:5]).shape
+        (torch.Size([5]), torch.Size([5, 4]))
+    """
+
+    def __init__(
+        self,
+        k: int = 5,
+        metric: str = "cosine",
+        weights: str = "uniform",
+        backend: str = "exact",
+        *,
+        memory_limit_mb: float = 512.0,
+        num_classes: int | None = None,
+        hnsw_m: int = 32,
+        hnsw_ef_construction: int = 200,
+        hnsw_ef_search: int = 128,
+    ) -> None:
+        self.k = positive_int(k, "k")
+        self.metric = check_metric(metric)
+        self.weights = choice(weights, "weights", WEIGHTS)
+        self.backend = choice(backend, "backend", BACKENDS)
+        self.memory_limit_mb = positive_float(memory_limit_mb, "memory_limit_mb")
+        self.num_classes = None if num_classes is None else positive_int(num_classes, "num_classes")
+        self._fixed_classes = num_classes is not None
+        self.hnsw_m = positive_int(hnsw_m, "hnsw_m", minimum=2)
+        self.hnsw_ef_construction = positive_int(hnsw_ef_construction, "hnsw_ef_construction")
+        self._hnsw_ef_search = positive_int(hnsw_ef_search, "hnsw_ef_search")
+        self.model_fingerprint: str | None = None
+        self._index: Index | None = None
+        self._labels: torch.Tensor | None = None
+        self._dim: int | None = None
+        if self.backend != "exact":
+            import_faiss()  # fail at construction, naming the extra
+
+    # ------------------------------------------------------------------ state
+    @property
+    def memory_limit_bytes(self) -> int:
+        return int(self.memory_limit_mb * 2**20)
+
+    @property
+    def is_fitted(self) -> bool:
+        return self._index is not None
+
+    @property
+    def num_references(self) -> int:
+        return 0 if self._index is None else len(self._index)
+
+    @property
+    def dimension(self) -> int | None:
+        return self._dim
+
+    @property
+    def larger_is_closer(self) -> bool:
+        """True for ``cosine`` (values are similarities), False for ``l2`` (distances)."""
+        return self.metric == "cosine"
+
+    @property
+    def hnsw_ef_search(self) -> int:
+        return self._hnsw_ef_search
+
+    @hnsw_ef_search.setter
+    def hnsw_ef_search(self, value: int) -> None:
+        self._hnsw_ef_search = positive_int(value, "hnsw_ef_search")
+        if isinstance(self._index, HNSWIndex):
+            self._index.ef_search = self._hnsw_ef_search
+
+    @property
+    def reference_labels(self) -> torch.Tensor:
+        return self._require_fitted()[1].clone()
+
+    def reference_embeddings(self) -> torch.Tensor:
+        """A copy of the stored (prepared: working precision, normalised for cosine) references."""
+        return self._require_fitted()[0].vectors().clone()
+
+    def _require_fitted(self) -> tuple[Index, torch.Tensor]:
+        if self._index is None or self._labels is None:
+            raise RuntimeError("this KNNClassifier is not fitted yet: call fit(embeddings, labels) first")
+        return self._index, self._labels
+
+    def _new_index(self, dim: int, dtype: torch.dtype, device: torch.device) -> Index:
+        if self.backend == "exact":
+            return ExactIndex(self.metric, dim, dtype, device, self.memory_limit_bytes)
+        if self.backend == "faiss":
+            return FaissFlatIndex(self.metric, dim, self.memory_limit_bytes)
+        return HNSWIndex(self.metric, dim, self.hnsw_m, self.hnsw_ef_construction, self._hnsw_ef_search)
+
+    def _check_new(self, embeddings: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        check_embeddings(embeddings, "embeddings")
+        check_labels(labels, "labels", embeddings.shape[0], "embeddings")
+        if self._dim is not None and embeddings.shape[1] != self._dim:
+            raise ValueError(
+                f"embeddings have dimension {embeddings.shape[1]}, but the index holds "
+                f"{self._dim}-dimensional embeddings"
+            )
+        if int(labels.min()) < 0:
+            raise ValueError(f"labels must be class ids >= 0, got minimum {int(labels.min())}")
+        if self._fixed_classes and int(labels.max()) >= self.num_classes:  # type: ignore[operator]
+            raise ValueError(
+                f"labels must lie in [0, num_classes={self.num_classes}), got maximum {int(labels.max())}"
+            )
+        return embeddings, labels.to(torch.long)
+
+    def _prepare_refs(self, embeddings: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(embeddings.dtype) if self.backend == "exact" else torch.float32
+        return prepare(embeddings.detach(), self.metric, "embeddings", dtype)
+
+    # ------------------------------------------------------------------ fitting
+    def fit(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        model_fingerprint: str | nn.Module | None = None,
+    ) -> KNNClassifier:
+        """Store the reference set ``embeddings`` ``[N, D]`` with class ids ``labels`` ``[N]``.
+
+        ``model_fingerprint`` (a string from :func:`~marginkit.knn.model_fingerprint`, or the
+        embedding ``nn.Module`` itself) is recorded and saved with the index so that
+        :meth:`load` can refuse an index built by another model. Refitting replaces
+        everything.
+        """
+        self._dim = None
+        embeddings, labels = self._check_new(embeddings, labels)
+        if self.k > embeddings.shape[0]:
+            raise ValueError(f"k={self.k} exceeds the number of references ({embeddings.shape[0]})")
+        prepared = self._prepare_refs(embeddings)
+        index = self._new_index(prepared.shape[1], prepared.dtype, prepared.device)
+        index.add(prepared)
+        self._index, self._dim = index, prepared.shape[1]
+        self._labels = labels.to(prepared.device if self.backend == "exact" else "cpu")
+        if not self._fixed_classes:
+            self.num_classes = int(labels.max()) + 1
+        if isinstance(model_fingerprint, nn.Module):
+            model_fingerprint = fingerprint_of(model_fingerprint)
+        if model_fingerprint is not None and not isinstance(model_fingerprint, str):
+            raise TypeError(
+                f"model_fingerprint must be a str or an nn.Module, got {type(model_fingerprint).__name__}"
+            )
+        self.model_fingerprint = model_fingerprint
+        return self
+
+    def add(self, embeddings: torch.Tensor, labels: torch.Tensor) -> KNNClassifier:
+        """Append references (and possibly new classes) without rebuilding the index."""
+        index, old = self._require_fitted()
+        embeddings, labels = self._check_new(embeddings, labels)
+        index.add(self._prepare_refs(embeddings))
+        self._labels = torch.cat([old, labels.to(old.device)])
+        if not self._fixed_classes:
+            self.num_classes = max(int(self.num_classes or 0), int(labels.max()) + 1)
+        return self
+
+    # ------------------------------------------------------------------ queries
+    def _check_queries(self, x: Any, k: int | None) -> tuple[torch.Tensor, int]:
+        index, _ = self._require_fitted()
+        check_embeddings(x, "x")
+        if x.shape[1] != self._dim:
+            raise ValueError(
+                f"x has dimension {x.shape[1]}, but the index holds {self._dim}-dimensional embeddings"
+            )
+        k = self.k if k is None else positive_int(k, "k")
+        if k > len(index):
+            raise ValueError(f"k={k} exceeds the number of references ({len(index)})")
+        return x, k
+
+    def kneighbors(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` nearest references of each row of ``x`` ``[Q, D]``.
+
+        Returns ``(values, indices)``, both ``[Q, k]`` on ``x``'s device: cosine similarities
+        in decreasing order (``metric="cosine"``) or Euclidean distances in increasing order
+        (``"l2"``), and reference indices; equal values are ordered by increasing index.
+        """
+        x, k = self._check_queries(x, k)
+        values, indices = self._require_fitted()[0].search(x.detach(), k)
+        return values.to(x.device), indices.to(x.device)
+
+    def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
+        """Vote shares ``[Q, C]`` (rows sum to 1), see :func:`vote_proba`."""
+        x, k = self._check_queries(x, None)
+        index, labels = self._require_fitted()
+        values, indices = index.search(x.detach(), k)
+        proba = vote_proba(
+            values,
+            labels[indices.to(labels.device)].to(values.device),
+            metric=self.metric,
+            weights=self.weights,
+            num_classes=int(self.num_classes),  # type: ignore[arg-type]
+        )
+        return proba.to(x.device)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Predicted class ids ``[Q]`` (int64): the largest vote, ties to the smallest class id."""
+        return self.predict_proba(x).argmax(dim=1)
+
+    def score(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Accuracy of :meth:`predict` on ``(x, y)``."""
+        check_embeddings(x, "x")
+        check_labels(y, "y", x.shape[0], "x")
+        return float((self.predict(x) == y.to(x.device)).to(torch.float64).mean())
+
+    def recall_at_k(self, x: torch.Tensor, k: int | None = None) -> float:
+        r"""Recall@k of this backend's neighbours against exact search (for ``hnsw``).
+
+        .. math:: \text{recall@}k = \frac{1}{Q} \sum_q \frac{|A_k(q) \cap E_k(q)|}{k},
+
+        ``A_k`` the backend's neighbour indices, ``E_k`` the exact ones (torch search over the
+        same stored vectors, ties to the lower index). 1.0 for ``exact`` and, up to ties,
+        ``faiss``; index-set recall counts a swapped tie as a miss.
+        """
+        x, k = self._check_queries(x, k)
+        index, _ = self._require_fitted()
+        _, approx = index.search(x.detach(), k)
+        refs = index.vectors()
+        _, exact = exact_search(
+            x.detach().to(refs.device),
+            refs,
+            k,
+            metric=self.metric,
+            memory_limit_bytes=self.memory_limit_bytes,
+        )
+        approx = approx.to(exact.device)
+        hits = 0
+        rows = max(1, (1 << 24) // (k * k))  # bound the [rows, k, k] comparison
+        for s in range(0, approx.shape[0], rows):
+            a, e = approx[s : s + rows], exact[s : s + rows]
+            hits += int((a[:, :, None] == e[:, None, :]).any(dim=2).sum())
+        return hits / (approx.shape[0] * k)
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the index to ``path`` as one ``.npz`` file, no pickle.
+
+        Arrays: ``labels`` and ``embeddings`` (prepared references; for ``hnsw`` the FAISS
+        serialisation ``faiss_index`` instead, so the graph is kept), plus ``metadata``, a
+        JSON string: format version, hyper-parameters, dimension, metric, normalisation,
+        number of references and the model fingerprint.
+        """
+        index, labels = self._require_fitted()
+        meta = {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "k": self.k,
+            "metric": self.metric,
+            "normalization": "l2" if self.metric == "cosine" else "none",
+            "weights": self.weights,
+            "backend": self.backend,
+            "memory_limit_mb": self.memory_limit_mb,
+            "num_classes": self.num_classes,
+            "fixed_num_classes": self._fixed_classes,
+            "hnsw": {
+                "m": self.hnsw_m,
+                "ef_construction": self.hnsw_ef_construction,
+                "ef_search": self._hnsw_ef_search,
+            },
+            "dimension": self._dim,
+            "dtype": str(index.dtype).removeprefix("torch."),
+            "num_references": len(index),
+            "model_fingerprint": self.model_fingerprint,
+        }
+        arrays = {"labels": labels.cpu().numpy(), **index.state(), "metadata": np.array(json.dumps(meta))}
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        expected_fingerprint: str | nn.Module | None = None,
+        device: str | torch.device | None = None,
+    ) -> KNNClassifier:
+        """Read an index written by :meth:`save` (``numpy.load(..., allow_pickle=False)``).
+
+        With ``expected_fingerprint`` (a string or the embedding model itself) loading fails
+        unless the index was saved with the same model fingerprint: embeddings from another
+        model version live in another space, and mixing them silently degrades accuracy.
+        ``device`` places an ``exact`` index (default CPU).
+        """
+        with np.load(path, allow_pickle=False) as z:
+            if "metadata" not in z.files or "labels" not in z.files:
+                raise ValueError(f"{os.fspath(path)!r} is not a saved KNNClassifier (no metadata/labels)")
+            meta = json.loads(str(z["metadata"]))
+            arrays = {name: z[name] for name in z.files if name != "metadata"}
+        if meta.get("format") != _FORMAT or meta.get("version") != _FORMAT_VERSION:
+            raise ValueError(
+                f"{os.fspath(path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
+                f"expected {_FORMAT!r} version {_FORMAT_VERSION}"
+            )
+        if isinstance(expected_fingerprint, nn.Module):
+            expected_fingerprint = fingerprint_of(expected_fingerprint)
+        stored = meta["model_fingerprint"]
+        if expected_fingerprint is not None and stored != expected_fingerprint:
+            raise ValueError(
+                "model fingerprint mismatch: the index was built from embeddings of model "
+                f"{stored!r}, but expected_fingerprint is {expected_fingerprint!r}; re-embed the "
+                "references with the current model and fit a new index"
+            )
+        hnsw = meta["hnsw"]
+        clf = cls(
+            k=meta["k"],
+            metric=meta["metric"],
+            weights=meta["weights"],
+            backend=meta["backend"],
+            memory_limit_mb=meta["memory_limit_mb"],
+            num_classes=meta["num_classes"] if meta["fixed_num_classes"] else None,
+            hnsw_m=hnsw["m"],
+            hnsw_ef_construction=hnsw["ef_construction"],
+            hnsw_ef_search=hnsw["ef_search"],
+        )
+        dim, n = int(meta["dimension"]), int(meta["num_references"])
+        labels = torch.from_numpy(arrays["labels"]).to(torch.long)
+        if clf.backend == "hnsw":
+            faiss = import_faiss()
+            raw = faiss.deserialize_index(arrays["faiss_index"])
+            index: Index = HNSWIndex(
+                clf.metric, dim, clf.hnsw_m, clf.hnsw_ef_construction, hnsw["ef_search"], raw
+            )
+        else:
+            vectors = torch.from_numpy(arrays["embeddings"])
+            dtype = getattr(torch, meta["dtype"])
+            index = clf._new_index(dim, dtype, torch.device(device or "cpu"))
+            index.add(vectors)
+        if len(index) != n or labels.shape != (n,) or index.vectors().shape[1] != dim:
+            raise ValueError(
+                f"{os.fspath(path)!r} is inconsistent: metadata says {n} references of dimension {dim}, "
+                f"arrays hold {len(index)} vectors and {labels.shape[0]} labels"
+            )
+        clf._index, clf._dim, clf.num_classes = index, dim, meta["num_classes"]
+        clf._labels = labels.to(device or "cpu") if clf.backend == "exact" else labels
+        clf.model_fingerprint = stored
+        return clf

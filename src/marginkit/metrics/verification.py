@@ -1,0 +1,314 @@
+"""Verification metrics (TAR@FAR, EER, AUC, minDCF) and blockwise genuine/impostor pair scores."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from marginkit._validation import compute_dtype, float_tensor, positive_float, positive_int
+from marginkit.knn._search import check_embeddings, check_labels, prepare
+
+DEFAULT_FARS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
+
+
+def _check_pairs(scores: object, is_genuine: object) -> tuple[torch.Tensor, torch.Tensor]:
+    float_tensor(scores, "scores")
+    assert isinstance(scores, torch.Tensor)
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be a 1-D tensor of pair scores, got shape {tuple(scores.shape)}")
+    if not isinstance(is_genuine, torch.Tensor):
+        raise TypeError(f"is_genuine must be a torch.Tensor of bools, got {type(is_genuine).__name__}")
+    if is_genuine.dtype != torch.bool:
+        if torch.is_floating_point(is_genuine) or torch.is_complex(is_genuine):
+            raise TypeError(
+                f"is_genuine must be a bool (or 0/1 integer) tensor, got dtype {is_genuine.dtype}"
+            )
+        if bool(((is_genuine != 0) & (is_genuine != 1)).any()):
+            raise ValueError("is_genuine must contain only 0/1 (or bool) values")
+        is_genuine = is_genuine.to(torch.bool)
+    if is_genuine.shape != scores.shape:
+        raise ValueError(
+            f"is_genuine must have one entry per score: got scores of shape {tuple(scores.shape)} "
+            f"and is_genuine of shape {tuple(is_genuine.shape)}"
+        )
+    n_gen = int(is_genuine.sum())
+    if n_gen == 0:
+        raise ValueError("is_genuine has no genuine pair (no True): TAR, EER and AUC are undefined")
+    if n_gen == is_genuine.numel():
+        raise ValueError("is_genuine has no impostor pair (all True): FAR, EER and AUC are undefined")
+    return scores, is_genuine
+
+
+def _auc(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
+    """Mann-Whitney AUC: P(genuine > impostor) + P(equal)/2, from mid-ranks."""
+    values, order = torch.sort(scores)
+    _, inverse, counts = torch.unique_consecutive(values, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).to(torch.float64)
+    mid_rank = ends - (counts.to(torch.float64) - 1) / 2  # 1-based average rank of each tie group
+    genuine_sorted = is_genuine[order]
+    n_gen = int(is_genuine.sum())
+    n_imp = is_genuine.numel() - n_gen
+    rank_sum = mid_rank[inverse][genuine_sorted].sum()
+    return float((rank_sum - n_gen * (n_gen + 1) / 2) / (n_gen * n_imp))
+
+
+def verification_metrics(
+    scores: torch.Tensor,
+    is_genuine: torch.Tensor,
+    fars: Sequence[float] = DEFAULT_FARS,
+    *,
+    p_target: float = 0.01,
+    c_miss: float = 1.0,
+    c_fa: float = 1.0,
+) -> dict[str, object]:
+    r"""TAR at fixed FARs (with thresholds), EER, ROC AUC and minDCF of pair scores.
+
+    Decision rule: a pair is *accepted iff score > t* (strictly). For ``n`` impostor scores,
+
+    .. math::
+        \text{FAR}(t) = \tfrac{1}{n}\#\{\text{impostor} > t\},\qquad
+        \text{TAR}(t) = \tfrac{1}{n_g}\#\{\text{genuine} > t\}.
+
+    TAR@FAR (exact order statistics, ties counted honestly): with ``m = floor(FAR n)`` false
+    accepts allowed, ``t`` is the (m+1)-th largest impostor score, the smallest threshold with
+    ``FAR(t) <= FAR`` (impostors tied with it are rejected with it, so the realised FAR may be
+    below the target). A target ``FAR < 1/n`` cannot be measured with ``n`` impostor pairs:
+    its TAR and threshold are ``None``, not a number.
+
+    EER: the ROC polyline through the operating points ``(FAR(t), FRR(t))``, ``t`` over
+    ``-inf`` and every distinct score, is intersected with ``FAR = FRR`` by linear
+    interpolation. AUC: the Mann-Whitney statistic ``P(g > i) + P(g = i)/2`` (equal to the
+    trapezoidal ROC area). minDCF (NIST SRE): the minimum over ``t`` of
+    ``c_miss p_target FRR(t) + c_fa (1 - p_target) FAR(t)``, divided by the cost of the
+    best trivial system ``min(c_miss p_target, c_fa (1 - p_target))``.
+
+    Args:
+        scores: ``[P]`` pair scores, larger meaning more likely genuine (e.g. cosines).
+        is_genuine: ``[P]`` bool (or 0/1) tensor; both kinds of pair must be present.
+        fars: target false-accept rates in ``(0, 1)``.
+        p_target, c_miss, c_fa: detection-cost parameters (stated in the output).
+
+    Returns:
+        ``{"tar_at_far": {far: float | None}, "thresholds": {far: float | None}, "eer",
+        "auc", "min_dcf", "min_dcf_threshold": float, "dcf_params": {...},
+        "num_genuine", "num_impostor": int, "decision": "accept iff score > threshold"}``.
+
+    Example:
+        >>> import torch
+        >>> s = torch.tensor([0.9, 0.8, 0.7, 0.3, 0.2, 0.85])
+        >>> g = torch.tensor([True, True, True, False, False, False])
+        >>> m = verification_metrics(s, g, fars=(0.5, 0.1))
+        >>> m["tar_at_far"], m["thresholds"][0.5]
+        ({0.5: 1.0, 0.1: None}, 0.30000001192092896)
+    """
+    scores, is_genuine = _check_pairs(scores, is_genuine)
+    fars = tuple(float(f) for f in fars)
+    for far in fars:
+        if not 0 < far < 1:
+            raise ValueError(f"fars must lie in (0, 1), got {far}")
+    p_target = positive_float(p_target, "p_target")
+    if p_target >= 1:
+        raise ValueError(f"p_target must lie in (0, 1), got {p_target}")
+    c_miss, c_fa = positive_float(c_miss, "c_miss"), positive_float(c_fa, "c_fa")
+
+    scores = scores.detach().to(torch.float64)
+    genuine = torch.sort(scores[is_genuine]).values
+    impostor = torch.sort(scores[~is_genuine]).values
+    n_g, n_i = genuine.numel(), impostor.numel()
+
+    def tar_above(t: torch.Tensor) -> torch.Tensor:
+        return (n_g - torch.searchsorted(genuine, t, right=True)).to(torch.float64) / n_g
+
+    tar_at_far: dict[float, float | None] = {}
+    thresholds: dict[float, float | None] = {}
+    for far in fars:
+        m = math.floor(far * n_i)
+        if (m + 1) <= far * n_i * (1 + 1e-12):  # far * n_i an integer up to rounding
+            m += 1
+        if m < 1:
+            tar_at_far[far] = thresholds[far] = None
+            continue
+        t = impostor[n_i - 1 - m] if m < n_i else torch.tensor(-math.inf, dtype=torch.float64)
+        thresholds[far] = float(t)
+        tar_at_far[far] = float(tar_above(t.reshape(1))[0])
+
+    # Operating points, threshold ascending: -inf (accept all), then every distinct score.
+    ts = torch.cat([torch.tensor([-math.inf], dtype=torch.float64), torch.unique(scores)])
+    far_t = (n_i - torch.searchsorted(impostor, ts, right=True)).to(torch.float64) / n_i
+    frr_t = 1 - tar_above(ts)
+    d = far_t - frr_t  # non-increasing, from 1 (t = -inf) to -1 (t = max score)
+    j = int(torch.nonzero(d <= 0)[0, 0])
+    if d[j] == 0:
+        eer = float(far_t[j])
+    else:
+        a = d[j - 1] / (d[j - 1] - d[j])
+        eer = float(far_t[j - 1] + a * (far_t[j] - far_t[j - 1]))
+
+    dcf = c_miss * p_target * frr_t + c_fa * (1 - p_target) * far_t
+    best = int(torch.argmin(dcf))
+    norm = min(c_miss * p_target, c_fa * (1 - p_target))
+    return {
+        "tar_at_far": tar_at_far,
+        "thresholds": thresholds,
+        "eer": eer,
+        "auc": _auc(scores, is_genuine),
+        "min_dcf": float(dcf[best]) / norm,
+        "min_dcf_threshold": float(ts[best]),
+        "dcf_params": {"p_target": p_target, "c_miss": c_miss, "c_fa": c_fa, "normalized": True},
+        "num_genuine": n_g,
+        "num_impostor": n_i,
+        "decision": "accept iff score > threshold",
+    }
+
+
+def pair_scores(
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
+    max_impostors: int | None = None,
+    seed: int = 0,
+    *,
+    memory_limit_mb: float = 256.0,
+    return_pairs: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    r"""Cosine scores of all genuine pairs and all (or a seeded sample of) impostor pairs.
+
+    Pairs are unordered, ``i < j``; genuine iff ``labels[i] == labels[j]``. The N x N
+    similarity matrix is never held: genuine pairs come from row blocks against their own
+    class only (rows sorted by label, so a block's partners are one contiguous range), and
+    all impostor pairs from row blocks against the later rows, each block's score matrix
+    under ``memory_limit_mb``. With ``max_impostors`` smaller than the number of impostor
+    pairs, a uniform sample without replacement of that many impostor pairs is drawn with a
+    ``torch.Generator`` seeded by ``seed`` (same inputs and seed, same pairs): by rejection
+    from uniform random pairs when the sample is under half of the impostor pairs, else as a
+    subset of all of them.
+
+    Args:
+        embeddings: ``[N, D]``, ``N >= 2``; rows are L2-normalised (zero rows are an error).
+        labels: ``[N]`` integer identities.
+        max_impostors: cap on the number of impostor pairs (``None``: all of them).
+        seed: seed of the impostor sample.
+        memory_limit_mb: budget of one block's score matrix.
+        return_pairs: also return the ``[P, 2]`` (i, j) indices of the pairs.
+
+    Returns:
+        ``(scores, is_genuine)`` (``[P]`` float32, or float64 for float64 input, and bool),
+        genuine pairs first, each group in increasing ``(i, j)`` order; plus ``pairs`` with
+        ``return_pairs=True``.
+
+    Example:
+        >>> import torch
+        >>> e = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+        >>> s, g = pair_scores(e, torch.tensor([0, 0, 1]))
+        >>> s.tolist(), g.tolist()
+        ([1.0, 0.0, 0.0], [True, False, False])
+    """
+    check_embeddings(embeddings, "embeddings")
+    check_labels(labels, "labels", embeddings.shape[0], "embeddings")
+    n = embeddings.shape[0]
+    if n < 2:
+        raise ValueError(f"embeddings must have at least 2 rows to form a pair, got {n}")
+    if max_impostors is not None:
+        max_impostors = positive_int(max_impostors, "max_impostors")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    budget = max(1, int(positive_float(memory_limit_mb, "memory_limit_mb") * 2**20) // 32)  # cells
+    e = prepare(embeddings.detach(), "cosine", "embeddings", compute_dtype(embeddings.dtype))
+    device = e.device
+    labels = labels.to(device)
+
+    # Genuine pairs: rows sorted by label; a row's partners are the later rows of its class.
+    sorted_labels, order = torch.sort(labels, stable=True)
+    _, counts = torch.unique_consecutive(sorted_labels, return_counts=True)
+    class_end = torch.repeat_interleave(counts.cumsum(0), counts).tolist()
+    es = e[order]
+    gen_scores, gen_i, gen_j = [], [], []
+    s = 0
+    while s < n:
+        # Grow the block while (rows x width) fits; width = end of the last row's class - s.
+        lo, hi = s + 1, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if (mid - s) * (class_end[mid - 1] - s) <= budget else (lo, mid - 1)
+        stop = lo
+        width = class_end[stop - 1] - s
+        block = es[s:stop] @ es[s : s + width].T
+        rows = torch.arange(s, stop, device=device)[:, None]
+        cols = torch.arange(s, s + width, device=device)[None, :]
+        ends = torch.tensor(class_end[s:stop], device=device)[:, None]
+        mask = (cols > rows) & (cols < ends)
+        r, c = mask.nonzero(as_tuple=True)
+        gen_scores.append(block[r, c])
+        a, b = order[r + s], order[c + s]
+        gen_i.append(torch.minimum(a, b))
+        gen_j.append(torch.maximum(a, b))
+        s = stop
+    g_scores, g_i, g_j = torch.cat(gen_scores), torch.cat(gen_i), torch.cat(gen_j)
+    perm = torch.argsort(g_i * n + g_j)
+    g_scores, g_i, g_j = g_scores[perm], g_i[perm], g_j[perm]
+
+    num_genuine = g_scores.numel()
+    total_impostors = n * (n - 1) // 2 - num_genuine
+    if max_impostors is None or 2 * max_impostors >= total_impostors:
+        # All impostor pairs (then, for a large sample, a seeded subset of them).
+        imp_scores, imp_i, imp_j = [], [], []
+        rows_per_block = max(1, budget // n)
+        for s in range(0, n, rows_per_block):
+            block = e[s : s + rows_per_block] @ e[s:].T
+            rows = torch.arange(s, s + block.shape[0], device=device)[:, None]
+            cols = torch.arange(s, n, device=device)[None, :]
+            mask = (cols > rows) & (labels[s : s + block.shape[0], None] != labels[None, s:])
+            r, c = mask.nonzero(as_tuple=True)
+            imp_scores.append(block[r, c])
+            imp_i.append(r + s)
+            imp_j.append(c + s)
+        i_scores, i_i, i_j = torch.cat(imp_scores), torch.cat(imp_i), torch.cat(imp_j)
+        if max_impostors is not None and max_impostors < total_impostors:
+            gen = torch.Generator().manual_seed(seed)
+            keep = torch.randperm(total_impostors, generator=gen)[:max_impostors]
+            keep = torch.sort(keep).values.to(device)
+            i_scores, i_i, i_j = i_scores[keep], i_i[keep], i_j[keep]
+    else:
+        codes = _sample_impostor_codes(labels, max_impostors, total_impostors, seed).to(device)
+        i_i, i_j = codes // n, codes % n
+        chunk = max(1, budget // e.shape[1])
+        i_scores = torch.cat(
+            [
+                (e[i_i[s : s + chunk]] * e[i_j[s : s + chunk]]).sum(dim=1)
+                for s in range(0, codes.numel(), chunk)
+            ]
+        )
+    scores = torch.cat([g_scores, i_scores])
+    is_genuine = torch.arange(scores.numel(), device=device) < num_genuine
+    if return_pairs:
+        pairs = torch.stack([torch.cat([g_i, i_i]), torch.cat([g_j, i_j])], dim=1)
+        return scores, is_genuine, pairs
+    return scores, is_genuine
+
+
+def _sample_impostor_codes(labels: torch.Tensor, count: int, total: int, seed: int) -> torch.Tensor:
+    """``count`` distinct impostor pairs ``i < j``, uniform, encoded ``i * n + j`` (sorted).
+
+    Draws uniform ordered pairs ``i != j`` (batches, a seeded CPU generator), keeps the
+    impostors, de-duplicates, and repeats until ``count`` distinct ones are found; a seeded
+    uniform subset of exactly ``count`` is then returned. Every distinct set is equally likely
+    because the draws are exchangeable.
+    """
+    n = labels.shape[0]
+    lab = labels.cpu()
+    gen = torch.Generator().manual_seed(seed)
+    found = torch.empty(0, dtype=torch.long)
+    impostor_share = total / (n * (n - 1) / 2)
+    while found.numel() < count:
+        missing = count - found.numel()
+        draws = int(min(1 << 24, math.ceil(missing / impostor_share * 1.25) + 64))
+        i = torch.randint(0, n, (draws,), generator=gen)
+        j = torch.randint(0, n - 1, (draws,), generator=gen)
+        j = j + (j >= i)
+        a, b = torch.minimum(i, j), torch.maximum(i, j)
+        keep = lab[a] != lab[b]
+        found = torch.unique(torch.cat([found, a[keep] * n + b[keep]]))
+    if found.numel() > count:
+        found = torch.sort(found[torch.randperm(found.numel(), generator=gen)[:count]]).values
+    return found
