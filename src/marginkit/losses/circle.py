@@ -55,7 +55,7 @@ class CircleLoss(nn.Module):
         ``ref_labels [R]``: queries against another set (a memory bank, another modality).
         Self-pairs are excluded only when the references are the batch itself
         (``ref_embeddings`` omitted or the same tensor object). Output: scalar or ``[B]``,
-        in the embeddings' dtype (computed in float32 or better).
+        float32 (float64 for float64 embeddings) whatever the input precision.
 
     Example:
         >>> import torch
@@ -101,7 +101,7 @@ class CircleLoss(nn.Module):
         loss, counts = _circle_loss(sim, sim, margin, gamma, pos, neg)
         counts_f = counts.to(loss.dtype)
         self.last_active_fraction = counts_f.mean().detach()
-        return reduce(loss, self.reduction, counts_f).to(batch.out_dtype)
+        return reduce(loss, self.reduction, counts_f)
 
 
 class ClassCircleLoss(nn.Module):
@@ -123,7 +123,7 @@ class ClassCircleLoss(nn.Module):
 
     Shape:
         cosines ``[B, C]`` in ``[-1, 1]`` (e.g. a ``CosineHead``'s output), labels ``[B]`` in
-        ``[0, C)``. Output: scalar or ``[B]``, in the cosines' dtype.
+        ``[0, C)``. Output: scalar or ``[B]``, float32 (float64 for float64 cosines).
 
     Example:
         >>> import torch
@@ -157,4 +157,4 @@ class ClassCircleLoss(nn.Module):
         z = self.logits(cosines, labels)
         # the class-dimension reduction, a separate step (a sharded log-sum-exp can replace it)
         loss = F.cross_entropy(z, labels.long(), reduction="none")
-        return reduce(loss, self.reduction).to(cosines.dtype)
+        return reduce(loss, self.reduction)

@@ -129,7 +129,6 @@ class _TripletBase(nn.Module):
         counts: torch.Tensor,
         active: torch.Tensor,
         valid: torch.Tensor,
-        out_dtype: Any,
     ) -> torch.Tensor:
         """Reduce per-anchor (or per-triplet) sums; ``counts`` are the units in the mean."""
         self.last_counts = counts.detach()
@@ -140,7 +139,7 @@ class _TripletBase(nn.Module):
             out = per_unit.sum()
         else:
             out = per_unit.sum() / counts.sum().clamp_min(1).to(per_unit.dtype)
-        return out.to(out_dtype)
+        return out
 
     def _indices_forward(self, batch: PairBatch, indices: Any, margin: float, average: str) -> torch.Tensor:
         x, y = self._embed(batch)
@@ -170,7 +169,7 @@ class _TripletBase(nn.Module):
         active = loss.detach() > 0
         valid = torch.ones_like(active)
         counts = active if average == "active" else valid
-        return self._finish(loss, counts.to(loss.dtype), active, valid, batch.out_dtype)
+        return self._finish(loss, counts.to(loss.dtype), active, valid)
 
     def _matrix_checks(
         self,
@@ -295,7 +294,7 @@ class LocalMarginTripletLoss(_TripletBase):
         d_neg = dist.gather(1, n_idx[:, None]).squeeze(1)
         loss = torch.where(valid, F.relu(bound - d_neg + margin), 0.0)
         active = valid & (loss.detach() > 0)
-        return self._finish(loss, valid.to(loss.dtype), active, valid, batch.out_dtype)
+        return self._finish(loss, valid.to(loss.dtype), active, valid)
 
 
 class TripletMarginLoss(_TripletBase):
@@ -402,14 +401,14 @@ class TripletMarginLoss(_TripletBase):
             loss = torch.where(valid, F.relu(d_ap - d_an + margin), 0.0)
             active = valid & (loss.detach() > 0)
             counts = active if average == "active" else valid
-            return self._finish(loss, counts.to(loss.dtype), active, valid, batch.out_dtype)
+            return self._finish(loss, counts.to(loss.dtype), active, valid)
         if mining == "semi_hard":
             self._matrix_checks(batch, x, y, dist, pos)
             n_idx, valid = _semi_hard_select(dist, pos, neg)
             loss = torch.where(valid, F.relu(dist - dist.gather(1, n_idx) + margin), 0.0)
             active = valid & (loss.detach() > 0)
             counts = (active if average == "active" else valid).sum(1)
-            return self._finish(loss.sum(1), counts.to(loss.dtype), active, valid, batch.out_dtype)
+            return self._finish(loss.sum(1), counts.to(loss.dtype), active, valid)
         # batch_all
         npos = pos.sum(1)
         (max_pos,) = self._matrix_checks(batch, x, y, dist, pos, npos.max())
@@ -426,4 +425,4 @@ class TripletMarginLoss(_TripletBase):
             block = max(1, BLOCK_ELEMENTS // (max_pos * dist.shape[1]))
             sums, active = _BatchAllTriplets.apply(dist, pos_idx, pos_valid, neg, margin, block)
         counts = active if average == "active" else n_valid
-        return self._finish(sums, counts.to(sums.dtype), active, n_valid, batch.out_dtype)
+        return self._finish(sums, counts.to(sums.dtype), active, n_valid)

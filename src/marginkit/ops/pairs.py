@@ -103,7 +103,6 @@ class PairBatch(NamedTuple):
     labels: torch.Tensor | None  # [B]
     ref_labels: torch.Tensor | None  # [R]
     self_ref: bool  # references are the batch itself: exclude i == j pairs
-    out_dtype: torch.dtype  # dtype of the returned loss (the input dtype)
 
 
 def _embedding_tensor(x: Any, name: str) -> torch.Tensor:
@@ -163,11 +162,10 @@ def prepare_pairs(
             ref_lab = label_tensor(ref_labels, "ref_labels", shape=(y.shape[0],))
             if self_ref and labels is not None and ref_lab is not labels and not torch.equal(ref_lab, labels):
                 raise ValueError("ref_embeddings is embeddings but ref_labels differs from labels")
-    out_dtype = torch.promote_types(x.dtype, y.dtype)
-    work = compute_dtype(out_dtype)
+    work = compute_dtype(torch.promote_types(x.dtype, y.dtype))
     x_work = x.to(work)
     y_work = x_work if y is x else y.to(work)
-    return PairBatch(x_work, y_work, labels, ref_lab, self_ref, out_dtype)
+    return PairBatch(x_work, y_work, labels, ref_lab, self_ref)
 
 
 def label_masks(
@@ -262,7 +260,7 @@ def check_indices(
     a, p, n = out
     if not (a.shape == p.shape == n.shape):
         raise ValueError(
-            f"indices must have equal lengths, got {a.shape[0]}, {p.shape[0]}, {n.shape[0]} (anchor, pos, neg)"
+            f"indices must have equal lengths, got {a.shape[0]}, {p.shape[0]}, {n.shape[0]} (a, p, n)"
         )
     bad = torch.zeros((), dtype=torch.bool, device=device)
     if a.numel():
