@@ -187,15 +187,17 @@ def _is_number(value: Any) -> bool:
 
 
 def _numeric_attributes(target: object) -> list[str]:
+    """Public attributes that could be scheduled: numbers, not parameters, not read-only."""
     names = []
     for name in dir(target):
-        if name.startswith("_"):
+        descriptor = getattr(type(target), name, None)
+        if name.startswith("_") or (isinstance(descriptor, property) and descriptor.fset is None):
             continue
         try:
             value = getattr(target, name)
         except Exception:  # a property that fails is simply not listed
             continue
-        if _is_number(value):
+        if _is_number(value) and not isinstance(value, torch.nn.Parameter):
             names.append(name)
     return names
 
