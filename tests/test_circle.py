@@ -332,3 +332,21 @@ def test_circle_bad_input_errors(gen):
         ClassCircleLoss()(torch.full((2, 3), 2.0), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
         ClassCircleLoss()(torch.zeros(2, 3), torch.tensor([0, 3]))
+
+
+def test_circle_against_an_empty_then_filled_memory_bank(gen):
+    from marginkit.mining import MemoryBank
+
+    bank = MemoryBank(size=16, dim=6)
+    emb, labels = _batch(gen, n=8, classes=3, dtype=torch.float32)
+    x = emb.clone().requires_grad_(True)
+    value = CircleLoss(gamma=32.0)(x, labels, *bank.get())
+    value.backward()
+    assert value.item() == 0 and x.grad.abs().sum() == 0
+    assert CircleLoss(gamma=32.0, reduction="none")(emb, labels, *bank.get()).shape == (8,)
+    past, past_labels = _batch(gen, n=10, classes=3, dtype=torch.float32)
+    bank.update(past, past_labels)
+    torch.testing.assert_close(
+        CircleLoss(gamma=32.0)(emb, labels, *bank.get()),
+        CircleLoss(gamma=32.0)(emb, labels, past, past_labels),
+    )

@@ -155,3 +155,12 @@ def test_miner_bad_input(gen):
         batch_hard_triplets(emb, labels, distance="manhattan")
     with pytest.raises(ValueError, match="ref_embeddings was given without ref_labels"):
         local_triplets(emb, labels, 1, 0.1, ref_embeddings=emb.clone())
+
+
+def test_miners_with_an_empty_reference_set(gen):
+    emb, labels = _batch(gen, n=6)
+    for idx in (
+        local_triplets(emb, labels, 2, 0.1, ref_embeddings=emb[:0], ref_labels=labels[:0]),
+        batch_hard_triplets(emb, labels, ref_embeddings=emb[:0], ref_labels=labels[:0]),
+    ):
+        assert _as_list(idx) == []

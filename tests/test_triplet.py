@@ -505,3 +505,29 @@ def test_last_active_fraction_is_a_tensor_without_sync(gen):
     loss = TripletMarginLoss(0.0, "batch_hard")
     loss(F.normalize(emb, dim=1), labels)
     assert 0.0 <= loss.last_active_fraction.item() <= 1.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LocalMarginTripletLoss(k=2),
+        lambda: TripletMarginLoss(mining="batch_all"),
+        lambda: TripletMarginLoss(mining="semi_hard"),
+        lambda: TripletMarginLoss(mining="batch_hard", distance="l2"),
+    ],
+)
+def test_against_a_memory_bank(gen, make):
+    from marginkit.mining import MemoryBank
+
+    bank = MemoryBank(size=40, dim=5)
+    emb, labels = _batch(gen, n=12, classes=3, dtype=torch.float32)
+    x = emb.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an empty bank is not a "no positive pair" batch
+        first = make()(x, labels, *bank.get())
+    first.backward()
+    assert first.item() == 0 and x.grad.abs().sum() == 0
+    past, past_labels = _batch(gen, n=30, classes=3, dtype=torch.float32)
+    bank.update(past, past_labels)
+    ref, ref_labels = bank.get()
+    torch.testing.assert_close(make()(emb, labels, ref, ref_labels), make()(emb, labels, past, past_labels))

@@ -15,6 +15,7 @@ from marginkit.ops.circle import _circle_loss, _class_circle_logits
 from marginkit.ops.pairs import (
     collapsed_flag,
     cosine_similarity_matrix,
+    empty_reference_loss,
     label_masks,
     nonfinite_flag,
     prepare_pairs,
@@ -89,6 +90,8 @@ class CircleLoss(nn.Module):
         margin = positive_float(self.margin, "margin", allow_zero=True)
         gamma = positive_float(self.gamma, "gamma")
         batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels)
+        if batch.y.shape[0] == 0:
+            return empty_reference_loss(self, batch, self.reduction)
         sim = cosine_similarity_matrix(batch.x, batch.y)
         pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
         if self.validate:

@@ -30,6 +30,7 @@ from marginkit.ops.pairs import (
     check_indices,
     collapsed_flag,
     distance_matrix,
+    empty_reference_loss,
     label_masks,
     max_sq_norm,
     nonfinite_flag,
@@ -285,6 +286,8 @@ class LocalMarginTripletLoss(_TripletBase):
         batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
         if indices is not None:
             return self._indices_forward(batch, indices, margin, "valid")
+        if batch.y.shape[0] == 0:
+            return empty_reference_loss(self, batch, self.reduction)
         x, y = self._embed(batch)
         dist = distance_matrix(x, y, "squared_l2")
         pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
@@ -388,6 +391,8 @@ class TripletMarginLoss(_TripletBase):
         batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
         if indices is not None:
             return self._indices_forward(batch, indices, margin, self.average or "valid")
+        if batch.y.shape[0] == 0:
+            return empty_reference_loss(self, batch, self.reduction)
         mining = self.mining
         average = self.average or ("active" if mining == "batch_all" else "valid")
         x, y = self._embed(batch)

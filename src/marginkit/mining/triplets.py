@@ -85,7 +85,7 @@ def _prepare(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels)
     float_tensor(batch.x, "embeddings")
-    if not batch.self_ref:
+    if not batch.self_ref and batch.y.shape[0]:
         float_tensor(batch.y, "ref_embeddings")
     x, y = batch.x, batch.y
     if normalize:
@@ -93,6 +93,11 @@ def _prepare(
         y = x if batch.self_ref else F.normalize(y, dim=-1)
     pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
     return distance_matrix(x, y, distance), pos, neg
+
+
+def _no_triplets(device: torch.device) -> Triplets:
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return empty, empty.clone(), empty.clone()
 
 
 @torch.no_grad()
@@ -139,6 +144,8 @@ def local_triplets(
     k = positive_int(k, "k")
     margin = positive_float(margin, "margin", allow_zero=True)
     dist, pos, neg = _prepare(embeddings, labels, ref_embeddings, ref_labels, "squared_l2", normalize)
+    if dist.shape[1] == 0:
+        return _no_triplets(dist.device)
     p_idx, n_idx, valid = _local_select(dist, pos, neg, k)
     rows = torch.arange(dist.shape[0], device=dist.device)
     keep = valid & (dist[rows, n_idx] < dist[rows, p_idx] + margin)
@@ -186,6 +193,8 @@ def batch_hard_triplets(
     if margin is not None:
         margin = positive_float(margin, "margin", allow_zero=True)
     dist, pos, neg = _prepare(embeddings, labels, ref_embeddings, ref_labels, distance, normalize)
+    if dist.shape[1] == 0:
+        return _no_triplets(dist.device)
     p_idx, n_idx, keep = _batch_hard_select(dist, pos, neg)
     if margin is not None:
         rows = torch.arange(dist.shape[0], device=dist.device)

@@ -105,7 +105,7 @@ class PairBatch(NamedTuple):
     self_ref: bool  # references are the batch itself: exclude i == j pairs
 
 
-def _embedding_tensor(x: Any, name: str) -> torch.Tensor:
+def _embedding_tensor(x: Any, name: str, *, allow_empty_batch: bool = False) -> torch.Tensor:
     """Type and shape checks of an embedding matrix (no host sync; finiteness is a flag)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape [batch, dim], got {type(x).__name__}")
@@ -113,7 +113,7 @@ def _embedding_tensor(x: Any, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [batch, dim], got shape {tuple(x.shape)}")
-    if x.shape[0] == 0 or x.shape[1] == 0:
+    if (x.shape[0] == 0 and not allow_empty_batch) or x.shape[1] == 0:
         raise ValueError(f"{name} must have a non-empty batch and embedding dimension, got {tuple(x.shape)}")
     return x
 
@@ -130,7 +130,8 @@ def prepare_pairs(
 
     The references are the batch itself (self-pairs excluded) when ``ref_embeddings`` is
     ``None`` or is the very same tensor object as ``embeddings``; otherwise every
-    query/reference pair counts, including equal indices.
+    query/reference pair counts, including equal indices. An empty reference set (``[0, D]``,
+    e.g. a memory bank before its first update) is accepted: see :func:`empty_reference_loss`.
     """
     x = _embedding_tensor(embeddings, "embeddings")
     batch = x.shape[0]
@@ -145,7 +146,7 @@ def prepare_pairs(
     if ref_embeddings is None:
         y, ref_lab = x, labels
     else:
-        y = _embedding_tensor(ref_embeddings, "ref_embeddings")
+        y = _embedding_tensor(ref_embeddings, "ref_embeddings", allow_empty_batch=True)
         if y.shape[1] != x.shape[1]:
             raise ValueError(
                 f"ref_embeddings must have the embedding dimension of embeddings ({x.shape[1]}), "
@@ -177,6 +178,24 @@ def label_masks(
     if self_ref:
         pos = same & ~torch.eye(same.shape[0], same.shape[1], dtype=torch.bool, device=same.device)
     return pos, ~same
+
+
+def empty_reference_loss(owner: Any, batch: PairBatch, reduction: str) -> torch.Tensor:
+    """Result of a pair loss against an empty reference set: no pair, loss 0, no warning.
+
+    The graph stays connected (zero gradient); the NaN check still runs when ``owner.validate``.
+    """
+    if owner.validate:
+        report_checks(owner, type(owner).__name__, read_flags(nonfinite_flag(batch.x))[0], None, None)
+    zero = batch.x.sum() * 0.0
+    owner.last_active_fraction = zero.detach()
+    if hasattr(owner, "last_counts"):
+        owner.last_counts = torch.zeros(batch.x.shape[0], dtype=zero.dtype, device=zero.device)
+    return (
+        zero + torch.zeros(batch.x.shape[0], dtype=zero.dtype, device=zero.device)
+        if reduction == "none"
+        else zero
+    )
 
 
 # ---------------------------------------------------------------------------- checks
