@@ -43,7 +43,7 @@ __all__ = [
 MODEL_NAMES = ("auto", "mlp", "cnn1d", "cnn2d", "resnet")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULERS = ("cosine", "step", "none")
-KNN_METRICS = ("cosine", "euclidean")
+KNN_METRICS = ("cosine", "l2")
 KNN_WEIGHTS = ("uniform", "distance")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
 RUNTIME_KEYS = frozenset({"device", "num_threads", "eval_batch_size"})
@@ -74,12 +74,16 @@ class TrainConfig:
         class centres' learning rate, default ``lr``), ``weight_decay``, ``momentum`` (sgd),
         ``scheduler`` (cosine | step | none, stepped per iteration), ``warmup_epochs``
         (linear warm-up, may be fractional), ``step_epochs``/``step_gamma`` (step schedule),
-        ``grad_clip`` (max global gradient norm, ``None`` = off), ``amp`` (bf16 autocast).
+        ``grad_clip`` (max global gradient norm, ``None`` = off), ``amp`` (bf16 autocast),
+        ``precise_bn`` — after every epoch, recompute batch-norm running statistics as exact
+        averages over up to this many training samples (0 = off): with short budgets the
+        exponential running averages lag the weights and eval-mode embeddings collapse.
     Pair losses
         ``samples_per_class`` (P×K sampler's K) and ``classes_per_batch`` (P; default
         ``batch_size // samples_per_class``).
     Evaluation
-        ``k`` — neighbours of the K-NN classifier; ``knn_metric``; ``knn_weights``;
+        ``k`` — neighbours of the K-NN classifier; ``knn_metric`` (cosine | l2);
+        ``knn_weights`` (uniform | distance);
         ``max_impostors`` — cap on impostor pairs for verification metrics.
     Runtime
         ``seed``, ``device`` (cpu | cuda | auto), ``num_threads``, ``deterministic``
@@ -110,6 +114,7 @@ class TrainConfig:
     step_gamma: float = 0.1
     grad_clip: float | None = None
     amp: bool = False
+    precise_bn: int = 4096
     samples_per_class: int = 4
     classes_per_batch: int | None = None
     k: int = 5
@@ -172,6 +177,7 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 _at_least(getattr(self, name), name, 1)
         _at_least(self.eval_batch_size, "eval_batch_size", 1)
+        _at_least(self.precise_bn, "precise_bn", 0)
         if self.samples_per_class < 2 and LOSSES[self.loss].kind == "pair":
             raise ConfigError("samples_per_class must be >= 2 for pair losses (each anchor needs a positive)")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -326,17 +332,21 @@ def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> C
 _DICT_KEYS = ("data_options", "model_options", "loss_options")
 
 
-def apply_overrides(config: TrainConfig, overrides: Mapping[str, Any]) -> TrainConfig:
+def apply_overrides(
+    config: TrainConfig, overrides: Mapping[str, Any] | Iterable[tuple[str, Any]]
+) -> TrainConfig:
     """Return a copy of ``config`` with ``overrides`` applied, then validated.
 
     Keys are field names (``-`` and ``_`` interchangeable) or dotted keys into the option
     dictionaries (``loss_options.scale``). A mapping value for an option dictionary is
     merged into it. Values may be strings (from the command line): they are converted to
-    the field's type.
+    the field's type. ``overrides`` may also be a sequence of ``(key, value)`` pairs, applied
+    in order (a YAML file's keys, then the command line's).
     """
     raw = config.to_dict()
     valid = TrainConfig.keys()
-    for key, value in overrides.items():
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    for key, value in items:
         key = str(key).replace("-", "_") if "." not in str(key) else str(key)
         if "." in key:
             head, _, sub = key.partition(".")

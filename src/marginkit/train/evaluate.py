@@ -1,0 +1,328 @@
+"""Evaluation of a trained run: K-NN accuracy, head accuracy, retrieval and verification.
+
+Closed-set data (test classes = training classes):
+
+- ``knn_accuracy`` — a :class:`~marginkit.knn.KNNClassifier` (``k``, ``knn_metric``,
+  ``knn_weights`` from the config) fitted on the *training* embeddings, queried with the
+  test embeddings; ``per_class_recall`` and the confusion matrix from the same predictions.
+- ``head_accuracy`` — arg-max of the cosine head (class-level losses only).
+- retrieval on the test set (query = every test sample, references = the other test
+  samples): ``precision_at_1``, ``r_precision``, ``map_at_r`` (Musgrave et al. 2020).
+- the margin gap ``min_pos cos − max_neg cos`` of the head on every test sample
+  (:func:`marginkit.ops.margin_gap`) and, for alpha losses, the support size of the sparse
+  posterior on the test set.
+
+Open-set data (``identities``: test identities never seen in training):
+
+- ``knn_accuracy`` — leave-one-out K-NN *within* the test set (each query's own sample is
+  excluded), since training classes cannot be predicted for new identities;
+- retrieval metrics within the test set, as above;
+- verification: genuine / impostor cosine scores of test pairs
+  (:func:`marginkit.metrics.pair_scores`), then :func:`marginkit.metrics.verification_metrics`
+  (EER, TAR at several FARs, minDCF) and the ROC curve for the report.
+
+Model selection during training (:func:`validation_metrics`) uses the validation split:
+K-NN accuracy against the training embeddings (closed set) or leave-one-out precision@1
+within the validation identities (open set).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from marginkit.train.config import TrainConfig
+
+__all__ = [
+    "confusion_matrix",
+    "embed",
+    "evaluate_model",
+    "evaluate_run",
+    "pca_2d",
+    "roc_curve",
+    "validation_metrics",
+]
+
+FARS = (1e-1, 1e-2, 1e-3, 1e-4)
+MAX_PROJECTED = 2000
+
+
+@torch.no_grad()
+def embed(
+    model: nn.Module, x: torch.Tensor, *, batch_size: int = 1024, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Embeddings ``[N, D]`` (float32, on CPU) of inputs ``x`` in eval mode, in batches."""
+    if device is None:
+        device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        chunks = [
+            model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, x.shape[0], batch_size)
+        ]
+    finally:
+        model.train(was_training)
+    if not chunks:
+        return torch.empty(0, int(getattr(model, "embedding_dim", 0)))
+    return torch.cat(chunks)
+
+
+def confusion_matrix(predicted: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``[C, C]`` int64 counts, rows = true class, columns = predicted class."""
+    flat = labels.long() * num_classes + predicted.long()
+    return torch.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def pca_2d(x: torch.Tensor) -> torch.Tensor:
+    """Project rows of ``x`` onto their two leading principal components (via SVD)."""
+    x = x.double()
+    centred = x - x.mean(0, keepdim=True)
+    if centred.shape[0] < 2:
+        return torch.zeros(centred.shape[0], 2)
+    _, _, vh = torch.linalg.svd(centred, full_matrices=False)
+    comps = vh[:2].T
+    if comps.shape[1] < 2:
+        comps = torch.cat([comps, torch.zeros(comps.shape[0], 2 - comps.shape[1], dtype=comps.dtype)], 1)
+    # fix the sign of each axis (largest loading positive) so projections are reproducible
+    signs = torch.sign(comps.gather(0, comps.abs().argmax(0, keepdim=True)))
+    signs[signs == 0] = 1
+    return (centred @ (comps * signs)).float()
+
+
+def roc_curve(scores: torch.Tensor, is_genuine: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """False-accept and true-accept rates at every distinct threshold (descending scores).
+
+    Ties are handled by evaluating only at the last position of each run of equal scores.
+    Returns ``(far, tar)`` as float64 arrays starting at ``(0, 0)``.
+    """
+    s = scores.double().flatten()
+    g = is_genuine.bool().flatten()
+    order = torch.argsort(s, descending=True, stable=True)
+    s, g = s[order], g[order]
+    tp = torch.cumsum(g.double(), 0)
+    fp = torch.cumsum((~g).double(), 0)
+    last = torch.ones_like(g)
+    if s.numel() > 1:
+        last[:-1] = s[1:] != s[:-1]
+    n_pos, n_neg = max(1.0, float(g.sum())), max(1.0, float((~g).sum()))
+    far = torch.cat([torch.zeros(1, dtype=s.dtype), fp[last] / n_neg])
+    tar = torch.cat([torch.zeros(1, dtype=s.dtype), tp[last] / n_pos])
+    return far.numpy(), tar.numpy()
+
+
+def _knn(config: TrainConfig, k: int | None = None) -> Any:
+    from marginkit.knn import KNNClassifier
+
+    return KNNClassifier(k=k or config.k, metric=config.knn_metric, weights=config.knn_weights)
+
+
+def validation_metrics(
+    model: nn.Module, head: nn.Module | None, splits: Any, config: TrainConfig, device: torch.device
+) -> dict[str, Any]:
+    """Per-epoch validation: ``val_selection`` is the model-selection score (higher is better)."""
+    if len(splits.val) == 0:
+        return {}
+    bs = config.eval_batch_size
+    val = embed(model, splits.val.x, batch_size=bs, device=device)
+    if splits.open_set:
+        from marginkit.metrics import knn_accuracy
+
+        # leave-one-out 1-NN within the validation identities = precision@1
+        p1 = knn_accuracy(val, splits.val.y, k=1, metric=config.knn_metric) if len(splits.val) > 1 else None
+        return {"val_precision_at_1": p1, "val_selection": p1}
+    train = embed(model, splits.train.x, batch_size=bs, device=device)
+    pred = _knn(config).fit(train, splits.train.y).predict(val)
+    acc = float((pred.cpu() == splits.val.y).double().mean())
+    out: dict[str, Any] = {"val_knn_accuracy": acc, "val_selection": acc}
+    if head is not None:
+        with torch.no_grad():
+            head_pred = head(val.to(device)).argmax(-1).cpu()
+        out["val_head_accuracy"] = float((head_pred == splits.val.y).double().mean())
+    return out
+
+
+def _support_sizes(
+    loss_name: str, loss_options: dict[str, Any], cosines: torch.Tensor, labels: torch.Tensor
+) -> Any:
+    """Number of classes with non-zero probability in the alpha-softargmax posterior."""
+    from marginkit.ops import alpha_softargmax
+    from marginkit.train.registry import resolved_options
+
+    opts = resolved_options(loss_name, loss_options)
+    alpha = float(opts.get("alpha", 2.0 if loss_name == "sparsemax" else 1.5))
+    scale = float(opts.get("scale", 1.0))
+    theta = scale * cosines.double()
+    log_q = None
+    if loss_name == "qmargin":
+        margin = float(opts.get("margin", 0.0))
+        log_q = torch.zeros_like(theta)
+        log_q.scatter_(1, labels.view(-1, 1), -scale * margin)
+    p = alpha_softargmax(theta, alpha, log_q=log_q) if log_q is not None else alpha_softargmax(theta, alpha)
+    return (p > 0).sum(-1).numpy()
+
+
+def evaluate_model(
+    model: nn.Module,
+    head: nn.Module | None,
+    splits: Any,
+    config: TrainConfig,
+    device: torch.device | str = "cpu",
+    *,
+    k: int | None = None,
+) -> tuple[dict[str, Any], dict[str, np.ndarray], Any]:
+    """Test metrics, the report's arrays, and the K-NN index fitted on the training embeddings."""
+    from marginkit.knn import model_fingerprint
+    from marginkit.metrics import (
+        knn_accuracy,
+        pair_scores,
+        per_class_recall,
+        retrieval_metrics,
+        verification_metrics,
+    )
+    from marginkit.ops import margin_gap
+    from marginkit.train.registry import LOSSES
+
+    k = k or config.k
+    bs = config.eval_batch_size
+    train_emb = embed(model, splits.train.x, batch_size=bs, device=device)
+    test_emb = embed(model, splits.test.x, batch_size=bs, device=device)
+    y_train, y_test = splits.train.y, splits.test.y
+    metrics: dict[str, Any] = {
+        "loss": config.loss,
+        "data": str(splits.name),
+        "open_set": bool(splits.open_set),
+        "k": k,
+        "num_train": len(splits.train),
+        "num_test": len(splits.test),
+    }
+    arrays: dict[str, np.ndarray] = {}
+    knn = _knn(config, k).fit(train_emb, y_train, model_fingerprint=model_fingerprint(model))
+    if not splits.open_set:
+        pred = knn.predict(test_emb).cpu()
+        metrics["knn_accuracy"] = float((pred == y_test).double().mean())
+        conf = confusion_matrix(pred, y_test, splits.num_classes)
+        arrays["confusion"] = conf.numpy()
+        recall = per_class_recall(pred, y_test, splits.num_classes)
+        metrics["per_class_recall"] = [None if math.isnan(r) else round(r, 6) for r in recall.tolist()]
+        if head is not None:
+            with torch.no_grad():
+                cos = head(test_emb.to(device)).float().cpu()
+            metrics["head_accuracy"] = float((cos.argmax(-1) == y_test).double().mean())
+            gaps = margin_gap(cos, y_test)
+            arrays["margin_gap"] = gaps.numpy()
+            metrics["margin_gap_median"] = float(gaps.median())
+            metrics["margin_gap_positive_fraction"] = float((gaps > 0).double().mean())
+            if LOSSES[config.loss].alpha:
+                sizes = _support_sizes(config.loss, config.loss_options, cos, y_test)
+                arrays["support_size"] = sizes
+                metrics["support_size_mean"] = float(np.mean(sizes))
+    else:
+        metrics["knn_accuracy"] = knn_accuracy(
+            test_emb, y_test, k=k, metric=config.knn_metric, weights=config.knn_weights
+        )
+        metrics["knn_protocol"] = "leave-one-out within the test identities"
+        scores, genuine = pair_scores(test_emb, y_test, max_impostors=config.max_impostors, seed=config.seed)
+        ver = verification_metrics(scores, genuine, fars=FARS)
+        metrics["verification"] = _jsonable(ver)
+        far, tar = roc_curve(scores, genuine)
+        arrays["roc_far"], arrays["roc_tar"] = far, tar
+    retrieval = retrieval_metrics(test_emb, y_test, metric=config.knn_metric)
+    for key, value in _jsonable(retrieval).items():
+        metrics[key] = value
+    gen = torch.Generator().manual_seed(config.seed)
+    n = test_emb.shape[0]
+    idx = (
+        torch.randperm(n, generator=gen)[:MAX_PROJECTED].sort().values
+        if n > MAX_PROJECTED
+        else torch.arange(n)
+    )
+    arrays["projection"] = pca_2d(test_emb[idx]).numpy()
+    arrays["projection_labels"] = y_test[idx].numpy()
+    return metrics, arrays, knn
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, np.ndarray):
+        return value.item() if value.size == 1 else value.tolist()
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        return _jsonable(dataclasses.asdict(value))
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    *,
+    splits: Any = None,
+    device: torch.device | str = "cpu",
+    which: str = "best",
+    k: int | None = None,
+    write: bool = True,
+    report: bool = True,
+    spec: Any = None,
+) -> dict[str, Any]:
+    """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
+
+    With ``write`` (and the run's own data), writes ``metrics.json``, ``eval.npz``, the
+    K-NN reference index ``knn_index.npz`` (training embeddings + model fingerprint) and,
+    with ``report``, ``report.html``. Returns the metrics.
+    """
+    from marginkit.train.trainer import load_run, load_splits
+
+    run_dir = Path(run_dir)
+    run = load_run(run_dir, which, device)
+    config: TrainConfig = run["config"]
+    own_data = splits is None or str(getattr(splits, "name", "")) == run["facts"].get("name")
+    if splits is None:
+        splits = load_splits(config)
+    if tuple(splits.input_shape) != tuple(run["facts"]["input_shape"]):
+        raise ValueError(
+            f"data set {splits.name!r} has input shape {tuple(splits.input_shape)}, but the run's model "
+            f"expects {tuple(run['facts']['input_shape'])}"
+        )
+    head = run["head"]
+    if head is not None and splits.num_classes != run["facts"]["num_classes"]:
+        head = None  # another label space: the head's classes mean nothing here
+    metrics, arrays, knn = evaluate_model(run["model"], head, splits, config, device, k=k)
+    ckpt = run["checkpoint"]
+    metrics["checkpoint"] = Path(run["path"]).name
+    metrics["epoch"] = int(ckpt["epoch"])
+    metrics["best_epoch"] = int(ckpt.get("best_epoch", ckpt["epoch"]))
+    metrics["fingerprint"] = run["fingerprint"]
+    metrics["model"] = _model_name(config, run["facts"])
+    metrics["embedding_dim"] = config.embedding_dim
+    metrics["seed"] = config.seed
+    if write and own_data:
+        (run_dir / "metrics.json").write_text(
+            json.dumps(_jsonable(metrics), indent=2) + "\n", encoding="utf-8"
+        )
+        np.savez_compressed(run_dir / "eval.npz", **arrays)
+        knn.save(run_dir / "knn_index.npz")
+        if report:
+            from marginkit.report import write_run_report
+
+            write_run_report(run_dir)
+    return _jsonable(metrics)
+
+
+def _model_name(config: TrainConfig, facts: dict[str, Any]) -> str:
+    from marginkit.train.trainer import resolve_model_name
+
+    return resolve_model_name(config, tuple(facts["input_shape"]), facts.get("name", ""))
