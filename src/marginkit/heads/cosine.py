@@ -1,0 +1,180 @@
+"""Cosine classifier head: learnable class centres, cosines between normalised vectors.
+
+.. math::
+
+    c_{bj} = \\frac{e_b \\cdot w_j}
+                    {\\max(\\lVert e_b\\rVert, \\varepsilon)\\,\\max(\\lVert w_j\\rVert, \\varepsilon)}
+
+The head owns the centres and is separate from every loss (a loss that owns the classifier
+weights is easy to forget when saving a checkpoint or building the optimizer groups), so one
+call site serves all margin losses: ``loss(head(e), labels)``.
+
+The forward/backward pair is one autograd function that never materialises the normalised
+centre matrix ``[C, D]``: it multiplies the ``[B, C]`` product by the inverse centre norms in
+place, and the backward pass uses the closed form of the normalisation Jacobian,
+
+.. math::
+
+    \\frac{\\partial L}{\\partial w_j} = \\frac{1}{\\lVert w_j\\rVert}\\Big(\\sum_b g_{bj}\\,\\hat e_b
+        - k_j\\,\\hat w_j\\Big),\\quad k_j = \\sum_b g_{bj} c_{bj},
+
+(``k_j = \\hat w_j \\cdot \\sum_b g_{bj} \\hat e_b``, computed from the ``[B, C]`` side), and
+likewise for the embeddings. Zero vectors are safe: with a norm below ``eps`` the vector is
+divided by ``eps`` (as :func:`torch.nn.functional.normalize`), giving cosine 0, no NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from marginkit._validation import float_tensor, positive_int
+
+__all__ = ["CosineHead", "cosine_similarity_matrix"]
+
+_EPS = 1e-12  # same as torch.nn.functional.normalize
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Disable autocast for ``device_type`` (no-op for devices without autocast support)."""
+    try:
+        return torch.autocast(device_type=device_type, enabled=False)
+    except (RuntimeError, ValueError):  # e.g. "meta"
+        return contextlib.nullcontext()
+
+
+class _CosineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, e: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        e_norm = torch.linalg.vector_norm(e, dim=-1, keepdim=True)
+        e_inv = e_norm.clamp_min(eps).reciprocal()
+        e_hat = e * e_inv
+        w_norm = torch.linalg.vector_norm(w, dim=-1)
+        w_inv = w_norm.clamp_min(eps).reciprocal()
+        cos = torch.matmul(e_hat, w.t()).mul_(w_inv)  # [..., C]; no normalised [C, D] copy
+        ctx.save_for_backward(e_hat, e_inv, e_norm > eps, w, w_inv, w_norm > eps, cos)
+        return cos
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        e_hat, e_inv, e_live, w, w_inv, w_live, cos = ctx.saved_tensors
+        grad = grad.to(cos.dtype)
+        grad_e = grad_w = None
+        g_scaled = grad * w_inv  # ∂L/∂(e_hat·w_j) = g_bj / ‖w_j‖
+        if ctx.needs_input_grad[0]:
+            d_hat = torch.matmul(g_scaled, w)  # ∂L/∂ê
+            radial = (d_hat * e_hat).sum(dim=-1, keepdim=True) * e_live
+            grad_e = (d_hat - radial * e_hat) * e_inv
+        if ctx.needs_input_grad[1]:
+            g2 = g_scaled.reshape(-1, g_scaled.shape[-1])
+            k = (grad * cos).reshape(-1, cos.shape[-1]).sum(dim=0)  # ŵ_j · Σ_b g_bj ê_b
+            grad_w = torch.matmul(g2.t(), e_hat.reshape(-1, e_hat.shape[-1]))
+            grad_w.addcmul_(w, (-(w_inv * w_inv) * k * w_live).unsqueeze(1))
+        return grad_e, grad_w, None
+
+
+def cosine_similarity_matrix(
+    embeddings: torch.Tensor, centres: torch.Tensor, eps: float = _EPS
+) -> torch.Tensor:
+    """Cosines ``[..., C]`` between embeddings ``[..., D]`` and centres ``[C, D]``.
+
+    Computed in float32 (float64 if either input is float64), also under ``torch.autocast``
+    (which is disabled inside: bfloat16 cosines carry errors of ~4e-3, which a scale of 64
+    turns into ~0.25 logits, the size of the margins being learned). Gradients flow to both
+    inputs in their own dtypes. No argument checks (see :class:`CosineHead`).
+    """
+    dtype = torch.float64 if torch.float64 in (embeddings.dtype, centres.dtype) else torch.float32
+    with _autocast_off(embeddings.device.type):
+        return _CosineFn.apply(embeddings.to(dtype), centres.to(dtype), eps)
+
+
+class CosineHead(nn.Module):
+    """Cosine classifier: class centres ``weight [C, D]``; ``forward(e)`` → cosines ``[..., C]``.
+
+    .. math:: c_{bj} = \\cos\\angle(e_b, w_j) = \\frac{e_b\\cdot w_j}{\\lVert e_b\\rVert\\,\\lVert w_j\\rVert}
+
+    The normalised-softmax family (NormFace, CosFace, ArcFace, Q-Margin: Wang et al. 2017,
+    2018; Deng et al. 2019) scores classes by these cosines; pair the head with any of
+    :mod:`marginkit.losses` — ``loss(head(e), labels)`` — and optimise/save the head like any
+    module. Centres are initialised uniformly on the unit sphere (normal rows, normalised),
+    so the gradients have the scale of unit vectors.
+
+    Numerics: float32 (float64 if the embeddings or the centres are float64) whatever the input
+    dtype, also under autocast; zero embeddings give cosine 0 (norms are clamped at ``eps``).
+
+    Args:
+        num_classes: ``C ≥ 1``.
+        embedding_dim: ``D ≥ 1``.
+        eps: norm floor (default 1e-12, as :func:`torch.nn.functional.normalize`).
+
+    Shape: embeddings ``[..., D]`` → cosines ``[..., C]`` (float32/float64).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.heads import CosineHead
+        >>> from marginkit.losses import CosFaceLoss
+        >>> torch.manual_seed(0) and None
+        >>> head = CosineHead(num_classes=10, embedding_dim=4)
+        >>> e, y = torch.randn(8, 4), torch.randint(0, 10, (8,))
+        >>> CosFaceLoss(scale=30.0, margin=0.35)(head(e), y).backward()
+        >>> head.weight.grad.shape, head.predict(e).shape
+        (torch.Size([10, 4]), torch.Size([8]))
+    """
+
+    weight: nn.Parameter
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        *,
+        eps: float = _EPS,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_classes = positive_int(num_classes, "num_classes")
+        self.embedding_dim = positive_int(embedding_dim, "embedding_dim")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+            raise ValueError(f"eps must be a number in (0, 1), got {eps!r}")
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.empty(num_classes, embedding_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Centres uniform on the unit sphere (standard normal rows, normalised)."""
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
+            self.weight.div_(torch.linalg.vector_norm(self.weight, dim=1, keepdim=True).clamp_min(self.eps))
+
+    def _check(self, embeddings: Any) -> torch.Tensor:
+        float_tensor(embeddings, "embeddings", min_dim=1)
+        if embeddings.shape[-1] != self.embedding_dim:
+            raise ValueError(
+                f"embeddings must have last dimension embedding_dim={self.embedding_dim}, "
+                f"got shape {tuple(embeddings.shape)}"
+            )
+        return embeddings
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Cosines ``[..., C]`` between the embeddings ``[..., D]`` and the class centres."""
+        return cosine_similarity_matrix(self._check(embeddings), self.weight, self.eps)
+
+    def logits(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Alias of :meth:`forward` (the cosines are the logits before a loss's scale/margin)."""
+        return self.forward(embeddings)
+
+    @torch.no_grad()
+    def predict(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Class ids ``[...]`` (int64) of the nearest centre by cosine; ties → lowest id."""
+        return self.forward(embeddings).argmax(dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, eps={self.eps:g}"
