@@ -350,3 +350,22 @@ def test_circle_against_an_empty_then_filled_memory_bank(gen):
         CircleLoss(gamma=32.0)(emb, labels, *bank.get()),
         CircleLoss(gamma=32.0)(emb, labels, past, past_labels),
     )
+
+
+def test_circle_one_host_sync_per_forward(gen, monkeypatch):
+    calls = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    emb, labels = _batch(gen, n=16, classes=4, dtype=torch.float32)
+    x = emb.clone().requires_grad_(True)
+    value = CircleLoss()(x, labels)
+    assert len(calls) == 1, calls
+    calls.clear()
+    (value + CircleLoss(validate=False)(x, labels)).backward()
+    assert calls == [], calls

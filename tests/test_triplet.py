@@ -531,3 +531,47 @@ def test_against_a_memory_bank(gen, make):
     bank.update(past, past_labels)
     ref, ref_labels = bank.get()
     torch.testing.assert_close(make()(emb, labels, ref, ref_labels), make()(emb, labels, past, past_labels))
+
+
+class _SyncCounter:
+    """Counts the Python-level calls that force a device -> host synchronisation."""
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
+        monkeypatch.setattr(torch, "equal", self._wrap("equal", torch.equal))
+
+    def _wrap(self, name, original):
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize(
+    ("make", "syncs_without_validation"),
+    [
+        (lambda v: LocalMarginTripletLoss(k=3, validate=v), 0),
+        (lambda v: TripletMarginLoss(mining="batch_hard", validate=v), 0),
+        (lambda v: TripletMarginLoss(mining="semi_hard", distance="l2", validate=v), 0),
+        (lambda v: TripletMarginLoss(mining="batch_all", validate=v), 1),  # block sizing
+    ],
+)
+def test_one_host_sync_per_forward(gen, monkeypatch, make, syncs_without_validation):
+    emb, labels = _batch(gen, n=16, classes=4, dtype=torch.float32)
+    x = emb.clone().requires_grad_(True)
+    losses = (make(True), make(False))
+    counter = _SyncCounter(monkeypatch)
+    value = losses[0](x, labels)
+    assert len(counter.calls) == 1, counter.calls  # NaN check + both warnings, read together
+    counter.calls.clear()
+    value = losses[1](x, labels) + value
+    assert len(counter.calls) == syncs_without_validation, counter.calls
+    counter.calls.clear()
+    value.backward()
+    assert counter.calls == []

@@ -145,28 +145,26 @@ class _TripletBase(nn.Module):
     def _indices_forward(self, batch: PairBatch, indices: Any, margin: float, average: str) -> torch.Tensor:
         x, y = self._embed(batch)
         (a, p, n), out_of_range = check_indices(indices, x.shape[0], y.shape[0], x.device)
-        if self.validate:
-            nonfinite, bad = read_flags(nonfinite_flag(batch.x, batch.y), out_of_range)
-            report_checks(self, type(self).__name__, nonfinite, None, None)
-        else:
-            (bad,) = read_flags(out_of_range)
-        if bad:
-            raise ValueError(
-                f"indices out of range: anchors must lie in [0, {x.shape[0]}) and positives/negatives "
-                f"in [0, {y.shape[0]})"
-            )
+        if self.validate:  # compute on clamped indices, check everything in one sync below
+            a, p, n = a.clamp(0, x.shape[0] - 1), p.clamp(0, y.shape[0] - 1), n.clamp(0, y.shape[0] - 1)
         xa = x[a]
         d_ap = rowwise_distance(xa, y[p], self.distance)
         d_an = rowwise_distance(xa, y[n], self.distance)
         loss = F.relu(d_ap - d_an + margin)
-        if self.validate and a.numel():
-            collapsed = collapsed_flag(
-                torch.maximum(_sq_dist(d_ap, self.distance), _sq_dist(d_an, self.distance))[None],
-                self._scale(x, y),
-                False,
-            )
-            # one extra sync only on the mined-indices path, which has synced for the index check
-            report_checks(self, type(self).__name__, 0, None, read_flags(collapsed)[0])
+        if self.validate:
+            collapsed = torch.zeros((), dtype=torch.bool, device=x.device)
+            if a.numel():
+                sq = torch.maximum(
+                    _sq_dist(d_ap.detach(), self.distance), _sq_dist(d_an.detach(), self.distance)
+                )
+                collapsed = collapsed_flag(sq[None], self._scale(x, y), False)
+            nonfinite, bad, collapsed_ = read_flags(nonfinite_flag(batch.x, batch.y), out_of_range, collapsed)
+            if bad:
+                raise ValueError(
+                    f"indices out of range: anchors must lie in [0, {x.shape[0]}) and positives/negatives "
+                    f"in [0, {y.shape[0]})"
+                )
+            report_checks(self, type(self).__name__, nonfinite, None, collapsed_)
         active = loss.detach() > 0
         valid = torch.ones_like(active)
         counts = active if average == "active" else valid
@@ -423,10 +421,9 @@ class TripletMarginLoss(_TripletBase):
             sums = dist.sum(1) * 0.0
             active = torch.zeros_like(npos)
         else:
-            pos_idx = torch.sort(pos.to(torch.uint8), dim=1, descending=True, stable=True).indices[
-                :, :max_pos
-            ]
-            pos_valid = torch.arange(max_pos, device=dist.device)[None, :] < npos[:, None]
+            # columns holding every positive of each row (any order; padding where pos is False)
+            pos_idx = torch.topk(pos.to(dist.dtype), max_pos, dim=1).indices
+            pos_valid = pos.gather(1, pos_idx)
             block = max(1, BLOCK_ELEMENTS // (max_pos * dist.shape[1]))
             sums, active = _BatchAllTriplets.apply(dist, pos_idx, pos_valid, neg, margin, block)
         counts = active if average == "active" else n_valid

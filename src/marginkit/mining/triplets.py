@@ -29,15 +29,22 @@ def _local_select(
     """Per anchor: the k-th nearest positive (k capped by #positives) and the nearest negative.
 
     Returns ``(p_idx [B], n_idx [B], valid [B])`` where ``valid`` marks anchors that have a
-    positive and a negative. Positives are ordered by a stable sort, so equal distances are
-    taken in index order; the nearest negative is the first minimal one.
+    positive and a negative. Equal distances are taken in index order (as a stable sort
+    would): a top-k gives the k-th value, a cumulative count over the tied entries its index.
+    The nearest negative is the first minimal one.
     """
     d = dist.detach()
     npos = pos.sum(1)
     kk = min(k, d.shape[1])
-    order = torch.sort(d.masked_fill(~pos, math.inf), dim=1, stable=True).indices[:, :kk]
+    d_pos = d.masked_fill(~pos, math.inf)
     kth = (npos.clamp(max=k) - 1).clamp_min(0)
-    p_idx = order.gather(1, kth[:, None]).squeeze(1)
+    # the k-th smallest positive distance (value), then its index with ties in index order:
+    # the (kth - #smaller + 1)-th positive, counting in index order, whose distance equals it
+    value = torch.topk(d_pos, kk, dim=1, largest=False, sorted=True).values.gather(1, kth[:, None])
+    smaller = (d_pos < value).sum(1, keepdim=True)
+    tied = d_pos == value
+    rank = tied.cumsum(1, dtype=torch.int32)
+    p_idx = (tied & (rank == kth[:, None] - smaller + 1)).to(torch.uint8).argmax(1)
     n_idx = d.masked_fill(~neg, math.inf).min(dim=1).indices
     valid = (npos > 0) & neg.any(1)
     return p_idx, n_idx, valid

@@ -267,7 +267,11 @@ def report_checks(
 def check_indices(
     indices: Any, batch: int, ref_batch: int, device: torch.device
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Check a mined triplet tuple ``(a, p, n)``; returns it and a 0-d "out of range" flag."""
+    """Check a mined triplet tuple ``(a, p, n)``; returns it and a 0-d "out of range" flag.
+
+    Types, shapes and lengths are checked here; the range is returned as a flag so that the
+    caller reads it in its single host sync.
+    """
     if not isinstance(indices, (tuple, list)) or len(indices) != 3:
         raise TypeError("indices must be a tuple (anchor, positive, negative) of 1-D integer tensors")
     out = []
@@ -282,6 +286,8 @@ def check_indices(
             f"indices must have equal lengths, got {a.shape[0]}, {p.shape[0]}, {n.shape[0]} (a, p, n)"
         )
     bad = torch.zeros((), dtype=torch.bool, device=device)
+    if a.numel() and (batch == 0 or ref_batch == 0):
+        raise ValueError("indices out of range: the reference set is empty")
     if a.numel():
         bad = (a.min() < 0) | (a.max() >= batch) | (torch.minimum(p.min(), n.min()) < 0)
         bad = bad | (torch.maximum(p.max(), n.max()) >= ref_batch)
