@@ -1,0 +1,295 @@
+"""alpha_softargmax: agreement with entmax and an independent brute force, exactness of the
+candidate filter and of top-K (with its fallback), closed-form backward, masking and dtypes."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from entmax import entmax_bisect
+from hypothesis import given
+from hypothesis import strategies as st
+
+from marginkit.ops import alpha as alpha_impl
+from marginkit.ops import alpha_softargmax
+
+
+def brute_force(theta: np.ndarray, alpha: float, q: np.ndarray | None = None) -> np.ndarray:
+    """float64 bisection on τ for every row, with a bracket found by doubling (no analytic bounds)."""
+    theta = np.atleast_2d(np.asarray(theta, dtype=np.float64))
+    q = np.ones_like(theta) if q is None else np.broadcast_to(np.asarray(q, dtype=np.float64), theta.shape)
+    out = np.zeros_like(theta)
+    for i in range(theta.shape[0]):
+        th, qi = theta[i], q[i]
+        if alpha == 1.0:
+            z = th + np.log(qi)
+            e = np.exp(z - z.max())
+            out[i] = e / e.sum()
+            continue
+        b = alpha - 1.0
+
+        def mass(tau, th=th, qi=qi, b=b):
+            return (qi * np.maximum(1.0 + b * (th - tau), 0.0) ** (1.0 / b)).sum()
+
+        hi = th.max() + 1.0 / b  # nothing is active there
+        width = 1.0
+        while mass(hi - width) < 1.0:
+            width *= 2.0
+        lo = hi - width
+        for _ in range(300):
+            mid = 0.5 * (lo + hi)
+            if mass(mid) >= 1.0:
+                lo = mid
+            else:
+                hi = mid
+        tau = 0.5 * (lo + hi)
+        out[i] = qi * np.maximum(1.0 + b * (th - tau), 0.0) ** (1.0 / b)
+    return out
+
+
+ALPHAS = [1.1, 1.25, 1.5, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_matches_entmax_bisect_with_unit_measure(alpha, gen):
+    x = torch.randn(40, 30, generator=gen, dtype=torch.float64) * 3
+    expected = entmax_bisect(x, alpha, n_iter=200)
+    p = alpha_softargmax(x, alpha)
+    atol = 1e-12 if alpha <= 2 else 1e-10  # α > 2: p = u^{1/(α−1)} is steep at the support edge
+    torch.testing.assert_close(p, expected, atol=atol, rtol=0)
+    assert bool((p.sum(-1) - 1).abs().max() < 1e-12)
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_random_reference_measure_matches_bruteforce(alpha, gen):
+    x = torch.randn(16, 25, generator=gen, dtype=torch.float64) * 2
+    q = torch.exp(torch.randn(16, 25, generator=gen, dtype=torch.float64))
+    p = alpha_softargmax(x, alpha, q=q)
+    expected = torch.from_numpy(brute_force(x.numpy(), alpha, q.numpy()))
+    atol = 1e-12 if alpha <= 2 else 1e-10
+    torch.testing.assert_close(p, expected, atol=atol, rtol=0)
+
+
+def test_alpha_one_is_softmax_of_logits_plus_log_q(gen):
+    x = torch.randn(8, 12, generator=gen, dtype=torch.float64)
+    q = torch.rand(12, generator=gen, dtype=torch.float64) + 0.1
+    torch.testing.assert_close(
+        alpha_softargmax(x, 1.0, q=q), torch.softmax(x + q.log(), -1), atol=1e-15, rtol=0
+    )
+    torch.testing.assert_close(alpha_softargmax(x, 1.0), torch.softmax(x, -1), atol=1e-15, rtol=0)
+
+
+@given(
+    alpha=st.floats(1.05, 4.0),
+    n=st.integers(1, 40),
+    rows=st.integers(1, 5),
+    spread=st.floats(0.01, 30.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_simplex_sparsity_and_bruteforce(alpha, n, rows, spread, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=gen, dtype=torch.float64) * spread
+    q = torch.exp(torch.randn(rows, n, generator=gen, dtype=torch.float64))
+    p = alpha_softargmax(x, alpha, q=q)
+    assert bool((p >= 0).all())
+    torch.testing.assert_close(p.sum(-1), torch.ones(rows, dtype=torch.float64), atol=1e-12, rtol=0)
+    expected = torch.from_numpy(brute_force(x.numpy(), alpha, q.numpy()))
+    torch.testing.assert_close(p, expected, atol=1e-9, rtol=0)
+    # Zero exactly off the support: θ_j ≤ τ − 1/β, τ recovered from any active entry.
+    b = alpha - 1
+    j = p.argmax(-1, keepdim=True)
+    tau = x.gather(1, j) - ((p.gather(1, j) / q.gather(1, j)) ** b - 1) / b
+    off = x <= tau - 1 / b - 1e-9 * (1 + tau.abs())
+    assert bool((p[off] == 0).all())
+
+
+def test_per_row_alpha_equals_per_row_calls(gen):
+    x = torch.randn(5, 9, generator=gen, dtype=torch.float64) * 2
+    q = torch.rand(5, 9, generator=gen, dtype=torch.float64) + 0.2
+    alphas = torch.tensor([1.0, 1.25, 1.5, 2.0, 3.5], dtype=torch.float64)
+    p = alpha_softargmax(x, alphas, q=q)
+    for i, a in enumerate(alphas.tolist()):
+        row = alpha_softargmax(x[i : i + 1], a, q=q[i : i + 1])
+        torch.testing.assert_close(p[i : i + 1], row, atol=1e-10, rtol=0)
+    # entmax's keepdim form (size 1 along the class dim) is accepted too
+    torch.testing.assert_close(alpha_softargmax(x, alphas.unsqueeze(1), q=q), p)
+
+
+def test_dim_and_leading_dimensions(gen):
+    x = torch.randn(3, 7, 4, generator=gen, dtype=torch.float64)
+    p = alpha_softargmax(x, 1.5, dim=1)
+    expected = entmax_bisect(x.transpose(1, 2), 1.5, n_iter=200).transpose(1, 2)
+    torch.testing.assert_close(p, expected, atol=1e-12, rtol=0)
+    q = torch.rand(7, 1, generator=gen, dtype=torch.float64) + 0.5  # broadcast over the last dim
+    p = alpha_softargmax(x, 1.25, q=q, dim=1)
+    ref = brute_force(x.transpose(1, 2).reshape(-1, 7).numpy(), 1.25, q.reshape(1, 7).numpy())
+    torch.testing.assert_close(p, torch.from_numpy(ref).reshape(3, 4, 7).transpose(1, 2), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 3.0])
+def test_candidate_filter_and_topk_equal_full_rows(alpha, gen):
+    # A few large logits among many small ones: the candidate set is a small part of the row.
+    x = torch.randn(6, 3000, generator=gen, dtype=torch.float64)
+    x[:, :20] += 6 * torch.rand(6, 20, generator=gen, dtype=torch.float64)
+    q = torch.exp(0.3 * torch.randn(6, 3000, generator=gen, dtype=torch.float64))
+    full = alpha_softargmax(x, alpha, q=q, candidates=False)
+    assert (full > 0).sum(-1).max() < 3000
+    for kwargs in ({}, {"topk": 64}, {"topk": 0.05}, {"topk": 1.0}, {"topk": 3000}):
+        torch.testing.assert_close(alpha_softargmax(x, alpha, q=q, **kwargs), full, atol=1e-12, rtol=0)
+    # The candidate path really works on a compact set (flat entries, far fewer than n per row).
+    beta = torch.full((6,), alpha - 1, dtype=torch.float64)
+    sol = alpha_impl._solve(x, x.amax(-1), scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log())
+    assert sol.entries.is_flat
+    assert sol.p.numel() < 6 * 3000 // 4
+
+
+def test_topk_that_misses_the_support_falls_back_to_exact(gen):
+    # Row 0: 50 tied logits, the support holds all 50 > K = 5, so the integrity check fails.
+    # Row 1: one dominant logit, the top-5 answer is exact. Rows are merged.
+    x = torch.full((2, 200), -10.0, dtype=torch.float64)
+    x[0, :50] = 1.0 + 1e-3 * torch.rand(50, generator=gen, dtype=torch.float64)
+    x[1, 3] = 5.0
+    x[1, 10:60] = 0.0
+    p = alpha_softargmax(x, 1.5, topk=5)
+    expected = torch.from_numpy(brute_force(x.numpy(), 1.5))
+    torch.testing.assert_close(p, expected, atol=1e-12, rtol=0)
+    assert int((p[0] > 0).sum()) == 50  # more than K: only the exact fallback gives this
+    # The kept-set solution alone is wrong for row 0 (what the fallback corrects).
+    vals = x.topk(5, dim=-1).values
+    naive = entmax_bisect(vals, 1.5, n_iter=200)
+    assert float((naive[0] - p[0].topk(5).values).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 2.5])
+@pytest.mark.parametrize("path", [{}, {"candidates": False}, {"topk": 3}])
+def test_gradcheck_logits_and_measure(alpha, path, gen):
+    x = (torch.randn(3, 7, generator=gen, dtype=torch.float64) * 1.5).requires_grad_()
+    q = (torch.rand(3, 7, generator=gen, dtype=torch.float64) + 0.3).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: alpha_softargmax(a, alpha, q=b, **path), (x, q))
+
+
+def test_gradcheck_per_row_alpha_and_broadcast_measure(gen):
+    x = (torch.randn(4, 6, generator=gen, dtype=torch.float64) * 1.5).requires_grad_()
+    q = (torch.rand(6, generator=gen, dtype=torch.float64) + 0.3).requires_grad_()
+    alphas = torch.tensor([1.2, 1.5, 2.0, 3.0], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: alpha_softargmax(a, alphas, q=b), (x, q))
+    assert torch.autograd.gradcheck(lambda a: alpha_softargmax(a, 1.0, q=q.detach()), (x,))
+
+
+def test_backward_is_the_closed_form_jacobian(gen):
+    x = torch.randn(2, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    q = torch.rand(2, 8, generator=gen, dtype=torch.float64) + 0.5
+    g = torch.randn(2, 8, generator=gen, dtype=torch.float64)
+    p = alpha_softargmax(x, 1.5, q=q)
+    (grad,) = torch.autograd.grad(p, x, g)
+    w = torch.where(p > 0, q**0.5 * p.detach() ** 0.5, 0.0)
+    jac = torch.diag_embed(w) - w.unsqueeze(2) * w.unsqueeze(1) / w.sum(-1)[:, None, None]
+    torch.testing.assert_close(grad, torch.einsum("bi,bij->bj", g, jac))
+
+
+def test_neg_inf_logits_get_zero_and_no_nan(gen):
+    x = torch.randn(4, 10, generator=gen, dtype=torch.float64)
+    mask = torch.rand(4, 10, generator=gen) < 0.4
+    mask[:, 0] = False
+    xm = x.masked_fill(mask, -math.inf).requires_grad_()
+    for alpha in (1.0, 1.5, 2.0, 3.0):
+        for kwargs in ({}, {"candidates": False}, {"topk": 4}):
+            p = alpha_softargmax(xm, alpha, **kwargs)
+            assert bool((p[mask] == 0).all()) and not bool(p.isnan().any())
+            (grad,) = torch.autograd.grad(p, xm, torch.randn(4, 10, generator=gen, dtype=torch.float64))
+            assert not bool(grad.isnan().any()) and bool((grad[mask] == 0).all())
+            for i in range(4):  # masking equals dropping the masked columns
+                kept = ~mask[i]
+                expected = alpha_softargmax(x[i, kept], alpha)
+                torch.testing.assert_close(p[i, kept], expected.detach(), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype, gen):
+    x32 = torch.randn(8, 50, generator=gen) * 3
+    x = x32.to(dtype).requires_grad_()
+    p = alpha_softargmax(x, 1.5)
+    assert p.dtype == dtype and not bool(p.isnan().any())
+    expected = alpha_softargmax(x.detach().float(), 1.5)
+    torch.testing.assert_close(p.float(), expected, atol=1e-2, rtol=0)
+    p.float().pow(2).sum().backward()
+    assert x.grad is not None and x.grad.dtype == dtype and bool(torch.isfinite(x.grad).all())
+    # the entmax package computes in the input dtype; ours stays within half-precision rounding
+    p_topk = alpha_softargmax(x.detach(), 1.5, topk=5)
+    torch.testing.assert_close(p_topk.float(), expected, atol=1e-2, rtol=0)
+
+
+def test_large_class_count_float32_against_float64(gen):
+    x = torch.randn(2, 200_000, generator=gen, dtype=torch.float64) * 2
+    p64 = alpha_softargmax(x, 1.25, candidates=False)
+    p32 = alpha_softargmax(x.float(), 1.25)
+    torch.testing.assert_close(p32.double(), p64, atol=1e-6, rtol=0)
+    assert 0 < int((p64 > 0).sum()) < 2 * 200_000 // 100
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_newton_iteration_counts(alpha, dtype, gen):
+    # Regression guard for the counts documented in docs/qmargin.md (monotone Newton, α ≤ 2).
+    x = (torch.randn(32, 500, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    beta = torch.full((32,), alpha - 1, dtype=dtype)
+    entries = alpha_impl._Entries(32, 500)
+    problem = alpha_impl._Problem(entries, x, None, beta, alpha - 1)
+    lo, hi = alpha_impl._lower_bound(problem), alpha_impl._upper_bound(problem)
+    trace: list[torch.Tensor] = []
+    alpha_impl._find_tau(problem, lo, hi, hybrid=False, trace=trace)
+    first_done = torch.stack(trace).int().argmax(0) + 1
+    assert bool(trace[-1].all()) and int(first_done.max()) <= 8
+    expected = entmax_bisect(x.double(), alpha, n_iter=80)
+    # float precision: p is exact up to the rounding of θ − τ, i.e. a few ulps of max |θ|
+    atol = 4 * torch.finfo(dtype).eps * (1 + float(x.abs().max()))
+    torch.testing.assert_close(alpha_softargmax(x, alpha).double(), expected, atol=atol, rtol=0)
+
+
+def test_alpha_above_two_uses_few_iterations(gen):
+    x = torch.randn(64, 500, generator=gen, dtype=torch.float64) * 4
+    beta = torch.full((64,), 2.0, dtype=torch.float64)
+    problem = alpha_impl._Problem(alpha_impl._Entries(64, 500), x, None, beta, 2.0)
+    lo, hi = alpha_impl._lower_bound(problem), alpha_impl._upper_bound(problem)
+    trace: list[torch.Tensor] = []
+    alpha_impl._find_tau(problem, lo, hi, hybrid=True, trace=trace)
+    assert bool(trace[-1].all()) and len(trace) <= 40  # plain bisection needs ~55 in float64
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(3, 5)
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 1"):
+        alpha_softargmax(x, 0.9)
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 1"):
+        alpha_softargmax(x, math.nan)
+    with pytest.raises(ValueError, match="alpha must be finite and >= 1"):
+        alpha_softargmax(x, torch.tensor([1.5, math.nan, 2.0]))
+    with pytest.raises(ValueError, match="alpha must be a float or a tensor broadcastable"):
+        alpha_softargmax(x, torch.tensor([1.5, 2.0]))
+    with pytest.raises(ValueError, match="gradient with respect to alpha is not implemented"):
+        alpha_softargmax(x, torch.tensor([1.5, 1.5, 2.0], requires_grad=True))
+    with pytest.raises(TypeError, match="alpha must be a real number"):
+        alpha_softargmax(x, "1.5")
+    with pytest.raises(ValueError, match="q must be strictly positive"):
+        alpha_softargmax(x, 1.5, q=torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="q must be broadcastable to the logits shape"):
+        alpha_softargmax(x, 1.5, q=torch.ones(4))
+    with pytest.raises(ValueError, match="q contains NaN"):
+        alpha_softargmax(x, 1.5, q=torch.tensor([1.0, math.nan, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="logits contains NaN"):
+        alpha_softargmax(torch.tensor([[0.0, math.nan]]), 1.5)
+    with pytest.raises(ValueError, match=r"\+inf"):
+        alpha_softargmax(torch.tensor([[0.0, math.inf]]), 1.5)
+    with pytest.raises(ValueError, match="all -inf"):
+        alpha_softargmax(torch.tensor([[0.0, 1.0], [-math.inf, -math.inf]]), 1.5)
+    with pytest.raises(TypeError, match="logits must be a floating-point"):
+        alpha_softargmax(torch.ones(2, 3, dtype=torch.long), 1.5)
+    for bad in (0, 6, -1):
+        with pytest.raises(ValueError, match=r"topk must lie in \[1, 5\]"):
+            alpha_softargmax(x, 1.5, topk=bad)
+    with pytest.raises(ValueError, match=r"topk as a fraction must lie in \(0, 1\]"):
+        alpha_softargmax(x, 1.5, topk=1.5)
+    with pytest.raises(TypeError, match="topk must be None, an int or a float"):
+        alpha_softargmax(x, 1.5, topk=True)
+    with pytest.raises(ValueError, match="dim must index a dimension"):
+        alpha_softargmax(x, 1.5, dim=2)
