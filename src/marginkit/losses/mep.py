@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from marginkit._validation import REDUCTIONS, choice, compute_dtype, positive_float, reduce
-from marginkit.ops.projection import NORMS, mep
+from marginkit._validation import REDUCTIONS, choice, compute_dtype, float_tensor, positive_float, reduce
+from marginkit.ops.projection import NORMS, project
 
 __all__ = ["MEPLoss"]
 
@@ -58,12 +58,12 @@ class MEPLoss(nn.Module):
         self.reduction = choice(reduction, "reduction", REDUCTIONS)
 
     def forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if isinstance(scores, torch.Tensor) and scores.dim() == 0:
-            raise ValueError("scores must have shape (B, C), got a 0-dimensional tensor")
+        float_tensor(scores, "scores")
+        x = scores.to(compute_dtype(scores.dtype))
         with torch.no_grad():
-            projected = mep(scores.detach(), target, self.margin, self.norm)
-        wd = compute_dtype(scores.dtype)
-        per_row = (scores.to(wd) - projected.to(wd)).square().sum(-1)
+            # the target in the working precision (float16 inputs are not rounded twice)
+            projected = project(x.detach(), target, self.margin, self.norm, positives_name="target")
+        per_row = (x - projected).square().sum(-1)
         return reduce(per_row, self.reduction)
 
     def extra_repr(self) -> str:

@@ -19,7 +19,9 @@ NORMS = ("l1", "l2")
 
 
 # --------------------------------------------------------------------------- validation
-def _positive_mask(positives: Any, scores: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def _positive_mask(
+    positives: Any, scores: torch.Tensor, name: str = "positives"
+) -> tuple[torch.Tensor, bool]:
     """Return ``(mask, one_per_row)``: a bool mask shaped like ``scores``.
 
     ``positives`` is either a bool mask of ``scores.shape`` or integer class ids of
@@ -27,28 +29,28 @@ def _positive_mask(positives: Any, scores: torch.Tensor) -> tuple[torch.Tensor, 
     """
     if not isinstance(positives, torch.Tensor):
         raise TypeError(
-            "positives must be a torch.Tensor: a bool mask shaped like scores or integer labels "
+            f"{name} must be a torch.Tensor: a bool mask shaped like scores or integer labels "
             f"of shape scores.shape[:-1], got {type(positives).__name__}"
         )
     n = scores.shape[-1]
     if positives.dtype == torch.bool:
         if positives.shape != scores.shape:
             raise ValueError(
-                f"positives (bool mask) must have the shape of scores {tuple(scores.shape)}, "
+                f"{name} (bool mask) must have the shape of scores {tuple(scores.shape)}, "
                 f"got {tuple(positives.shape)}"
             )
         return positives.to(scores.device), False
     if torch.is_floating_point(positives) or torch.is_complex(positives):
         raise TypeError(
-            "positives must be a bool mask (dtype torch.bool) shaped like scores or integer labels "
+            f"{name} must be a bool mask (dtype torch.bool) shaped like scores or integer labels "
             f"of shape scores.shape[:-1], got dtype {positives.dtype}"
         )
     if positives.shape == scores.shape:
         raise TypeError(
-            f"positives has the shape of scores {tuple(scores.shape)} but dtype {positives.dtype}: "
+            f"{name} has the shape of scores {tuple(scores.shape)} but dtype {positives.dtype}: "
             "a mask must have dtype torch.bool (integer labels have shape scores.shape[:-1])"
         )
-    label_tensor(positives, "positives", shape=scores.shape[:-1], num_classes=n)
+    label_tensor(positives, name, shape=scores.shape[:-1], num_classes=n)
     labels = positives.to(device=scores.device, dtype=torch.long)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     mask.scatter_(-1, labels.unsqueeze(-1), True)
@@ -126,7 +128,7 @@ def margin_gap(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
 def mep(
     scores: torch.Tensor, positives: torch.Tensor, margin: float | torch.Tensor, norm: str = "l2"
 ) -> torch.Tensor:
-    r"""Margin-Enforcing Projection: the nearest scores that keep every positive ``margin`` above every negative.
+    r"""Margin-Enforcing Projection: nearest scores keeping every positive ``margin`` above every negative.
 
     For each row ``x`` (last dimension) with positive set ``P`` and negatives ``N``:
 
@@ -175,9 +177,21 @@ def mep(
 
     Reference: Su Jianlin, "Margin-Enforcing Projection", 2026 (blog post).
     """
+    return project(scores, positives, margin, norm)
+
+
+def project(
+    scores: torch.Tensor,
+    positives: torch.Tensor,
+    margin: float | torch.Tensor,
+    norm: str = "l2",
+    *,
+    positives_name: str = "positives",
+) -> torch.Tensor:
+    """:func:`mep` with the name used for ``positives`` in error messages (``MEPLoss``: ``target``)."""
     float_tensor(scores, "scores")
     choice(norm, "norm", NORMS)
-    mask, one_per_row = _positive_mask(positives, scores)
+    mask, one_per_row = _positive_mask(positives, scores, positives_name)
     wd = compute_dtype(scores.dtype)
     m = _margin_tensor(margin, scores.shape[:-1], wd, scores.device)
     x = scores.to(wd)
