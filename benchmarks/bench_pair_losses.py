@@ -9,8 +9,10 @@ Rows (D = 128, labels: B/8 classes × 8 samples in random order, float32, CPU):
   ``TripletMarginLoss`` (all triplets, its defaults; target ≤ 1.0×). The two agree in value
   and gradient (tests/test_triplet.py).
 
-Timing: median of ``--repeats`` forward+backward passes after one warm-up, all
-implementations interleaved in the same process, ``torch.set_num_threads(--threads)``.
+Timing: ``--repeats`` forward+backward passes after one warm-up, the two implementations of
+a row interleaved in the same process, ``torch.set_num_threads(--threads)``. The ratio uses
+the fastest run of each (the least disturbed by other processes on a shared machine); the
+medians are printed next to it.
 
 Peak memory: each (implementation, B) runs in a fresh subprocess. The process resets its
 peak resident set size (Linux: ``echo 5 > /proc/self/clear_refs``) after building the
@@ -122,7 +124,10 @@ def step(loss_fn: Callable, emb: torch.Tensor, labels: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def time_all(batch_sizes: list[int], repeats: int, loop_max: int) -> list[tuple[str, int, float, float]]:
+Row = tuple[str, int, list[float], list[float]]
+
+
+def time_all(batch_sizes: list[int], repeats: int, loop_max: int) -> list[Row]:
     impls = {name: make() for name, make in implementations().items()}
     rows = []
     for batch in batch_sizes:
@@ -139,7 +144,7 @@ def time_all(batch_sizes: list[int], repeats: int, loop_max: int) -> list[tuple[
             for _ in range(reps):
                 for name in (ours, ref):  # interleaved: both see the same machine load
                     times[name].append(step(impls[name], emb, labels))
-            rows.append((title, batch, statistics.median(times[ours]), statistics.median(times[ref])))
+            rows.append((title, batch, times[ours], times[ref]))
             print(f"  timed {title} at B={batch}", file=sys.stderr, flush=True)
     return rows
 
@@ -227,10 +232,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads={args.threads}, D={DIM}, {PER_CLASS} samples per class")
     rows = time_all(sizes, repeats, loop_max=1024)
     print()
-    print("| comparison | B | ours (ms) | reference (ms) | reference / ours |")
+    print(
+        "| comparison | B | ours: min (median) ms | reference: min (median) ms | speed-up (ref / ours, min) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for title, batch, ours, ref in rows:
-        print(f"| {title} | {batch} | {ours * 1e3:.2f} | {ref * 1e3:.2f} | {ref / ours:.1f}× |")
+        o, r = min(ours), min(ref)
+        om, rm = statistics.median(ours), statistics.median(ref)
+        cells = f"{o * 1e3:.2f} ({om * 1e3:.2f}) | {r * 1e3:.2f} ({rm * 1e3:.2f})"
+        print(f"| {title} | {batch} | {cells} | {r / o:.1f}× |")
     print()
     print(f"Peak extra resident memory of one forward+backward at B={mem_batch} (fresh subprocess each):")
     print()
