@@ -369,3 +369,25 @@ def test_circle_one_host_sync_per_forward(gen, monkeypatch):
     calls.clear()
     (value + CircleLoss(validate=False)(x, labels)).backward()
     assert calls == [], calls
+
+
+def test_class_circle_on_a_cosine_head_and_a_gamma_schedule(gen):
+    from marginkit.heads import CosineHead
+    from marginkit.schedules import HyperparameterScheduler, LinearWarmup
+
+    head = CosineHead(num_classes=6, embedding_dim=8)
+    with torch.no_grad():  # centres from the seeded generator, not the global RNG
+        head.weight.copy_(torch.randn(6, 8, generator=gen))
+    emb = torch.randn(10, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 6, (10,), generator=gen)
+    loss = ClassCircleLoss(margin=0.25, gamma=32.0)
+    value = loss(head(emb), labels)
+    value.backward()
+    assert torch.isfinite(value) and head.weight.grad is not None and torch.isfinite(emb.grad).all()
+    pair_loss = CircleLoss(gamma=32.0)
+    schedule = HyperparameterScheduler(pair_loss, {"gamma": LinearWarmup(32.0, 64.0, 10)})
+    for _ in range(10):
+        schedule.step()
+    assert pair_loss.gamma == pytest.approx(64.0)
+    emb2, labels2 = _batch(gen, n=12, classes=3)
+    torch.testing.assert_close(pair_loss(emb2, labels2), CircleLoss(gamma=64.0)(emb2, labels2))
