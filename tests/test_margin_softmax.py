@@ -300,6 +300,13 @@ def test_single_class_and_empty_batch():
     assert ArcFaceLoss(reduction="none")(empty, torch.zeros(0, dtype=torch.long)).shape == (0,)
 
 
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.int16, torch.uint8])
+def test_any_integer_label_dtype(gen, label_dtype):
+    cos, y = rand_cos(gen, 5, 9), torch.randint(0, 9, (5,), generator=gen)
+    loss = ArcFaceLoss(scale=20.0)
+    torch.testing.assert_close(loss(cos, y.to(label_dtype)), loss(cos, y), rtol=0, atol=0)
+
+
 def test_batched_equals_per_row(gen):
     cos, y = rand_cos(gen, 9, 31), torch.randint(0, 31, (9,), generator=gen)
     loss = ArcFaceLoss(scale=30.0, margin=0.4, reduction="none")

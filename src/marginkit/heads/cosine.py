@@ -67,16 +67,17 @@ class _CosineFn(torch.autograd.Function):
         e_hat, e_inv, e_live, w, w_inv, w_live, cos = ctx.saved_tensors
         grad = grad.to(cos.dtype)
         grad_e = grad_w = None
-        g_scaled = grad * w_inv  # ∂L/∂(e_hat·w_j) = g_bj / ‖w_j‖
+        g_scaled = grad * w_inv  # ∂L/∂(ê·w_j) = g_bj / ‖w_j‖: the one [.., C] temporary
         if ctx.needs_input_grad[0]:
             d_hat = torch.matmul(g_scaled, w)  # ∂L/∂ê
             radial = (d_hat * e_hat).sum(dim=-1, keepdim=True) * e_live
             grad_e = (d_hat - radial * e_hat) * e_inv
         if ctx.needs_input_grad[1]:
             g2 = g_scaled.reshape(-1, g_scaled.shape[-1])
-            k = (grad * cos).reshape(-1, cos.shape[-1]).sum(dim=0)  # ŵ_j · Σ_b g_bj ê_b
-            grad_w = torch.matmul(g2.t(), e_hat.reshape(-1, e_hat.shape[-1]))
-            grad_w.addcmul_(w, (-(w_inv * w_inv) * k * w_live).unsqueeze(1))
+            grad_w = torch.matmul(g2.t(), e_hat.reshape(-1, e_hat.shape[-1]))  # Σ_b g_bj ê_b / ‖w_j‖
+            # radial part: k_j/‖w_j‖ = Σ_b g_bj c_bj / ‖w_j‖ (= ŵ_j · row j above), reusing g_scaled
+            k_scaled = g2.mul_(cos.reshape(-1, cos.shape[-1])).sum(dim=0)
+            grad_w.addcmul_(w, (-(w_inv * k_scaled) * w_live).unsqueeze(1))
         return grad_e, grad_w, None
 
 

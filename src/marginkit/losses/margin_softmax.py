@@ -203,6 +203,7 @@ def margin_softmax_loss(
     same_batch(cosines, name, labels, "labels")
     label_tensor(labels, "labels", shape=(cosines.shape[0],), num_classes=cosines.shape[1])
     cos = cosines.to(compute_dtype(cosines.dtype))
+    labels = labels.to(device=cos.device, dtype=torch.long)  # gather/scatter need int64
     if cos.shape[0] == 0:
         return cos.sum(dim=1)  # empty, connected to the graph
     return _MarginSoftmaxCE.apply(cos, labels, scale, target_fn, name)
