@@ -1,0 +1,669 @@
+"""Built-in data sets, users' file formats and :func:`load_dataset`, the one entry point.
+
+A data set is named by a *spec*: a built-in name (:data:`DATASETS`) or ``scheme:PATH`` for a
+user's files (:data:`FILE_FORMATS`). Every spec yields a :class:`DatasetSplits` with float32
+inputs, int64 labels ``0..C-1`` and train / validation / test :class:`Split` s. The pipeline,
+identical for every source:
+
+1. read the source's train and test splits (and its validation split, if it has one);
+2. check labels (integers, ``[N]`` or ``[N, 1]``) and map them onto ``0..C-1`` (if the labels
+   are not already exactly ``0..C-1``, their sorted distinct values become the classes and
+   :attr:`DatasetSplits.class_names` keeps the original values);
+3. carve a stratified, seeded validation split (``val_fraction`` of each class, see
+   :func:`stratified_split`) from the training split, unless the source provides one;
+4. keep ``train_per_class`` samples per class of what remains (:func:`stratified_subset`);
+5. standardise vector features with the mean / std of the *final* training split only (for
+   sources that ask for it: ``breast_cancer``, ``features:``);
+6. convert: images to ``[N, C, H, W]`` in [0, 1], everything to float32 tensors.
+
+``seed`` drives steps 3–4 only; fixed test splits (scikit-learn sets, ``folder:`` and
+``features:`` without an explicit test split) use ``split_seed`` (default 0), so runs with
+different seeds are evaluated on the same test set. No augmentation is applied anywhere.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import random
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from marginkit._validation import positive_float, positive_int
+from marginkit.data.loaders import RawSplits, image_array
+
+__all__ = [
+    "DATASETS",
+    "FILE_FORMATS",
+    "DatasetSplits",
+    "Split",
+    "load_dataset",
+    "resolve_cache_dir",
+    "stratified_split",
+    "stratified_subset",
+]
+
+#: Built-in data set names (no files needed).
+DATASETS: tuple[str, ...] = ("mnist1d", "digits", "breast_cancer", "identities")
+#: ``scheme:PATH`` prefixes for users' own files.
+FILE_FORMATS: tuple[str, ...] = ("npz", "mnist-idx", "cifar10", "folder", "features")
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class Split:
+    """One split: ``x`` float32 ``[N, *input_shape]``, ``y`` int64 ``[N]``."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def class_counts(self, num_classes: int) -> torch.Tensor:
+        """Samples per class, ``[num_classes]`` int64."""
+        return torch.bincount(self.y, minlength=num_classes)
+
+
+@dataclass
+class DatasetSplits:
+    """A loaded data set.
+
+    Attributes:
+        train, val, test: the splits (``val`` may be empty when ``val_fraction=0``).
+        num_classes: classes of the training split (the size of a classification head).
+        input_shape: per-sample shape, e.g. ``(40,)`` for mnist1d, ``(1, 28, 28)`` for MNIST.
+        name: the spec it was loaded from.
+        open_set: ``True`` when validation/test identities are disjoint from the training
+            classes (``identities``). Their labels are then identity ids *outside*
+            ``0..num_classes-1``, meant for verification / retrieval within the split, never
+            for a classification head or for K-NN against training references.
+        class_names: one name per class (``None`` for open-set data).
+        kind: ``"image"`` (``[C, H, W]`` in [0, 1]) or ``"vector"``.
+        mean, std: standardisation statistics (shape ``input_shape``) fitted on the final
+            training split, or ``None`` when the inputs were not standardised.
+        info: provenance: source, how each split was made, options, per-split sizes.
+    """
+
+    train: Split
+    val: Split
+    test: Split
+    num_classes: int
+    input_shape: tuple[int, ...]
+    name: str
+    open_set: bool = False
+    class_names: list[str] | None = None
+    kind: str = "vector"
+    mean: torch.Tensor | None = None
+    std: torch.Tensor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def preprocess(self, x: Any) -> torch.Tensor:
+        """Bring new raw inputs (e.g. for prediction) into this data set's model input space.
+
+        Images may be ``uint8`` ``[N, H, W]`` / ``[N, H, W, C]`` / ``[N, C, H, W]`` (scaled by
+        1/255) or floating in [0, 1]; vectors are cast to float32 and standardised with the
+        training statistics when the data set was. The per-sample shape must equal
+        :attr:`input_shape`.
+        """
+        if self.kind == "image":
+            array = image_array(x.numpy() if isinstance(x, torch.Tensor) else x, "x")
+            out = _image_tensor(array)
+        else:
+            out = torch.as_tensor(
+                np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x), dtype=torch.float32
+            )
+            if not bool(torch.isfinite(out).all()):
+                raise ValueError("x contains NaN or infinite values")
+        if tuple(out.shape[1:]) != self.input_shape:
+            raise ValueError(
+                f"x must have per-sample shape {self.input_shape} for data set {self.name!r}, "
+                f"got {tuple(out.shape[1:])}"
+            )
+        if self.mean is not None and self.std is not None:
+            out = (out - self.mean) / self.std
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# stratified index selection
+
+
+def _labels_numpy(labels: Any, name: str = "labels") -> np.ndarray:
+    if isinstance(labels, torch.Tensor):
+        labels = labels.detach().cpu().numpy()
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"{name} must be a 1-D integer array, got shape {list(labels.shape)} dtype {labels.dtype}"
+        )
+    return labels
+
+
+def _class_ranks(labels: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random order within each class: returns (order, rank in class, class index of order)."""
+    perm = rng.permutation(len(labels))
+    order = perm[np.argsort(labels[perm], kind="stable")]
+    sorted_labels = labels[order]
+    _, first, inverse = np.unique(sorted_labels, return_index=True, return_inverse=True)
+    rank = np.arange(len(labels)) - first[inverse]
+    return order, rank, inverse
+
+
+def _seed(seed: Any, name: str = "seed") -> int:
+    return positive_int(seed, name, minimum=0)
+
+
+def stratified_subset(labels: Any, per_class: int, *, seed: int = 0) -> torch.Tensor:
+    """Indices of ``min(per_class, n_c)`` samples drawn at random from every class ``c``.
+
+    A class with fewer than ``per_class`` samples keeps all of them (nothing is repeated).
+    Seeded and deterministic; the subsets are *nested*: for a fixed seed the subset for
+    ``per_class = k`` is contained in the one for ``k + 1``. Vectorised (one permutation and
+    one stable sort, no loop over classes).
+
+    Args:
+        labels: ``[N]`` integer labels (tensor or array, any integer values).
+        per_class: samples to keep per class (``>= 1``).
+        seed: non-negative seed.
+
+    Returns:
+        ``[M]`` int64 indices into ``labels``, ascending.
+
+    Example:
+        >>> idx = stratified_subset(torch.tensor([0, 0, 0, 1, 1, 2]), 2, seed=0)
+        >>> torch.bincount(torch.tensor([0, 0, 0, 1, 1, 2])[idx]).tolist()
+        [2, 2, 1]
+    """
+    labels = _labels_numpy(labels)
+    per_class = positive_int(per_class, "per_class")
+    return torch.from_numpy(_subset_indices(labels, per_class, np.random.default_rng(_seed(seed))))
+
+
+def _subset_indices(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> np.ndarray:
+    if len(labels) == 0:
+        return np.empty(0, dtype=np.int64)
+    order, rank, _ = _class_ranks(labels, rng)
+    return np.sort(order[rank < per_class]).astype(np.int64)
+
+
+def stratified_split(labels: Any, fraction: float, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split indices into ``(kept, held_out)`` with a ``fraction`` of every class held out.
+
+    Class ``c`` with ``n_c`` samples gives ``min(round(fraction * n_c), n_c - 1)`` samples to
+    ``held_out`` (halves round up): a class is never moved out entirely, and a class too
+    small for its share to round to one sample stays whole in ``kept``. Seeded, vectorised.
+
+    Args:
+        labels: ``[N]`` integer labels.
+        fraction: in ``[0, 1)``.
+        seed: non-negative seed.
+
+    Returns:
+        Two ascending int64 index tensors that partition ``range(N)``.
+    """
+    labels = _labels_numpy(labels)
+    fraction = positive_float(fraction, "fraction", allow_zero=True)
+    if fraction >= 1:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
+    kept, held = _split_indices(labels, fraction, np.random.default_rng(_seed(seed)))
+    return torch.from_numpy(kept), torch.from_numpy(held)
+
+
+def _split_indices(
+    labels: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    if len(labels) == 0:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    order, rank, inverse = _class_ranks(labels, rng)
+    counts = np.bincount(inverse)
+    held = np.minimum(np.floor(fraction * counts + 0.5).astype(np.int64), counts - 1)
+    out = rank < held[inverse]
+    return np.sort(order[~out]).astype(np.int64), np.sort(order[out]).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# built-in sources
+
+
+def resolve_cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """Where generated data is cached: ``override``, else ``$MARGINKIT_CACHE``, else
+    ``$XDG_CACHE_HOME/marginkit``, else ``~/.cache/marginkit``."""
+    if override is not None:
+        return Path(override).expanduser()
+    if os.environ.get("MARGINKIT_CACHE"):
+        return Path(os.environ["MARGINKIT_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "marginkit"
+
+
+def _atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, **arrays)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_MNIST1D_VERSION = 1  # bump when the cached content changes
+
+
+def _generate_mnist1d() -> dict[str, np.ndarray]:
+    """The standard MNIST-1D (Greydanus 2020): default arguments, 4000 train / 1000 test.
+
+    ``mnist1d.data.make_dataset`` seeds numpy's *global* RNG; its state (and ``random``'s)
+    is saved and restored so loading data never changes the caller's global RNG.
+    """
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the 'mnist1d' data set needs the mnist1d package: pip install 'marginkit[cli]'"
+        ) from exc
+    np_state, py_state = np.random.get_state(), random.getstate()  # noqa: NPY002 - restore theirs
+    try:
+        data = make_dataset(get_dataset_args())
+    finally:
+        np.random.set_state(np_state)  # noqa: NPY002
+        random.setstate(py_state)
+    return {
+        "x": np.asarray(data["x"], dtype=np.float32),
+        "y": np.asarray(data["y"], dtype=np.int64),
+        "x_test": np.asarray(data["x_test"], dtype=np.float32),
+        "y_test": np.asarray(data["y_test"], dtype=np.int64),
+    }
+
+
+def _valid_mnist1d(arrays: dict[str, np.ndarray]) -> bool:
+    try:
+        return (
+            arrays["x"].shape == (4000, 40)
+            and arrays["x_test"].shape == (1000, 40)
+            and arrays["y"].shape == (4000,)
+            and arrays["y_test"].shape == (1000,)
+            and arrays["x"].dtype == np.float32
+            and bool(np.isfinite(arrays["x"]).all())
+            and set(np.unique(arrays["y"]).tolist()) == set(range(10))
+        )
+    except (KeyError, AttributeError):
+        return False
+
+
+def _mnist1d(*, cache_dir: str | None = None) -> RawSplits:
+    path = resolve_cache_dir(cache_dir) / f"mnist1d-v{_MNIST1D_VERSION}.npz"
+    arrays: dict[str, np.ndarray] | None = None
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {key: archive[key] for key in archive.files}
+        except Exception:  # a corrupt cache is regenerated, never trusted
+            arrays = None
+        if arrays is not None and not _valid_mnist1d(arrays):
+            arrays = None
+    cached = arrays is not None
+    if arrays is None:
+        arrays = _generate_mnist1d()
+        try:
+            _atomic_savez(path, arrays)
+            cached = True
+        except OSError as exc:
+            warnings.warn(
+                f"mnist1d: could not write the cache {path} ({exc}); regenerating next time", stacklevel=3
+            )
+    return RawSplits(
+        arrays["x"], arrays["y"], arrays["x_test"], arrays["y_test"], kind="vector",
+        class_names=[str(i) for i in range(10)],
+        info={"source": "mnist1d package, default arguments (seed 42)",
+              "cache": str(path) if cached else None, "split": "the package's own 4000 train / 1000 test"},
+    )  # fmt: skip
+
+
+def _sklearn_split(
+    x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int
+) -> tuple[np.ndarray, ...]:
+    train, test = stratified_split(y, test_fraction, seed=split_seed)
+    return x[train.numpy()], y[train.numpy()], x[test.numpy()], y[test.numpy()]
+
+
+def _digits(*, test_fraction: float = 0.25, split_seed: int = 0) -> RawSplits:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = (np.asarray(data.images, dtype=np.float32) / 16.0)[:, None]  # [N, 1, 8, 8], values 0..16
+    parts = _sklearn_split(images, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed)
+    return RawSplits(
+        *parts, kind="image", class_names=[str(i) for i in range(10)],
+        info={"source": "sklearn.datasets.load_digits (8x8 images, 0..16 scaled to [0, 1])",
+              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    )  # fmt: skip
+
+
+def _breast_cancer(
+    *, test_fraction: float = 0.25, split_seed: int = 0, standardize: bool = True
+) -> RawSplits:
+    from sklearn.datasets import load_breast_cancer
+
+    data = load_breast_cancer()
+    x = np.asarray(data.data, dtype=np.float64)
+    parts = _sklearn_split(x, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed)
+    return RawSplits(
+        *parts, kind="vector", class_names=[str(n) for n in data.target_names], standardize=standardize,
+        info={"source": "sklearn.datasets.load_breast_cancer (Wisconsin diagnostic, 30 features)",
+              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    )  # fmt: skip
+
+
+def _identities(
+    *,
+    num_train_identities: int = 200,
+    train_samples_per_identity: int = 20,
+    num_val_identities: int = 50,
+    num_test_identities: int = 100,
+    test_samples_per_identity: int = 10,
+    dim: int = 64,
+    identity_dim: int = 16,
+    nuisance_dim: int = 8,
+    hidden_dim: int = 128,
+    nuisance_strength: float = 1.5,
+    illumination: float = 0.3,
+    noise: float = 0.3,
+    sim_seed: int = 0,
+) -> RawSplits:
+    from marginkit.data.identities import IdentitySimulator
+
+    sim = IdentitySimulator(
+        dim=dim, identity_dim=identity_dim, nuisance_dim=nuisance_dim, hidden_dim=hidden_dim,
+        nuisance_strength=nuisance_strength, illumination=illumination, noise=noise, seed=sim_seed,
+    )  # fmt: skip
+    parts = sim.splits(
+        num_train_identities=num_train_identities, train_samples_per_identity=train_samples_per_identity,
+        num_val_identities=num_val_identities, num_test_identities=num_test_identities,
+        test_samples_per_identity=test_samples_per_identity,
+    )  # fmt: skip
+    return RawSplits(
+        parts["train"].x, parts["train"].y, parts["test"].x, parts["test"].y,
+        x_val=parts["val"].x, y_val=parts["val"].y, kind="vector", open_set=True,
+        info={"source": f"SIMULATION: marginkit.data.IdentitySimulator(seed={sim_seed})",
+              "split": "disjoint identities: train 0..T-1, val T..T+V-1, test T+V..T+V+S-1",
+              "num_train_identities": num_train_identities, "num_val_identities": num_val_identities,
+              "num_test_identities": num_test_identities},
+    )  # fmt: skip
+
+
+def _path(rest: str, scheme: str) -> Path:
+    if not rest:
+        raise ValueError(f"dataset spec '{scheme}:' needs a path after the colon, e.g. '{scheme}:/data/x'")
+    return Path(rest).expanduser()
+
+
+def _npz(rest: str) -> RawSplits:
+    from marginkit.data.loaders import read_npz
+
+    return read_npz(_path(rest, "npz"))
+
+
+def _mnist_idx(rest: str) -> RawSplits:
+    from marginkit.data.loaders import read_mnist_idx
+
+    return read_mnist_idx(_path(rest, "mnist-idx"))
+
+
+def _cifar10(rest: str) -> RawSplits:
+    from marginkit.data.loaders import read_cifar10
+
+    return read_cifar10(_path(rest, "cifar10"))
+
+
+def _folder(
+    rest: str, *, image_size: int | tuple[int, int] | None = None, color: str = "auto",
+    test_fraction: float = 0.2, split_seed: int = 0,
+) -> RawSplits:  # fmt: skip
+    from marginkit.data.loaders import read_folder
+
+    return read_folder(
+        _path(rest, "folder"), image_size=image_size, color=color, test_fraction=test_fraction,
+        split_seed=_seed(split_seed, "split_seed"),
+    )  # fmt: skip
+
+
+def _features(
+    rest: str, *, test_fraction: float = 0.2, split_seed: int = 0, standardize: bool = True
+) -> RawSplits:
+    from marginkit.data.loaders import read_features
+
+    return read_features(
+        _path(rest, "features"), test_fraction=test_fraction, split_seed=_seed(split_seed, "split_seed"),
+        standardize=standardize,
+    )  # fmt: skip
+
+
+_BUILTINS: dict[str, Callable[..., RawSplits]] = {
+    "mnist1d": _mnist1d,
+    "digits": _digits,
+    "breast_cancer": _breast_cancer,
+    "identities": _identities,
+}
+_FILE_READERS: dict[str, Callable[..., RawSplits]] = {
+    "npz": _npz,
+    "mnist-idx": _mnist_idx,
+    "cifar10": _cifar10,
+    "folder": _folder,
+    "features": _features,
+}
+
+
+def _options_of(reader: Callable[..., RawSplits]) -> tuple[str, ...]:
+    import inspect
+
+    return tuple(
+        name
+        for name, p in inspect.signature(reader).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    )
+
+
+def dataset_options(spec: str) -> tuple[str, ...]:
+    """The extra ``**options`` accepted by :func:`load_dataset` for ``spec``."""
+    return _options_of(_resolve(spec)[0])
+
+
+def _unknown_spec(spec: str) -> ValueError:
+    valid = ", ".join(DATASETS) + "; files: " + ", ".join(f"{s}:PATH" for s in FILE_FORMATS)
+    guess = difflib.get_close_matches(spec.split(":", 1)[0], [*DATASETS, *FILE_FORMATS], n=1)
+    hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+    return ValueError(f"unknown dataset {spec!r}{hint}; valid: {valid}")
+
+
+def _resolve(spec: str) -> tuple[Callable[..., RawSplits], str | None]:
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str (a dataset name or 'format:PATH'), got {type(spec).__name__}")
+    if spec in _BUILTINS:
+        return _BUILTINS[spec], None
+    scheme, sep, rest = spec.partition(":")
+    if sep and scheme in _FILE_READERS:
+        return _FILE_READERS[scheme], rest
+    raise _unknown_spec(spec)
+
+
+# --------------------------------------------------------------------------------------------
+# assembly
+
+
+def _image_tensor(x: np.ndarray) -> torch.Tensor:
+    if x.dtype == np.uint8:
+        return torch.from_numpy(x.astype(np.float32) / np.float32(255.0))
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def _to_tensor(x: np.ndarray, kind: str) -> torch.Tensor:
+    if kind == "image":
+        return _image_tensor(x)
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def _remap_labels(raw: RawSplits, name: str) -> tuple[dict[str, np.ndarray], int, list[str] | None]:
+    labels = {"train": raw.y_train, "test": raw.y_test}
+    if raw.y_val is not None:
+        labels["val"] = raw.y_val
+    if raw.open_set:
+        return labels, int(np.unique(raw.y_train).size), None
+    present = np.unique(np.concatenate(list(labels.values())))
+    names = raw.class_names
+    if names is not None and present.size and present[-1] >= len(names):
+        raise ValueError(f"{name}: label {int(present[-1])} has no entry in its {len(names)} class names")
+    if present.size and np.array_equal(present, np.arange(present.size)):
+        num_classes = int(present.size) if names is None else len(names)
+        return labels, num_classes, names
+    remapped = {split: np.searchsorted(present, y).astype(np.int64) for split, y in labels.items()}
+    new_names = [names[v] if names is not None else str(v) for v in present.tolist()]
+    return remapped, int(present.size), new_names
+
+
+def load_dataset(
+    spec: str,
+    *,
+    seed: int = 0,
+    train_per_class: int | None = None,
+    val_fraction: float = 0.1,
+    **options: Any,
+) -> DatasetSplits:
+    """Load a built-in data set or a user's files as float32 train / validation / test tensors.
+
+    Specs (options in brackets; see docs/data.md):
+
+    - ``"mnist1d"`` — MNIST-1D (Greydanus 2020), generated offline by the ``mnist1d`` package
+      with its default arguments and cached (``[cache_dir]``); 4000 train / 1000 test
+      sequences as ``x`` ``[N, 40]`` (``input_shape == (40,)``), 10 classes.
+    - ``"digits"`` — scikit-learn's 8×8 digits as ``[N, 1, 8, 8]`` in [0, 1]; fixed stratified
+      split ``[test_fraction=0.25, split_seed=0]``.
+    - ``"breast_cancer"`` — scikit-learn's Wisconsin diagnostic set, 30 features, 2 classes,
+      standardised with training statistics ``[test_fraction=0.25, split_seed=0, standardize=True]``.
+    - ``"identities"`` — an open-set verification SIMULATION (:class:`IdentitySimulator`);
+      ``open_set=True`` and its own disjoint validation identities ``[num_train_identities=200,
+      train_samples_per_identity=20, num_val_identities=50, num_test_identities=100,
+      test_samples_per_identity=10, dim=64, identity_dim=16, nuisance_dim=8, hidden_dim=128,
+      nuisance_strength=1.5, illumination=0.3, noise=0.3, sim_seed=0]``.
+    - ``"npz:PATH"`` (MedMNIST schema), ``"mnist-idx:DIR"``, ``"cifar10:DIR"``,
+      ``"folder:DIR"`` ``[image_size, color="auto", test_fraction=0.2, split_seed=0]``,
+      ``"features:PATH.npz"`` ``[test_fraction=0.2, split_seed=0, standardize=True]``.
+
+    Args:
+        spec: a name from :data:`DATASETS` or ``format:PATH`` with a format from :data:`FILE_FORMATS`.
+        seed: seeds the validation carving and the ``train_per_class`` subset (non-negative).
+        train_per_class: keep this many training samples per class (stratified, seeded,
+            nested in ``N``); a class with fewer keeps all it has and a warning names it.
+            Applied after the validation split is carved, so validation never shares samples
+            with training and its size does not depend on ``N``.
+        val_fraction: share of each training class moved to validation (``[0, 1)``; ``0`` gives
+            an empty validation split). Ignored when the source has its own validation split
+            (MedMNIST ``val_*``, ``folder:`` ``val/``, ``features:`` ``x_val``, ``identities``).
+        **options: source-specific options listed above; an unknown option is a ValueError.
+
+    Returns:
+        :class:`DatasetSplits`.
+
+    Example:
+        >>> data = load_dataset("digits", train_per_class=10, seed=0)
+        >>> data.input_shape, len(data.train), data.num_classes
+        ((1, 8, 8), 100, 10)
+    """
+    reader, rest = _resolve(spec)
+    seed = _seed(seed)
+    val_fraction = positive_float(val_fraction, "val_fraction", allow_zero=True)
+    if val_fraction >= 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if train_per_class is not None:
+        train_per_class = positive_int(train_per_class, "train_per_class")
+    allowed = _options_of(reader)
+    for key in options:
+        if key not in allowed:
+            guess = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            valid = ", ".join(allowed) if allowed else "none"
+            raise ValueError(f"unknown option {key!r} for dataset {spec!r}{hint}; valid options: {valid}")
+    raw = reader(**options) if rest is None else reader(rest, **options)
+
+    labels, num_classes, class_names = _remap_labels(raw, spec)
+    x_train, y_train = raw.x_train, labels["train"]
+    info: dict[str, Any] = dict(raw.info)
+    info["options"] = dict(options)
+    if raw.x_val is not None:
+        x_val, y_val = raw.x_val, labels["val"]
+        info["val_split"] = "provided by the source"
+    else:
+        keep_np, held_np = _split_indices(y_train, val_fraction, np.random.default_rng([seed, 1]))
+        x_val, y_val = x_train[held_np], y_train[held_np]
+        x_train, y_train = x_train[keep_np], y_train[keep_np]
+        info["val_split"] = f"stratified val_fraction={val_fraction} of each training class, seed={seed}"
+    if train_per_class is not None:
+        subset = _subset_indices(y_train, train_per_class, np.random.default_rng([seed, 2]))
+        counts = np.bincount(y_train, minlength=num_classes)
+        short = [c for c in np.flatnonzero(counts < train_per_class).tolist() if counts[c] > 0]
+        if short:
+            shown = ", ".join(f"{class_names[c] if class_names else c} ({counts[c]})" for c in short[:10]) + (
+                " ..." if len(short) > 10 else ""
+            )
+            warnings.warn(
+                f"{spec}: train_per_class={train_per_class} but {len(short)} class(es) have fewer training "
+                f"samples and keep all of them: {shown}",
+                UserWarning,
+                stacklevel=2,
+            )
+        x_train, y_train = x_train[subset], y_train[subset]
+        info["train_per_class"] = train_per_class
+    if len(y_train) == 0:
+        raise ValueError(f"{spec}: the training split is empty")
+    if not raw.open_set:
+        missing = np.setdiff1d(np.unique(labels["test"]), np.unique(y_train))
+        if missing.size:
+            warnings.warn(
+                f"{spec}: test class(es) {missing.tolist()[:10]} have no training samples",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    mean = std = None
+    if raw.standardize:  # statistics of the final training split only, computed in float64
+        x64 = torch.from_numpy(np.asarray(x_train, dtype=np.float64))
+        mean64, std64 = x64.mean(dim=0), x64.std(dim=0, unbiased=False)
+        std64 = torch.where(std64 > 1e-12 * (1 + mean64.abs()), std64, torch.ones_like(std64))  # constant
+        mean, std = mean64.float(), std64.float()
+        train_x = ((x64 - mean64) / std64).float()
+    else:
+        train_x = _to_tensor(x_train, raw.kind)
+
+    def finish(x: np.ndarray) -> torch.Tensor:
+        if not raw.standardize:
+            return _to_tensor(x, raw.kind)
+        return ((torch.from_numpy(np.asarray(x, dtype=np.float64)) - mean64) / std64).float()
+
+    splits = {
+        "train": Split(train_x, torch.from_numpy(np.ascontiguousarray(y_train, dtype=np.int64))),
+        "val": Split(finish(x_val), torch.from_numpy(np.ascontiguousarray(y_val, dtype=np.int64))),
+        "test": Split(
+            finish(raw.x_test), torch.from_numpy(np.ascontiguousarray(labels["test"], dtype=np.int64))
+        ),
+    }
+    if len(splits["test"]) == 0:
+        raise ValueError(f"{spec}: the test split is empty")
+    info["sizes"] = {k: len(v) for k, v in splits.items()}
+    return DatasetSplits(
+        **splits, num_classes=num_classes, input_shape=tuple(int(s) for s in train_x.shape[1:]), name=spec,
+        open_set=raw.open_set, class_names=class_names, kind=raw.kind, mean=mean, std=std, info=info,
+    )  # fmt: skip

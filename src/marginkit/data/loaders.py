@@ -1,0 +1,606 @@
+"""Readers for users' own data files: ``npz:``, ``mnist-idx:``, ``cifar10:``, ``folder:``, ``features:``.
+
+Each reader returns a :class:`RawSplits` (numpy arrays, labels not yet checked against each
+other); :func:`marginkit.data.load_dataset` turns it into tensors, carves the validation split,
+applies ``train_per_class`` and standardisation. The readers only *parse and validate*:
+every problem with a file is a :class:`ValueError` (or :class:`FileNotFoundError`) whose message
+names the path and what was expected.
+
+Nothing here executes code from a data file: ``.npz`` archives are opened with
+``allow_pickle=False`` and CIFAR-10's pickled batches go through :class:`RestrictedUnpickler`,
+which admits only numpy array reconstruction.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "RawSplits",
+    "RestrictedUnpickler",
+    "read_cifar10",
+    "read_features",
+    "read_folder",
+    "read_mnist_idx",
+    "read_npz",
+]
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+
+@dataclass
+class RawSplits:
+    """Arrays read from a source, before tensors, validation carving and subsetting.
+
+    ``kind`` is ``"image"`` (``x`` is ``[N, C, H, W]``, ``uint8`` in 0..255 or floating in
+    [0, 1]) or ``"vector"`` (``x`` is ``[N, ...]`` floating, standardised later when
+    ``standardize``). Labels are 1-D integer arrays. ``x_val``/``y_val`` are ``None`` when the
+    source has no validation split (one is then carved from the training split).
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_val: np.ndarray | None = None
+    y_val: np.ndarray | None = None
+    kind: str = "vector"
+    class_names: list[str] | None = None
+    standardize: bool = False
+    open_set: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# shared checks
+
+
+def labels_array(y: Any, where: str) -> np.ndarray:
+    """Integer labels as a 1-D int64 array; ``[N, 1]`` is squeezed.
+
+    Floating labels are accepted only when every value is a whole number; anything else
+    (fractions, NaN, strings, multi-label ``[N, K>1]``) is a :class:`ValueError` naming ``where``.
+    """
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise ValueError(
+            f"{where}: labels must have shape [N] or [N, 1] (one integer class per sample), got shape "
+            f"{list(y.shape)}" + (" (multi-label data is not supported)" if y.ndim == 2 else "")
+        )
+    if y.dtype == np.bool_ or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise ValueError(f"{where}: labels must be integers, got dtype {y.dtype}")
+    if np.issubdtype(y.dtype, np.floating):
+        bad = ~np.isfinite(y) | (y != np.round(y))
+        if bad.any():
+            first = y[np.flatnonzero(bad)[0]]
+            raise ValueError(f"{where}: labels must be integers, got non-integer value {first!r}")
+    if y.size and y.min() < 0:
+        raise ValueError(f"{where}: labels must be non-negative integers, got {int(y.min())}")
+    return y.astype(np.int64)
+
+
+def image_array(x: Any, where: str) -> np.ndarray:
+    """Images as ``[N, C, H, W]`` (C in {1, 3}); accepts ``[N, H, W]``, ``[N, H, W, C]``, ``[N, C, H, W]``.
+
+    ``uint8`` is kept as is (scaled to [0, 1] later); floating images must lie in [0, 1].
+    """
+    x = np.asarray(x)
+    if x.dtype == np.uint8:
+        pass
+    elif np.issubdtype(x.dtype, np.floating):
+        if x.size and (not np.isfinite(x).all() or x.min() < 0 or x.max() > 1):
+            raise ValueError(
+                f"{where}: floating images must be finite and lie in [0, 1] (or use uint8 0..255)"
+            )
+    else:
+        raise ValueError(f"{where}: images must be uint8 (0..255) or floating in [0, 1], got dtype {x.dtype}")
+    if x.ndim == 3:
+        return x[:, None]
+    if x.ndim == 4:
+        if x.shape[3] in (1, 3):
+            return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        if x.shape[1] in (1, 3):
+            return x
+    raise ValueError(
+        f"{where}: images must have shape [N, H, W], [N, H, W, C] or [N, C, H, W] with C in {{1, 3}}, "
+        f"got {list(x.shape)}"
+    )
+
+
+def same_length(x: np.ndarray, y: np.ndarray, where: str) -> None:
+    if len(x) != len(y):
+        raise ValueError(f"{where}: {len(x)} samples but {len(y)} labels; they must match")
+
+
+def _npz_arrays(path: Path) -> dict[str, np.ndarray]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (expected a .npz archive)")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: not a readable .npz archive of plain arrays ({exc})") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# npz: MedMNIST schema
+
+
+def read_npz(path: str | os.PathLike[str]) -> RawSplits:
+    """Read an ``.npz`` in MedMNIST's schema.
+
+    Keys ``train_images``, ``train_labels``, ``test_images``, ``test_labels`` (required) and
+    ``val_images``, ``val_labels`` (optional, together). Images ``[N, H, W]`` or ``[N, H, W, C]``
+    ``uint8`` (or floating in [0, 1]); labels ``[N]`` or ``[N, 1]`` integers.
+    """
+    path = Path(path)
+    arrays = _npz_arrays(path)
+    required = ("train_images", "train_labels", "test_images", "test_labels")
+    missing = [key for key in required if key not in arrays]
+    if missing:
+        raise ValueError(
+            f"{path}: missing array(s) {', '.join(missing)}; expected MedMNIST's keys "
+            f"{', '.join(required)} (and optionally val_images, val_labels); "
+            f"found {', '.join(arrays) or 'none'}"
+        )
+    has_val = ("val_images" in arrays, "val_labels" in arrays)
+    if has_val[0] != has_val[1]:
+        raise ValueError(f"{path}: val_images and val_labels must be given together")
+    splits: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for split in ("train", "val", "test") if all(has_val) else ("train", "test"):
+        where = f"{path} [{split}]"
+        x = image_array(arrays[f"{split}_images"], f"{where} {split}_images")
+        y = labels_array(arrays[f"{split}_labels"], f"{where} {split}_labels")
+        same_length(x, y, where)
+        splits[split] = (x, y)
+    shapes = {split: xy[0].shape[1:] for split, xy in splits.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"{path}: image shapes differ between splits: {shapes}")
+    val = splits.get("val", (None, None))
+    return RawSplits(
+        *splits["train"],
+        *splits["test"],
+        x_val=val[0],
+        y_val=val[1],
+        kind="image",
+        info={"source": str(path)},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# IDX (MNIST, Fashion-MNIST, KMNIST, ...)
+
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def parse_idx(data: bytes, where: str) -> np.ndarray:
+    """Parse one IDX file: magic ``00 00 <type> <ndim>``, ``ndim`` big-endian uint32 sizes, data."""
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES or not 1 <= data[3] <= 4:
+        raise ValueError(f"{where}: not an IDX file (bad magic number {data[:4].hex() or 'empty'})")
+    ndim = data[3]
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{where}: truncated IDX header")
+    shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    dtype = np.dtype(_IDX_DTYPES[data[2]])
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(data) - header != expected:
+        raise ValueError(
+            f"{where}: IDX header declares shape {list(shape)} ({expected} data bytes) but the file holds "
+            f"{len(data) - header} data bytes (truncated or corrupt)"
+        )
+    return np.frombuffer(data, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def _read_maybe_gzip(path: Path) -> bytes:
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise ValueError(f"{path}: corrupt gzip data ({exc})") from exc
+    return raw
+
+
+def _find_idx(root: Path, prefix: str, what: str, rank: int) -> Path:
+    stems = [f"{prefix}-{what}-idx{rank}-ubyte", f"{prefix}-{what}.idx{rank}-ubyte"]
+    for stem in stems:
+        for name in (stem, stem + ".gz"):
+            if (root / name).is_file():
+                return root / name
+    raise FileNotFoundError(f"{root}: missing IDX file {stems[0]} (or {stems[0]}.gz)")
+
+
+def read_mnist_idx(directory: str | os.PathLike[str]) -> RawSplits:
+    """Read MNIST-style IDX files from ``directory``, gzipped or not.
+
+    Expects ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte`` and
+    ``t10k-labels-idx1-ubyte`` (each optionally ``.gz``; ``train-images.idx3-ubyte`` spelling accepted).
+    Headers are checked (magic number, dimensions, data size) and labels must be integers.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such directory (expected a folder of MNIST IDX files)")
+    out = []
+    for prefix in ("train", "t10k"):
+        images_path = _find_idx(root, prefix, "images", 3)
+        labels_path = _find_idx(root, prefix, "labels", 1)
+        images = parse_idx(_read_maybe_gzip(images_path), str(images_path))
+        labels = parse_idx(_read_maybe_gzip(labels_path), str(labels_path))
+        if images.ndim != 3:
+            raise ValueError(f"{images_path}: expected 3-D images [N, H, W], got shape {list(images.shape)}")
+        if images.dtype != np.uint8:
+            raise ValueError(
+                f"{images_path}: expected unsigned-byte images (IDX type 0x08), got {images.dtype}"
+            )
+        if labels.ndim != 1:
+            raise ValueError(f"{labels_path}: expected 1-D labels [N], got shape {list(labels.shape)}")
+        labels = labels_array(labels, str(labels_path))
+        same_length(images, labels, f"{images_path} / {labels_path}")
+        out += [images[:, None], labels]
+    if out[0].shape[1:] != out[2].shape[1:]:
+        raise ValueError(
+            f"{root}: train images {out[0].shape[2:]} and test images {out[2].shape[2:]} differ in size"
+        )
+    return RawSplits(*out, kind="image", info={"source": str(root)})
+
+
+# --------------------------------------------------------------------------------------------
+# CIFAR-10 python batches, restricted unpickling
+
+
+def _numpy_reconstruct() -> Any:
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
+
+
+def _numpy_scalar() -> Any:
+    try:
+        from numpy._core.multiarray import scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import scalar
+    return scalar
+
+
+def _numpy_frombuffer() -> Any:
+    try:
+        from numpy._core.numeric import _frombuffer
+    except ImportError:  # numpy < 2
+        from numpy.core.numeric import _frombuffer
+    return _frombuffer
+
+
+def _codecs_encode() -> Any:
+    import codecs
+
+    return codecs.encode
+
+
+# (module, name) -> factory of the one object it may resolve to. Nothing else is importable.
+_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {}
+for _module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+    _ALLOWED_GLOBALS[(_module, "_reconstruct")] = _numpy_reconstruct
+    _ALLOWED_GLOBALS[(_module, "scalar")] = _numpy_scalar
+for _module in ("numpy.core.numeric", "numpy._core.numeric"):
+    _ALLOWED_GLOBALS[(_module, "_frombuffer")] = _numpy_frombuffer
+_ALLOWED_GLOBALS[("numpy", "ndarray")] = lambda: np.ndarray
+_ALLOWED_GLOBALS[("numpy", "dtype")] = lambda: np.dtype
+# protocol-2 pickles written by Python 3 spell ``bytes`` objects as _codecs.encode(str, "latin1")
+_ALLOWED_GLOBALS[("_codecs", "encode")] = _codecs_encode
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that can rebuild numpy arrays, dicts, lists, str/bytes and numbers — nothing else.
+
+    :meth:`find_class` admits only numpy's array/dtype/scalar reconstructors (under their
+    numpy 1 and numpy 2 module names) and ``_codecs.encode`` (how Python 3 writes ``bytes`` at
+    protocol 2). Any other global — ``os.system``, ``builtins.eval``, ``subprocess.Popen``, a
+    user class — raises :class:`pickle.UnpicklingError` *before* anything is called, so a
+    malicious pickle cannot execute code.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        factory = _ALLOWED_GLOBALS.get((module, name))
+        if factory is None:
+            raise pickle.UnpicklingError(
+                f"refusing to load global {module}.{name}: only numpy arrays and plain Python "
+                "containers are allowed in data files"
+            )
+        return factory()
+
+
+def restricted_load(path: Path) -> Any:
+    """Unpickle ``path`` with :class:`RestrictedUnpickler` (``encoding="bytes"`` for Python 2 pickles)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        with path.open("rb") as handle:
+            return RestrictedUnpickler(handle, encoding="bytes").load()
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{path}: unsafe or corrupt pickle refused: {exc}") from exc
+    except (EOFError, ValueError, TypeError, IndexError, AttributeError, KeyError, OverflowError) as exc:
+        raise ValueError(f"{path}: corrupt pickle ({type(exc).__name__}: {exc})") from exc
+
+
+def _text(key: Any) -> Any:
+    return key.decode("latin1") if isinstance(key, bytes) else key
+
+
+def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    batch = restricted_load(path)
+    if not isinstance(batch, dict):
+        raise ValueError(
+            f"{path}: expected a pickled dict with 'data' and 'labels', got {type(batch).__name__}"
+        )
+    batch = {_text(k): v for k, v in batch.items()}
+    if "data" not in batch or "labels" not in batch:
+        raise ValueError(f"{path}: expected keys 'data' and 'labels', found {sorted(map(str, batch))}")
+    data = batch["data"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        shape = list(data.shape) if isinstance(data, np.ndarray) else type(data).__name__
+        dtype = data.dtype if isinstance(data, np.ndarray) else "-"
+        raise ValueError(f"{path}: 'data' must be a uint8 array [N, 3072] (32x32 RGB), got {shape} {dtype}")
+    labels = batch["labels"]
+    if isinstance(labels, list) and not all(type(v) is int for v in labels):
+        raise ValueError(f"{path}: labels must be integers")
+    labels = labels_array(np.asarray(labels), f"{path} labels")
+    same_length(data, labels, str(path))
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def read_cifar10(directory: str | os.PathLike[str]) -> RawSplits:
+    """Read CIFAR-10's python batches (``data_batch_1`` … ``data_batch_5``, ``test_batch``).
+
+    ``directory`` may be the ``cifar-10-batches-py`` folder or its parent. Every batch goes
+    through :class:`RestrictedUnpickler`; ``batches.meta`` (optional) supplies class names.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such directory (expected CIFAR-10's python batches)")
+    if not (root / "test_batch").exists() and (root / "cifar-10-batches-py").is_dir():
+        root = root / "cifar-10-batches-py"
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    missing = [name for name in names if not (root / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{root}: missing CIFAR-10 batch file(s) {', '.join(missing)}")
+    batches = [_cifar_batch(root / name) for name in names]
+    x_train = np.concatenate([b[0] for b in batches[:5]])
+    y_train = np.concatenate([b[1] for b in batches[:5]])
+    class_names = None
+    if (root / "batches.meta").is_file():
+        meta = restricted_load(root / "batches.meta")
+        if isinstance(meta, dict):
+            names_raw = {_text(k): v for k, v in meta.items()}.get("label_names")
+            if isinstance(names_raw, list) and all(isinstance(n, (bytes, str)) for n in names_raw):
+                class_names = [str(_text(n)) for n in names_raw]
+    return RawSplits(
+        x_train, y_train, *batches[5], kind="image", class_names=class_names, info={"source": str(root)}
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# folder of class sub-folders, read with Pillow
+
+
+def _class_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _image_files(folder: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+    )
+
+
+def _load_image(path: Path, mode: str, size: tuple[int, int] | None) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image = image.convert(mode)
+            if size is not None and image.size != (size[1], size[0]):
+                image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
+            array = np.asarray(image, dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"{path}: cannot read image ({exc})") from exc
+    return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+
+
+def _image_mode(files: list[Path], color: str) -> str:
+    if color == "grayscale":
+        return "L"
+    if color == "rgb":
+        return "RGB"
+    from PIL import Image
+
+    for path in files:
+        try:
+            with Image.open(path) as image:
+                if image.mode not in ("1", "L", "LA", "I", "I;16", "F"):
+                    return "RGB"
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read image ({exc})") from exc
+    return "L"
+
+
+def read_folder(
+    directory: str | os.PathLike[str],
+    *,
+    image_size: int | tuple[int, int] | None = None,
+    color: str = "auto",
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+) -> RawSplits:
+    """Read a folder with one sub-folder of images per class.
+
+    Layouts: ``DIR/<class>/*.png``, or ``DIR/train/<class>/…`` and ``DIR/test/<class>/…``
+    (plus optional ``DIR/val/<class>/…``), used as given. In the first layout a stratified
+    ``test_fraction`` of each class (seeded by ``split_seed``, see
+    :func:`marginkit.data.stratified_split`) becomes the test split. Class names are the
+    sorted folder names (union over splits); labels are their indices. ``color``: ``"auto"``
+    (grayscale if every image is, else RGB), ``"grayscale"`` or ``"rgb"``. ``image_size``
+    (``S`` or ``(H, W)``) resizes every image bilinearly; without it all images must already
+    share one size.
+    """
+    from marginkit._validation import choice
+
+    color = choice(color, "color", ("auto", "grayscale", "rgb"))
+    size: tuple[int, int] | None = None
+    if image_size is not None:
+        if isinstance(image_size, int) and not isinstance(image_size, bool):
+            size = (image_size, image_size)
+        elif (
+            isinstance(image_size, (tuple, list))
+            and len(image_size) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in image_size)
+        ):
+            size = (int(image_size[0]), int(image_size[1]))
+        else:
+            raise ValueError(f"image_size must be an int or a pair (H, W) of ints, got {image_size!r}")
+        if min(size) < 1:
+            raise ValueError(f"image_size must be positive, got {image_size!r}")
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such directory (expected one sub-folder of images per class)")
+    split_layout = (root / "train").is_dir() and (root / "test").is_dir()
+    split_roots = (
+        {s: root / s for s in ("train", "val", "test") if (root / s).is_dir()} if split_layout else {}
+    )
+    roots = split_roots or {"all": root}
+    listing: dict[str, dict[str, list[Path]]] = {}
+    for split, split_root in roots.items():
+        dirs = _class_dirs(split_root)
+        if not dirs:
+            raise ValueError(
+                f"{split_root}: no class sub-folders found (expected {split_root}/<class>/<image>)"
+            )
+        listing[split] = {}
+        for d in dirs:
+            files = _image_files(d)
+            if not files:
+                raise ValueError(f"{d}: class folder holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+            listing[split][d.name] = files
+    class_names = sorted({name for per in listing.values() for name in per})
+    index = {name: i for i, name in enumerate(class_names)}
+    all_files = [f for per in listing.values() for files in per.values() for f in files]
+    mode = _image_mode(all_files, color)
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    shapes: dict[tuple[int, ...], Path] = {}
+    for split, per in listing.items():
+        images, labels = [], []
+        for name, files in per.items():
+            for path in files:
+                image = _load_image(path, mode, size)
+                shapes.setdefault(image.shape, path)
+                if len(shapes) > 1:
+                    (a, pa), (b, pb) = list(shapes.items())[:2]
+                    raise ValueError(
+                        f"{root}: images differ in size ({pa}: {a[1]}x{a[2]}, {pb}: {b[1]}x{b[2]}); "
+                        "pass the option image_size=S (or (H, W)) to resize them to a common size"
+                    )
+                images.append(image)
+            labels.append(np.full(len(files), index[name], dtype=np.int64))
+        arrays[split] = (np.stack(images), np.concatenate(labels))
+    info = {"source": str(root), "color": mode, "image_size": next(iter(shapes))[1:]}
+    if split_layout:
+        val = arrays.get("val", (None, None))
+        info["split"] = "train/ and test/ sub-folders as given"
+        return RawSplits(
+            *arrays["train"], *arrays["test"], x_val=val[0], y_val=val[1], kind="image",
+            class_names=class_names, info=info,
+        )  # fmt: skip
+    x, y = arrays["all"]
+    train, test = _seeded_split(y, test_fraction, split_seed)
+    info["split"] = f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"
+    return RawSplits(x[train], y[train], x[test], y[test], kind="image", class_names=class_names, info=info)
+
+
+def _seeded_split(y: np.ndarray, test_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    from marginkit.data.datasets import stratified_split
+
+    train, test = stratified_split(y, test_fraction, seed=split_seed)
+    if len(test) == 0:
+        raise ValueError(
+            f"test_fraction={test_fraction} leaves no test samples ({len(y)} samples); "
+            "raise test_fraction or provide an explicit test split"
+        )
+    return train.numpy(), test.numpy()
+
+
+# --------------------------------------------------------------------------------------------
+# features: x, y arrays
+
+
+def read_features(
+    path: str | os.PathLike[str], *, test_fraction: float = 0.2, split_seed: int = 0, standardize: bool = True
+) -> RawSplits:
+    """Read ``x``, ``y`` (and optional ``x_val``/``y_val``, ``x_test``/``y_test``, ``class_names``).
+
+    ``x`` is ``[N, D, ...]`` numeric (cast to float32), ``y`` integer labels ``[N]``. Without
+    ``x_test``/``y_test``, a stratified ``test_fraction`` of each class (seeded by ``split_seed``)
+    becomes the test split. With ``standardize`` every feature is later centred and scaled
+    with the mean and standard deviation of the final training split only.
+    """
+    path = Path(path)
+    arrays = _npz_arrays(path)
+    if "x" not in arrays or "y" not in arrays:
+        raise ValueError(
+            f"{path}: expected arrays 'x' (features [N, D]) and 'y' (integer labels [N]); "
+            f"found {', '.join(arrays) or 'none'}"
+        )
+    out: dict[str, np.ndarray] = {}
+    for suffix in ("", "_val", "_test"):
+        kx, ky = f"x{suffix}", f"y{suffix}"
+        if (kx in arrays) != (ky in arrays):
+            raise ValueError(f"{path}: {kx} and {ky} must be given together")
+        if kx not in arrays:
+            continue
+        x = arrays[kx]
+        if x.ndim < 2 or x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.number):
+            raise ValueError(
+                f"{path}: '{kx}' must be a numeric array [N, D, ...], got {list(x.shape)} {x.dtype}"
+            )
+        if np.iscomplexobj(x) or not np.isfinite(x).all():
+            raise ValueError(f"{path}: '{kx}' must hold finite real numbers")
+        y = labels_array(arrays[ky], f"{path} '{ky}'")
+        same_length(x, y, f"{path} '{kx}'/'{ky}'")
+        if suffix and x.shape[1:] != out["x"].shape[1:]:
+            raise ValueError(
+                f"{path}: '{kx}' has per-sample shape {list(x.shape[1:])} "
+                f"but 'x' has {list(out['x'].shape[1:])}"
+            )
+        out[kx], out[ky] = x, y
+    class_names = None
+    if "class_names" in arrays:
+        names = arrays["class_names"]
+        if names.ndim != 1 or names.dtype.kind not in "US":
+            raise ValueError(f"{path}: 'class_names' must be a 1-D array of strings")
+        class_names = [str(_text(n)) for n in names.tolist()]
+    info: dict[str, Any] = {"source": str(path)}
+    if "x_test" in out:
+        x_train, y_train, x_test, y_test = out["x"], out["y"], out["x_test"], out["y_test"]
+        info["split"] = "x_test/y_test as given"
+    else:
+        train, test = _seeded_split(out["y"], test_fraction, split_seed)
+        x_train, y_train, x_test, y_test = out["x"][train], out["y"][train], out["x"][test], out["y"][test]
+        info["split"] = f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"
+    return RawSplits(
+        x_train, y_train, x_test, y_test, x_val=out.get("x_val"), y_val=out.get("y_val"), kind="vector",
+        class_names=class_names, standardize=standardize, info=info,
+    )  # fmt: skip
