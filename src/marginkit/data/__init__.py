@@ -6,5 +6,14 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "PKSampler": "samplers",
+        "IdentitySimulator": "identities",
+        "stratified_split": "datasets",
+        "stratified_subset": "datasets",
+        "dataset_options": "datasets",
+        "FILE_FORMATS": "datasets",
+        "DATASETS": "datasets",
+        "Split": "datasets",
+        "DatasetSplits": "datasets",
+        "load_dataset": "datasets",
     },
 )

@@ -6,5 +6,8 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "build_model": "backbones",
+        "model_options": "backbones",
+        "EmbeddingModel": "backbones",
+        "MODELS": "backbones",
     },
 )
