@@ -43,6 +43,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, corrupted or not a marginkit checkpoint."""
 
 
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` to ``path`` atomically (temporary file + fsync + ``os.replace``)."""
     path = Path(path)
@@ -52,6 +58,7 @@ def atomic_save(obj: Any, path: str | Path) -> None:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, _umask_mode())  # mkstemp creates 0600; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -68,6 +75,7 @@ def atomic_write_text(text: str, path: str | Path) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -89,9 +97,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first.split(". ")[0].rstrip(".")[:160]
         raise CheckpointError(
             f"checkpoint {str(path)!r} is corrupted or not a safe marginkit checkpoint "
-            f"({type(exc).__name__}: {first[:160]})"
+            f"({type(exc).__name__}: {first})"
         ) from None
     if not isinstance(payload, Mapping) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{str(path)!r} is not a marginkit checkpoint (no {FORMAT!r} format tag)")

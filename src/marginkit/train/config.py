@@ -82,7 +82,8 @@ class TrainConfig:
         ``samples_per_class`` (P×K sampler's K) and ``classes_per_batch`` (P; default
         ``batch_size // samples_per_class``).
     Evaluation
-        ``k`` — neighbours of the K-NN classifier; ``knn_metric`` (cosine | l2);
+        ``k`` — neighbours of the K-NN classifier; ``eval_every`` — validate (and consider
+        for ``best.pt``) every N epochs and after the last; ``knn_metric`` (cosine | l2);
         ``knn_weights`` (uniform | distance);
         ``max_impostors`` — cap on impostor pairs for verification metrics.
     Runtime
@@ -118,6 +119,7 @@ class TrainConfig:
     samples_per_class: int = 4
     classes_per_batch: int | None = None
     k: int = 5
+    eval_every: int = 1
     knn_metric: str = "cosine"
     knn_weights: str = "uniform"
     max_impostors: int | None = 200_000
@@ -170,7 +172,15 @@ class TrainConfig:
         _choice(self.scheduler, "scheduler", SCHEDULERS)
         _choice(self.knn_metric, "knn_metric", KNN_METRICS)
         _choice(self.knn_weights, "knn_weights", KNN_WEIGHTS)
-        for name in ("epochs", "batch_size", "embedding_dim", "k", "samples_per_class", "step_epochs"):
+        for name in (
+            "epochs",
+            "batch_size",
+            "embedding_dim",
+            "k",
+            "samples_per_class",
+            "step_epochs",
+            "eval_every",
+        ):
             _at_least(getattr(self, name), name, 1)
         _at_least(self.seed, "seed", 0)
         for name in ("train_per_class", "classes_per_batch", "max_impostors", "num_threads"):
@@ -284,18 +294,23 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
 
 # ---------------------------------------------------------------------- suggestions
 def suggest(key: str, valid: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the nearest valid name, or ``""`` if none is close."""
+    """``" (did you mean 'x'?)"`` for the nearest valid name, or ``""`` if none is close.
+
+    Tried in order: a known alias (``learning_rate`` → ``lr``), the longest valid name the
+    key starts with (``lr_rate`` → ``lr``), a valid name starting with the key (``epo`` →
+    ``epochs``), then :func:`difflib.get_close_matches`.
+    """
     valid = list(valid)
-    alias = _ALIASES.get(key.lower().replace("-", "_"))
+    norm = key.lower().replace("-", "_")
+    alias = _ALIASES.get(norm)
     if alias in valid:
         return f" (did you mean {alias!r}?)"
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    heads = sorted((v for v in valid if len(v) >= 2 and norm.startswith(v.lower())), key=len, reverse=True)
+    tails = [v for v in valid if len(norm) >= 3 and v.lower().startswith(norm)]
+    close = heads[:1] or tails[:1] or difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if not close:
         lowered = {v.lower().replace("-", "_"): v for v in valid}
-        close = difflib.get_close_matches(key.lower().replace("-", "_"), list(lowered), n=1, cutoff=0.5)
-        close = [lowered[c] for c in close]
-    if not close:  # a valid name inside the key or the key inside a name: 'loss_scale' -> 'scale'
-        close = [v for v in valid if len(v) > 2 and (v in key or key in v)][:1]
+        close = [lowered[c] for c in difflib.get_close_matches(norm, list(lowered), n=1, cutoff=0.5)]
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -147,24 +147,18 @@ def validation_metrics(
     return out
 
 
-def _support_sizes(
-    loss_name: str, loss_options: dict[str, Any], cosines: torch.Tensor, labels: torch.Tensor
-) -> Any:
-    """Number of classes with non-zero probability in the alpha-softargmax posterior."""
-    from marginkit.ops import alpha_softargmax
-    from marginkit.train.registry import resolved_options
+@torch.no_grad()
+def _support_sizes(config: TrainConfig, cosines: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
+    """Classes with non-zero probability in the alpha loss's posterior, per test sample.
 
-    opts = resolved_options(loss_name, loss_options)
-    alpha = float(opts.get("alpha", 2.0 if loss_name == "sparsemax" else 1.5))
-    scale = float(opts.get("scale", 1.0))
-    theta = scale * cosines.double()
-    log_q = None
-    if loss_name == "qmargin":
-        margin = float(opts.get("margin", 0.0))
-        log_q = torch.zeros_like(theta)
-        log_q.scatter_(1, labels.view(-1, 1), -scale * margin)
-    p = alpha_softargmax(theta, alpha, log_q=log_q) if log_q is not None else alpha_softargmax(theta, alpha)
-    return (p > 0).sum(-1).numpy()
+    Runs the run's own loss module (same alpha, scale and, for Q-Margin, the margin in the
+    reference measure) and reads its ``last_support_size``.
+    """
+    from marginkit.train.registry import build_loss
+
+    loss = build_loss(config.loss, config.loss_options, k=config.k)
+    loss(cosines, labels)
+    return loss.last_support_size.reshape(-1).cpu().numpy().astype(np.int64)
 
 
 def evaluate_model(
@@ -219,7 +213,7 @@ def evaluate_model(
             metrics["margin_gap_median"] = float(gaps.median())
             metrics["margin_gap_positive_fraction"] = float((gaps > 0).double().mean())
             if LOSSES[config.loss].alpha:
-                sizes = _support_sizes(config.loss, config.loss_options, cos, y_test)
+                sizes = _support_sizes(config, cos, y_test)
                 arrays["support_size"] = sizes
                 metrics["support_size_mean"] = float(np.mean(sizes))
     else:
@@ -284,7 +278,7 @@ def evaluate_run(
     K-NN reference index ``knn_index.npz`` (training embeddings + model fingerprint) and,
     with ``report``, ``report.html``. Returns the metrics.
     """
-    from marginkit.train.trainer import load_run, load_splits
+    from marginkit.train.trainer import _read_history, load_run, load_splits
 
     run_dir = Path(run_dir)
     run = load_run(run_dir, which, device)
@@ -309,6 +303,10 @@ def evaluate_run(
     metrics["model"] = _model_name(config, run["facts"])
     metrics["embedding_dim"] = config.embedding_dim
     metrics["seed"] = config.seed
+    history_path = run_dir / "metrics.jsonl"
+    if history_path.is_file():
+        rows = _read_history(history_path)
+        metrics["train_seconds"] = round(sum(r.get("epoch_seconds", 0.0) for r in rows), 3)
     if write and own_data:
         (run_dir / "metrics.json").write_text(
             json.dumps(_jsonable(metrics), indent=2) + "\n", encoding="utf-8"

@@ -425,7 +425,7 @@ def load_run(run_dir: str | Path, which: str = "best", device: str | torch.devic
         "model": model,
         "head": head,
         "checkpoint": ckpt,
-        "fingerprint": ckpt.get("fingerprint", ""),
+        "fingerprint": model_fingerprint(model),  # of the weights actually loaded
         "path": path,
     }
 
@@ -598,14 +598,16 @@ def train(
                     bar.update(
                         samples=int(idx.numel()), loss=value, prefix=f"epoch {epoch + 1}/{config.epochs}"
                     )
-                recalibrate_batchnorm(
-                    model, train_x, batch_size=config.batch_size, max_samples=config.precise_bn,
-                    seed=config.seed, device=device,
-                )  # fmt: skip
+                validate = (epoch + 1) % config.eval_every == 0 or epoch + 1 == config.epochs
+                if validate:
+                    recalibrate_batchnorm(
+                        model, train_x, batch_size=config.batch_size, max_samples=config.precise_bn,
+                        seed=config.seed, device=device,
+                    )  # fmt: skip
                 seconds = time.perf_counter() - t0
                 from marginkit.train.evaluate import validation_metrics
 
-                val = validation_metrics(model, head, splits, config, device)
+                val = validation_metrics(model, head, splits, config, device) if validate else {}
                 row: dict[str, Any] = {
                     "epoch": epoch + 1,
                     "train_loss": float(loss_sum) / max(1, n_steps),
@@ -615,7 +617,7 @@ def train(
                     "samples_per_second": round(n_samples / max(seconds, 1e-9), 1),
                 }
                 selection = val.get("val_selection")
-                improved = selection is None or selection > best_metric
+                improved = validate and (selection is None or selection > best_metric)
                 if improved:
                     best_metric = selection if selection is not None else -math.inf
                     best_epoch = epoch + 1

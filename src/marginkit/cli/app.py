@@ -1,0 +1,207 @@
+"""Argument parsing and dispatch of the ``marginkit`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from marginkit.cli.errors import EXIT_INTERRUPTED, EXIT_TRAINING, EXIT_USAGE, UserError
+
+__all__ = ["build_parser", "main"]
+
+# flag -> config key, type for argparse, help
+OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
+    ("--model", "model", str, "backbone: auto, mlp, cnn1d, cnn2d, resnet"),
+    ("--epochs", "epochs", int, "training epochs"),
+    ("--lr", "lr", float, "learning rate"),
+    ("--batch-size", "batch_size", int, "mini-batch size (P×K for pair losses)"),
+    ("--embedding-dim", "embedding_dim", int, "embedding dimension"),
+    ("--seed", "seed", int, "random seed (data split, init, batch order)"),
+    ("--train-per-class", "train_per_class", int, "keep N training samples per class (stratified)"),
+    ("--val-fraction", "val_fraction", float, "share of training data held out for validation"),
+    ("--k", "k", int, "neighbours of the K-NN classifier"),
+    ("--optimizer", "optimizer", str, "adamw or sgd"),
+    ("--scheduler", "scheduler", str, "cosine, step or none"),
+    ("--warmup-epochs", "warmup_epochs", float, "linear warm-up length in epochs"),
+    ("--weight-decay", "weight_decay", float, "weight decay of the backbone"),
+    ("--grad-clip", "grad_clip", float, "clip the global gradient norm"),
+    ("--device", "device", str, "cpu, cuda, cuda:N or auto"),
+    ("--num-threads", "num_threads", int, "torch intra-op threads"),
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors that suggest the nearest valid flag or command."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            bad = message.split(":", 1)[1].split()
+            from marginkit.train.config import suggest
+
+            actions = list(self._actions)
+            for a in self._actions:
+                if isinstance(a, argparse._SubParsersAction):
+                    for sub in a.choices.values():
+                        actions.extend(sub._actions)
+            flags = {s[2:].replace("-", "_"): s for a in actions for s in a.option_strings if s[:2] == "--"}
+            hints = []
+            for b in bad:
+                if b.startswith("--"):
+                    hint = suggest(b.split("=")[0][2:].replace("-", "_"), flags)
+                    if hint:
+                        name = hint.split("'")[1]
+                        hints.append(f"{b} (did you mean {flags[name]}?)")
+                        continue
+                hints.append(b)
+            message = "unrecognized arguments: " + " ".join(hints)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or log lines")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+
+
+def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
+    g = p.add_argument_group("run options (override --config)")
+    g.add_argument("--config", metavar="FILE.yaml", help="YAML file with any run options")
+    g.add_argument(
+        "--data", metavar="DATA", help="data set: mnist1d, digits, breast_cancer, identities, npz:PATH, ..."
+    )
+    if with_loss:
+        g.add_argument("--loss", metavar="LOSS", help="loss name (see `marginkit losses`)")
+    for flag, key, typ, help_ in OVERRIDES:
+        g.add_argument(flag, dest=f"opt_{key}", type=typ, metavar=key.upper(), help=help_)
+    g.add_argument(
+        "--amp", dest="opt_amp", action="store_const", const=True, help="bf16 autocast (mixed precision)"
+    )
+    g.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any option, e.g. --set loss_options.scale=30 (repeatable; wins over flags)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``marginkit`` argument parser."""
+    parser = Parser(
+        prog="marginkit",
+        description="Train, evaluate and compare margin-based embedding models.",
+        allow_abbrev=False,
+    )
+    _common(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+
+    p = sub.add_parser("train", help="train and evaluate one model", allow_abbrev=False)
+    _common(p)
+    _overrides(p, with_loss=True)
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (created)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run in RUN_DIR")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in RUN_DIR")
+    p.add_argument("--stop-after", type=int, metavar="N", help="stop after N epochs (resume later)")
+    p.add_argument("--no-report", action="store_true", help="skip report.html")
+
+    p = sub.add_parser("eval", help="evaluate a run (optionally on other data)", allow_abbrev=False)
+    _common(p)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--data", metavar="DATA", help="evaluate on this data set (default: the run's)")
+    p.add_argument("--checkpoint", choices=("best", "last"), default="best")
+    p.add_argument("--k", type=int, help="K of the K-NN classifier (default: the run's)")
+    p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE")
+    p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("embed", help="write embeddings of a data set to .npz", allow_abbrev=False)
+    _common(p)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--data", metavar="DATA", help="data set (default: the run's)")
+    p.add_argument("--out", required=True, metavar="FILE.npz")
+    p.add_argument("--split", choices=("train", "val", "test", "all"), default="all")
+    p.add_argument("--checkpoint", choices=("best", "last"), default="best")
+    p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("predict", help="K-NN predictions for new inputs (x in an .npz)", allow_abbrev=False)
+    _common(p)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument(
+        "input", metavar="INPUT.npz", help="array `x` (raw inputs, like the training data's files)"
+    )
+    p.add_argument("--out", metavar="FILE", help="write predictions (.csv or .npz)")
+    p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("report", help="(re)write RUN_DIR/report.html", allow_abbrev=False)
+    _common(p)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+
+    p = sub.add_parser("compare", help="train several losses on the same data and budget", allow_abbrev=False)
+    _common(p)
+    _overrides(p, with_loss=False)
+    p.add_argument("--losses", required=True, help="comma-separated loss names")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per loss (mean ± std)")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--overwrite", action="store_true", help="replace existing runs in DIR")
+
+    p = sub.add_parser("demo", help="compare 8 losses on mnist1d (a few minutes on CPU)", allow_abbrev=False)
+    _common(p)
+    p.add_argument("--out", default="demo_out", metavar="DIR")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--epochs", type=int, help="override the demo's epoch budget")
+    p.add_argument("--losses", help="comma-separated subset of the demo's losses")
+    p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("losses", help="list the loss names and their defaults", allow_abbrev=False)
+    _common(p)
+    p = sub.add_parser("datasets", help="list the data set names and file formats", allow_abbrev=False)
+    _common(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``marginkit`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # usage errors (exit 2) and --help (exit 0) return their code
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    from marginkit.cli import commands
+
+    handler = getattr(commands, f"cmd_{args.command}")
+    try:
+        with warnings.catch_warnings():
+            if not args.debug:
+                warnings.simplefilter("default")
+                warnings.showwarning = _show_warning
+            return int(handler(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"marginkit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("\nmarginkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if args.debug:
+            raise
+        from marginkit.train.trainer import TrainingError
+
+        kind = "error" if isinstance(exc, TrainingError) else f"internal error ({type(exc).__name__})"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"marginkit: {kind}: {first} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_TRAINING
+
+
+def _show_warning(
+    message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: str | None = None
+) -> None:
+    print(f"marginkit: warning: {message}", file=sys.stderr)

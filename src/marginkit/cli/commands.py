@@ -1,0 +1,413 @@
+"""The ``marginkit`` subcommands: train, eval, embed, predict, report, compare, demo, losses, datasets."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from marginkit.cli.errors import UserError, user_errors
+
+__all__ = [
+    "build_config",
+    "cmd_compare",
+    "cmd_datasets",
+    "cmd_demo",
+    "cmd_embed",
+    "cmd_eval",
+    "cmd_losses",
+    "cmd_predict",
+    "cmd_report",
+    "cmd_train",
+    "format_metrics",
+]
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    from marginkit.train.checkpoint import CheckpointError
+    from marginkit.train.config import ConfigError
+    from marginkit.train.trainer import RunDirError
+
+    return (ConfigError, RunDirError, CheckpointError)
+
+
+def _cli_overrides(args: argparse.Namespace, *, loss: str | None = None) -> list[tuple[str, Any]]:
+    from marginkit.cli.app import OVERRIDES
+    from marginkit.train.config import parse_assignment
+
+    pairs: list[tuple[str, Any]] = []
+    if getattr(args, "data", None):
+        pairs.append(("data", args.data))
+    if loss:
+        pairs.append(("loss", loss))
+    for _flag, key, _typ, _help in OVERRIDES:
+        value = getattr(args, f"opt_{key}", None)
+        if value is not None:
+            pairs.append((key, value))
+    if getattr(args, "opt_amp", None):
+        pairs.append(("amp", True))
+    for text in getattr(args, "assignments", []) or []:
+        pairs.append(parse_assignment(text))
+    return pairs
+
+
+def build_config(args: argparse.Namespace, *, loss: str | None = None, base: Any = None) -> Any:
+    """The run's :class:`TrainConfig`: defaults < ``--config`` YAML < flags < ``--set``."""
+    from marginkit.train.config import TrainConfig, apply_overrides, load_config
+
+    try:
+        pairs: list[tuple[str, Any]] = []
+        if getattr(args, "config", None):
+            pairs.extend(load_config(args.config).items())
+        pairs.extend(_cli_overrides(args, loss=loss))
+        return apply_overrides(base if base is not None else TrainConfig(), pairs)
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _require(args: argparse.Namespace, config_pairs: dict[str, Any], *names: str) -> None:
+    for name in names:
+        if getattr(args, name, None) is None and name not in config_pairs:
+            raise UserError(f"missing --{name} (or `{name}:` in the --config file)")
+
+
+def _load_splits(config: Any, *, cache: bool = False) -> Any:
+    from marginkit.train.trainer import load_splits
+
+    with user_errors():
+        return load_splits(config, cache=cache)
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """A short aligned text table of the headline test metrics."""
+    rows: list[tuple[str, str]] = []
+
+    def add(label: str, key: str) -> None:
+        v = metrics.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            rows.append((label, f"{v:.4f}"))
+
+    add(f"K-NN accuracy (k={metrics.get('k')})", "knn_accuracy")
+    add("cosine-head accuracy", "head_accuracy")
+    add("precision@1", "precision_at_1")
+    add("R-precision", "r_precision")
+    add("MAP@R", "map_at_r")
+    ver = metrics.get("verification")
+    if isinstance(ver, dict):
+        for key, value in ver.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                rows.append((f"verification {key}", f"{value:.4f}"))
+            elif isinstance(value, dict):
+                for k2, v2 in value.items():
+                    if isinstance(v2, (int, float)) and not isinstance(v2, bool):
+                        rows.append((f"verification {key} {k2}", f"{v2:.4f}"))
+                    elif v2 is None:
+                        rows.append((f"verification {key} {k2}", "not measurable"))
+    add("median margin gap (cos)", "margin_gap_median")
+    add("mean support size", "support_size_mean")
+    width = max((len(r[0]) for r in rows), default=10)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+# ---------------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace) -> int:
+    from marginkit.train.checkpoint import load_checkpoint
+    from marginkit.train.config import TrainConfig, load_config
+    from marginkit.train.trainer import train
+
+    quiet = args.quiet
+    if args.resume:
+        last = Path(args.out) / "last.pt"
+        if not last.is_file():
+            raise UserError(f"cannot resume: {str(args.out)!r} holds no last.pt checkpoint")
+        try:
+            stored = TrainConfig.from_json(load_checkpoint(last)["config"])
+        except _config_errors() as exc:
+            raise UserError(str(exc)) from exc
+        config = build_config(args, base=stored)
+    else:
+        try:
+            from_file = load_config(args.config) if args.config else {}
+        except _config_errors() as exc:
+            raise UserError(str(exc)) from exc
+        _require(args, {k.replace("-", "_"): v for k, v in from_file.items()}, "data", "loss")
+        config = build_config(args, loss=args.loss)
+    splits = _load_splits(config)
+    try:
+        result = train(
+            config,
+            args.out,
+            resume=args.resume,
+            stop_after=args.stop_after,
+            overwrite=args.overwrite,
+            quiet=quiet,
+            splits=splits,
+            report=not args.no_report,
+        )
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+    out = Path(args.out)
+    if not result.finished:
+        print(f"stopped after epoch {result.epochs_completed}/{config.epochs}: {out}")
+        print(f"continue with: marginkit train --resume --out {out}")
+        return 0
+    m = result.metrics
+    print(
+        f"run     {out}\n"
+        f"data    {m.get('data')} ({m.get('num_train')} train / {m.get('num_test')} test), "
+        f"loss {config.loss}, model {m.get('model')}, {config.epochs} epochs in {result.seconds:.1f} s "
+        f"(best epoch {m.get('best_epoch')})"
+    )
+    print(format_metrics(m))
+    if (out / "report.html").is_file():
+        print(f"report  {out / 'report.html'}")
+    return 0
+
+
+# ---------------------------------------------------------------------- eval / embed / predict
+def _load_run(run_dir: str, which: str = "best", device: str = "cpu") -> dict[str, Any]:
+    from marginkit.train.trainer import load_run
+
+    try:
+        return load_run(run_dir, which, device)
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _other_splits(run: dict[str, Any], data: str | None) -> Any:
+    from marginkit.train.config import apply_overrides
+
+    config = run["config"]
+    if data is None or data == config.data:
+        return _load_splits(config)
+    try:
+        other = apply_overrides(config, {"data": data, "data_options": {}})
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+    other.data_options = {}
+    splits = _load_splits(other)
+    if tuple(splits.input_shape) != tuple(run["facts"]["input_shape"]):
+        raise UserError(
+            f"data set {data!r} has input shape {tuple(splits.input_shape)}; the run's model expects "
+            f"{tuple(run['facts']['input_shape'])}"
+        )
+    return splits
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from marginkit.train.evaluate import evaluate_run
+
+    run = _load_run(args.run_dir, args.checkpoint, args.device)
+    splits = _other_splits(run, args.data)
+    own = args.data is None or args.data == run["config"].data
+    try:
+        with user_errors():
+            metrics = evaluate_run(
+                args.run_dir,
+                splits=splits,
+                device=args.device,
+                which=args.checkpoint,
+                k=args.k,
+                write=own and args.checkpoint == "best" and args.k is None,
+            )
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+    print(f"run     {args.run_dir} ({metrics.get('checkpoint')}, epoch {metrics.get('epoch')})")
+    print(
+        f"data    {metrics.get('data')} ({metrics.get('num_train')} train / {metrics.get('num_test')} test)"
+    )
+    print(format_metrics(metrics))
+    if args.json:
+        with user_errors("cannot write --json: "):
+            Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _writable_file(path: str) -> Path:
+    p = Path(path)
+    if not p.parent.exists():
+        raise UserError(f"cannot write {str(p)!r}: directory {str(p.parent)!r} does not exist")
+    if p.is_dir():
+        raise UserError(f"cannot write {str(p)!r}: it is a directory")
+    return p
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from marginkit.train.evaluate import embed
+
+    out = _writable_file(args.out)
+    run = _load_run(args.run_dir, args.checkpoint, args.device)
+    splits = _other_splits(run, args.data)
+    names = ("train", "val", "test") if args.split == "all" else (args.split,)
+    arrays: dict[str, Any] = {}
+    for name in names:
+        split = getattr(splits, name)
+        emb = embed(run["model"], split.x, batch_size=run["config"].eval_batch_size, device=args.device)
+        arrays[f"{name}_embeddings"] = emb.numpy()
+        arrays[f"{name}_labels"] = split.y.numpy()
+    arrays["fingerprint"] = np.array(run["fingerprint"])
+    with user_errors(f"cannot write {str(out)!r}: "):
+        np.savez_compressed(out, **arrays)
+    sizes = ", ".join(f"{n} {arrays[f'{n}_embeddings'].shape}" for n in names)
+    print(f"wrote {out}: {sizes}")
+    return 0
+
+
+def _read_inputs(path: str) -> tuple[Any, Any]:
+    import numpy as np
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"input file not found: {path}")
+    import zipfile
+
+    if not zipfile.is_zipfile(p):
+        raise UserError(f"{path}: not an .npz archive (expected numpy.savez output with an array 'x')")
+    with user_errors(f"{path}: "), np.load(p, allow_pickle=False) as z:
+        files = list(z.files)
+        if "x" not in files:
+            raise UserError(
+                f"{path}: expected an array named 'x' (inputs), found {', '.join(files) or 'none'}"
+            )
+        x = z["x"]
+        y = z["y"] if "y" in files else None
+    return x, y
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from marginkit.data.datasets import DatasetSplits, Split
+    from marginkit.knn import KNNClassifier
+    from marginkit.train.evaluate import embed
+
+    out = _writable_file(args.out) if args.out else None
+    run = _load_run(args.run_dir, "best", args.device)
+    index = Path(args.run_dir) / "knn_index.npz"
+    if not index.is_file():
+        raise UserError(
+            f"{str(args.run_dir)!r} has no K-NN index (knn_index.npz); run `marginkit eval` on it first"
+        )
+    facts = run["facts"]
+    x_raw, y = _read_inputs(args.input)
+    empty = Split(torch.empty(0), torch.empty(0, dtype=torch.long))
+    space = DatasetSplits(
+        train=empty, val=empty, test=empty, num_classes=facts["num_classes"],
+        input_shape=tuple(facts["input_shape"]), name=facts.get("name", ""), kind=facts.get("kind", "vector"),
+        mean=facts.get("mean"), std=facts.get("std"),
+    )  # fmt: skip
+    with user_errors(f"{args.input}: "):
+        x = space.preprocess(x_raw)
+    with user_errors():
+        knn = KNNClassifier.load(index, expected_fingerprint=run["fingerprint"])
+    emb = embed(run["model"], x, batch_size=run["config"].eval_batch_size, device=args.device)
+    pred = knn.predict(emb).cpu().numpy()
+    names = facts.get("class_names") or []
+    label_of = (lambda c: names[c]) if names else (lambda c: str(c))
+    counts = np.bincount(pred, minlength=max(1, facts["num_classes"]))
+    print(f"{len(pred)} predictions (K-NN over {args.run_dir}/knn_index.npz)")
+    top = np.argsort(-counts, kind="stable")[:10]
+    print("most predicted: " + ", ".join(f"{label_of(int(c))} ({counts[c]})" for c in top if counts[c]))
+    if y is not None:
+        from marginkit.data.loaders import labels_array
+
+        with user_errors(f"{args.input}: "):
+            y = labels_array(y, f"{args.input} y")
+        if len(y) != len(pred):
+            raise UserError(f"{args.input}: {len(pred)} inputs but {len(y)} labels in 'y'")
+        print(f"accuracy against 'y': {float((pred == y).mean()):.4f}")
+    if out is not None:
+        with user_errors(f"cannot write {str(out)!r}: "):
+            if out.suffix == ".npz":
+                np.savez_compressed(out, prediction=pred, embeddings=emb.numpy())
+            else:
+                with out.open("w", newline="", encoding="utf-8") as fh:
+                    w = csv.writer(fh)
+                    w.writerow(["index", "prediction", "class_name"])
+                    for i, c in enumerate(pred.tolist()):
+                        w.writerow([i, c, label_of(c)])
+        print(f"wrote {out}")
+    else:
+        head = ", ".join(label_of(int(c)) for c in pred[:20])
+        print(f"first predictions: {head}{' ...' if len(pred) > 20 else ''}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from marginkit.report import write_run_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.json").is_file():
+        raise UserError(f"{str(run_dir)!r} has no metrics.json; train or `marginkit eval` it first")
+    with user_errors():
+        path = write_run_report(run_dir)
+    print(f"report  {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------- listings
+def cmd_losses(args: argparse.Namespace) -> int:
+    from marginkit.train.registry import LOSSES
+
+    width = max(len(n) for n in LOSSES)
+    for name, spec in LOSSES.items():
+        opts = ", ".join(f"{k}={v}" for k, v in spec.defaults.items())
+        print(f"{name:<{width}}  {spec.kind:<5}  {spec.description}  [{opts}]")
+    return 0
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    from marginkit.data.datasets import DATASETS, FILE_FORMATS
+
+    print("built-in: " + ", ".join(DATASETS))
+    print("files:    " + ", ".join(f"{f}:PATH" for f in FILE_FORMATS))
+    return 0
+
+
+# ---------------------------------------------------------------------- compare / demo
+def cmd_compare(args: argparse.Namespace) -> int:
+    from marginkit.cli.compare import run_compare
+
+    losses = [s.strip() for s in args.losses.split(",") if s.strip()]
+    if not losses:
+        raise UserError("--losses needs at least one loss name")
+    from marginkit.train.config import load_config
+
+    try:
+        from_file = load_config(args.config) if args.config else {}
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+    _require(args, {k.replace("-", "_"): v for k, v in from_file.items()}, "data")
+    from marginkit.cli.compare import base_config
+
+    file_pairs, cli_pairs = list(from_file.items()), _cli_overrides(args)
+    summary_text, report = run_compare(
+        base_config(losses, [*file_pairs, *cli_pairs]), losses, seeds=args.seeds, out=args.out,
+        quiet=args.quiet, overwrite=args.overwrite, file_pairs=file_pairs, cli_pairs=cli_pairs,
+    )  # fmt: skip
+    print(summary_text)
+    print(f"report  {report}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from marginkit.cli.compare import run_demo
+
+    losses = [s.strip() for s in args.losses.split(",")] if args.losses else None
+    summary_text, report, seconds = run_demo(
+        args.out, seeds=args.seeds, epochs=args.epochs, losses=losses, quiet=args.quiet, device=args.device
+    )
+    print(summary_text)
+    print(f"\n{seconds:.0f} s · summary {Path(args.out) / 'summary.json'}")
+    print(f"report  {report}")
+    return 0
+
+
+def _eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,356 @@
+"""``marginkit compare`` and ``marginkit demo``: several losses, same data, backbone and budget.
+
+Each (loss, seed) pair is trained into ``OUT/runs/LOSS/seedS`` with the same options except
+the loss (and its registry defaults); the summary aggregates the test metrics as mean ± std
+over seeds into ``OUT/summary.json`` (a list of rows, one per loss), ``OUT/summary.md``,
+``OUT/summary.csv``, ``OUT/comparison.png`` and ``OUT/report.html``.
+
+Rerunning a comparison into the same directory reuses finished runs with identical options
+and resumes interrupted ones (``--overwrite`` starts afresh).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from marginkit.cli.errors import UserError, user_errors
+
+__all__ = ["DEMO_LOSSES", "DEMO_OPTIONS", "aggregate", "markdown_table", "run_compare", "run_demo"]
+
+#: Headline metrics of the comparison table, in order.
+TABLE_METRICS = ("knn_accuracy", "head_accuracy", "precision_at_1", "r_precision", "map_at_r")
+
+#: The demo: eight losses on mnist1d with the cnn1d backbone.
+DEMO_LOSSES = ("softmax", "cosface", "arcface", "qmargin", "mep", "circle", "triplet", "local_triplet")
+
+#: The demo's shared budget (every loss: same backbone, epochs, batch size, embedding size).
+DEMO_OPTIONS: dict[str, Any] = {
+    "data": "mnist1d",
+    "model": "cnn1d",
+    "embedding_dim": 64,
+    "epochs": 12,
+    "batch_size": 128,
+    "lr": 3e-3,
+    "weight_decay": 5e-4,
+    "scheduler": "cosine",
+    "warmup_epochs": 1,
+    "k": 5,
+    "samples_per_class": 8,
+}
+
+#: Per-loss adjustments of the demo (learning rate / loss options only; budget unchanged).
+DEMO_PER_LOSS: dict[str, dict[str, Any]] = {}
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _loss_pairs_for(loss: str, pairs: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Drop loss options that ``loss`` does not take (a comparison mixes losses)."""
+    from marginkit.train.registry import LOSSES, _accepted
+
+    names, var_kw = _accepted(LOSSES[loss])
+    out: list[tuple[str, Any]] = []
+    for key, value in pairs:
+        k = str(key)
+        if k.startswith("loss_options."):
+            if var_kw or k.split(".", 1)[1] in names:
+                out.append((key, value))
+        elif k.replace("-", "_") == "loss_options" and isinstance(value, dict):
+            out.append((key, {a: b for a, b in value.items() if var_kw or a in names}))
+        elif k.replace("-", "_") == "loss":
+            continue
+        else:
+            out.append((key, value))
+    return out
+
+
+def _check_losses(losses: Sequence[str]) -> None:
+    from marginkit.train.config import suggest
+    from marginkit.train.registry import LOSSES
+
+    for loss in losses:
+        if loss not in LOSSES:
+            raise UserError(f"unknown loss {loss!r}{suggest(loss, LOSSES)}; valid: {', '.join(LOSSES)}")
+    if len(set(losses)) != len(losses):
+        raise UserError("--losses lists a loss twice")
+
+
+def _check_loss_options(losses: Sequence[str], pairs: Sequence[tuple[str, Any]]) -> None:
+    """Every loss option must be taken by at least one of the compared losses."""
+    from marginkit.train.config import suggest
+    from marginkit.train.registry import LOSSES, _accepted
+
+    accepted: set[str] = set()
+    for loss in losses:
+        names, var_kw = _accepted(LOSSES[loss])
+        if var_kw:
+            return
+        accepted |= names
+    keys: list[str] = []
+    for key, value in pairs:
+        k = str(key)
+        if k.startswith("loss_options."):
+            keys.append(k.split(".", 1)[1])
+        elif k.replace("-", "_") == "loss_options" and isinstance(value, dict):
+            keys.extend(str(a) for a in value)
+    for key in keys:
+        if key not in accepted:
+            raise UserError(
+                f"no loss of {', '.join(losses)} has option {key!r}{suggest(key, sorted(accepted))}; "
+                f"their options: {', '.join(sorted(accepted))}"
+            )
+
+
+def base_config(losses: Sequence[str], pairs: Sequence[tuple[str, Any]]) -> Any:
+    """The shared options of a comparison (validated with the first loss)."""
+    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
+
+    _check_losses(losses)
+    _check_loss_options(losses, pairs)
+    try:
+        return apply_overrides(TrainConfig(), [*_loss_pairs_for(losses[0], pairs), ("loss", losses[0])])
+    except ConfigError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _flat_numbers(prefix: str, value: Any, out: dict[str, float]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat_numbers(f"{prefix}_{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        out[prefix] = float(value)
+
+
+def _row_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    row: dict[str, float] = {}
+    for key in TABLE_METRICS:
+        v = metrics.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            row[key] = float(v)
+    if isinstance(metrics.get("verification"), dict):
+        _flat_numbers("ver", metrics["verification"], row)
+    return row
+
+
+def aggregate(loss: str, per_seed: list[dict[str, float]]) -> dict[str, Any]:
+    """Mean and sample standard deviation (``None`` for one seed) of each metric."""
+    keys: list[str] = []
+    for m in per_seed:
+        keys.extend(k for k in m if k not in keys)
+    row: dict[str, Any] = {"loss": loss, "n_seeds": len(per_seed)}
+    for key in keys:
+        vals = [m[key] for m in per_seed if key in m and m[key] is not None and math.isfinite(m[key])]
+        if not vals:
+            row[key], row[f"{key}_std"] = None, None
+            continue
+        mean = sum(vals) / len(vals)
+        row[key] = mean
+        row[f"{key}_std"] = (
+            math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+        )
+    return row
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    v, s = row.get(key), row.get(f"{key}_std")
+    if v is None:
+        return "—"
+    if key == "seconds":
+        return f"{v:.1f}"
+    return f"{v:.4f}" + (f" ± {s:.4f}" if s is not None else "")
+
+
+def markdown_table(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
+    """The comparison as a Markdown table (mean ± std when several seeds)."""
+    head = "| loss | " + " | ".join(metrics) + " |"
+    sep = "|---|" + "|".join("---:" for _ in metrics) + "|"
+    lines = [head, sep]
+    for row in summary:
+        lines.append(f"| {row['loss']} | " + " | ".join(_cell(row, m) for m in metrics) + " |")
+    return "\n".join(lines)
+
+
+def _columns(summary: list[dict[str, Any]]) -> list[str]:
+    cols: list[str] = []
+    for row in summary:
+        for key in row:
+            if key.endswith("_std") or key in ("loss", "kind", "n_seeds", "runs", "seconds") or key in cols:
+                continue
+            cols.append(key)
+    order = {k: i for i, k in enumerate(TABLE_METRICS)}
+    first_seen = {k: i for i, k in enumerate(cols)}
+    cols = sorted(cols, key=lambda k: (order.get(k, len(order)), first_seen[k]))
+    return [*cols, "seconds"]  # mean training time per run (epochs only, not evaluation)
+
+
+def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dict[str, Any]:
+    from marginkit.train.checkpoint import CheckpointError, load_checkpoint
+    from marginkit.train.config import RUNTIME_KEYS, ConfigError, TrainConfig
+    from marginkit.train.trainer import RunDirError, train
+
+    last = run_dir / "last.pt"
+    resume = False
+    try:
+        if last.is_file() and not overwrite:
+            ckpt = load_checkpoint(last)
+            stored = TrainConfig.from_json(ckpt["config"]).to_dict()
+            wanted = config.to_dict()
+            if any(stored[k] != wanted[k] for k in stored if k not in RUNTIME_KEYS):
+                raise UserError(
+                    f"{str(run_dir)!r} holds a run with other options; use --overwrite or another --out"
+                )
+            if int(ckpt["epoch"]) >= config.epochs and (run_dir / "metrics.json").is_file():
+                return {
+                    "metrics": json.loads((run_dir / "metrics.json").read_text()),
+                    "seconds": 0.0,
+                    "reused": True,
+                }
+            resume = True
+        result = train(config, run_dir, resume=resume, overwrite=overwrite, quiet=True, splits=splits)
+    except (ConfigError, RunDirError, CheckpointError) as exc:
+        raise UserError(str(exc)) from exc
+    return {"metrics": result.metrics, "seconds": result.seconds, "reused": False}
+
+
+def run_compare(
+    base: Any,
+    losses: Sequence[str],
+    *,
+    seeds: int,
+    out: str | Path,
+    quiet: bool = False,
+    overwrite: bool = False,
+    file_pairs: Sequence[tuple[str, Any]] = (),
+    cli_pairs: Sequence[tuple[str, Any]] = (),
+    per_loss: dict[str, dict[str, Any]] | None = None,
+    title: str = "marginkit comparison",
+) -> tuple[str, Path]:
+    """Train every loss for ``seeds`` seeds and write the summary files; returns the
+    Markdown table and the report's path."""
+    from marginkit.report import compare_plot, write_compare_report
+    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
+    from marginkit.train.registry import LOSSES
+    from marginkit.train.trainer import load_splits
+
+    _check_losses(losses)
+    _check_loss_options(losses, [*file_pairs, *cli_pairs])
+    if seeds < 1:
+        raise UserError(f"--seeds must be >= 1, got {seeds}")
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".marginkit-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to output directory {str(out)!r}: {exc.strerror or exc}") from None
+    configs: dict[tuple[str, int], Any] = {}
+    for loss in losses:
+        pairs = _loss_pairs_for(loss, [*file_pairs, *cli_pairs])
+        extra = list((per_loss or {}).get(loss, {}).items())
+        for s in range(seeds):
+            try:
+                configs[(loss, s)] = apply_overrides(
+                    TrainConfig(), [*pairs, *extra, ("loss", loss), ("seed", base.seed + s)]
+                )
+            except ConfigError as exc:
+                raise UserError(f"{loss}: {exc}") from exc
+    total = len(configs)
+    per_seed: dict[str, list[dict[str, float]]] = {loss: [] for loss in losses}
+    seconds: dict[str, list[float]] = {loss: [] for loss in losses}
+    runs: dict[str, list[Path]] = {loss: [] for loss in losses}
+    t0 = time.perf_counter()
+    done = 0
+    for s in range(seeds):
+        splits = None
+        for loss in losses:
+            cfg = configs[(loss, s)]
+            if splits is None:
+                with user_errors():
+                    splits = load_splits(cfg, cache=True)
+            run_dir = out / "runs" / loss / f"seed{cfg.seed}"
+            res = _run_one(cfg, run_dir, splits=splits, overwrite=overwrite)
+            done += 1
+            row = _row_metrics(res["metrics"])
+            per_seed[loss].append(row)
+            seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
+            runs[loss].append(run_dir)
+            tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
+            _log(
+                f"[{done}/{total}] {loss:<14} seed {cfg.seed}: "
+                + "  ".join(f"{k} {row[k]:.4f}" for k in ("knn_accuracy", "map_at_r") if k in row)
+                + tag,
+                quiet,
+            )
+    summary = []
+    for loss in losses:
+        row = aggregate(loss, per_seed[loss])
+        row["kind"] = LOSSES[loss].kind
+        row["seconds"] = sum(seconds[loss]) / len(seconds[loss])
+        row["runs"] = [str(p) for p in runs[loss]]
+        summary.append(row)
+    cols = _columns(summary)
+    table = markdown_table(summary, cols)
+    (out / "summary.md").write_text(table + "\n", encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    with (out / "summary.csv").open("w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        header = ["loss", "kind", "n_seeds"]
+        for c in cols:
+            header += [c, f"{c}_std"] if c != "seconds" else [c]
+        w.writerow(header)
+        for row in summary:
+            w.writerow([row.get(h) if row.get(h) is not None else "" for h in header])
+    plot_metrics = [m for m in ("knn_accuracy", "map_at_r", "precision_at_1") if m in cols]
+    compare_plot(summary, plot_metrics, out / "comparison.png")
+    data_name = base.data
+    notes = (
+        f"{len(losses)} losses on {data_name}, {seeds} seed(s) each, same backbone and budget "
+        f"(model {base.model}, embedding {base.embedding_dim}, {base.epochs} epochs, "
+        f"batch {base.batch_size}). "
+        f"Total {time.perf_counter() - t0:.0f} s."
+    )
+    report = write_compare_report(
+        out, summary, runs, title=title, table_markdown=table, metrics=plot_metrics, notes=notes
+    )
+    return table, report
+
+
+def run_demo(
+    out: str | Path = "demo_out",
+    *,
+    seeds: int = 1,
+    epochs: int | None = None,
+    losses: Sequence[str] | None = None,
+    quiet: bool = False,
+    device: str = "cpu",
+) -> tuple[str, Path, float]:
+    """The README's main job: :data:`DEMO_LOSSES` on mnist1d with :data:`DEMO_OPTIONS`."""
+    t0 = time.perf_counter()
+    options = dict(DEMO_OPTIONS)
+    if epochs is not None:
+        options["epochs"] = epochs
+    options["device"] = device
+    chosen = list(losses) if losses else list(DEMO_LOSSES)
+    pairs = list(options.items())
+    base = base_config(chosen, pairs)
+    _log(
+        f"marginkit demo: {len(chosen)} losses on mnist1d, {options['epochs']} epochs each, "
+        f"{seeds} seed(s) → {out}",
+        quiet,
+    )
+    table, report = run_compare(
+        base, chosen, seeds=seeds, out=out, quiet=quiet, cli_pairs=pairs, per_loss=DEMO_PER_LOSS,
+        title="marginkit demo — margin losses on MNIST-1D",
+    )  # fmt: skip
+    return table, report, time.perf_counter() - t0
