@@ -13,24 +13,20 @@ rank its slice, i.e. it differentiates the **sum over ranks** of the per-rank ob
 
 .. math:: \text{grad}(x_r) = \frac{\partial}{\partial x_r} \sum_s l_s(G).
 
-Two ways of using it, and what they give compared with one process on the concatenated batch
-(loss ``L``; DDP *averages* parameter gradients over the ``N`` ranks):
+Two ways of using it, compared with one process on the concatenated batch (loss ``L``;
+DistributedDataParallel *averages* parameter gradients over the ``N`` ranks):
 
-=================================================  ======================  =========================
-per-rank objective                                 embedding gradients     DDP parameter gradients
-=================================================  ======================  =========================
-share: ``sum_s l_s = L`` (own anchors / own class  equal                   ``1/N`` × — use
-centres, normalised by the *global* count)                                 ``N * l_r`` under DDP
-replicated: ``l_r = L`` on every rank (any loss    ``N`` ×                 equal
-called on the gathered batch)
-=================================================  ======================  =========================
+- **share** — each rank computes its part, ``sum_s l_s = L`` (its own anchors against the
+  gathered batch normalised by the *global* count, or its own class centres in a sharded head).
+  Embedding gradients equal the single-process ones exactly; under DDP multiply the loss by
+  ``world_size()`` to get the single-process parameter gradients.
+- **replicated** — every rank computes the whole loss, ``l_r = L`` (any loss called on the
+  gathered batch). Embedding gradients are ``N`` times the single-process ones, which is exactly
+  what DDP's averaging expects: ``loss(all_gather_with_grad(x), all_gather_no_grad(y))`` under
+  DDP yields the single-process parameter gradients with no scaling.
 
-The ``share`` form is exact for the embeddings and is what a sharded class head does (each rank's
-logits cover its own class centres, so the per-rank partial derivatives add up to the full one).
-The ``replicated`` form is the plug-in one for DDP training: ``loss(all_gather_with_grad(x),
-all_gather_no_grad(y)).backward()`` under ``DistributedDataParallel`` yields exactly the
-single-process parameter gradients of ``loss`` on the global batch. In both cases every rank
-must run the backward pass (the all-reduce is a collective).
+Either way every rank must run the backward pass through the gather (its all-reduce is a
+collective), as DDP itself requires.
 """
 
 from __future__ import annotations
@@ -38,8 +34,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -222,6 +222,14 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 # --------------------------------------------------------------------------- test support
+class SpawnedRankError(RuntimeError):
+    """A process started by :func:`_spawn_for_test` raised; ``rank`` is the one that failed first."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 def _loopback_interface() -> str:
     return "lo0" if sys.platform == "darwin" else "lo"
 
@@ -232,20 +240,27 @@ def _spawn_worker(
     world: int,
     port: int,
     timeout_s: float,
+    error_dir: str,
     args: tuple[Any, ...],
 ) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=local_rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    fn(local_rank, world, *args)
-    # Only on success: after a failure the process exits with the group still open, so its peers
-    # see the closed connection after the parent has already been told which rank failed first.
+    try:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=local_rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        fn(local_rank, world, *args)
+    except BaseException:
+        # Record when and why, before this process exits and its peers see the lost connection:
+        # the parent reports the earliest failure (the cause), not a peer's consequence.
+        with open(os.path.join(error_dir, f"rank{local_rank}.txt"), "w") as file:
+            file.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
+    # Only on success: after a failure the process exits with the group still open.
     with contextlib.suppress(Exception):
         torch.distributed.destroy_process_group()
 
@@ -255,20 +270,43 @@ def _spawn_for_test(
 ) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group.
 
-    For tests and benchmarks on one machine: the group rendezvous on a free loopback port,
-    ``fn`` must be importable (module level) and picklable arguments only. Returns when every
-    process has finished; if one raises, the others are terminated and the error (with the
-    child's traceback) is raised here. A collective that hangs fails after ``timeout_s``. A
-    rendezvous port stolen between choosing and binding it is retried with a new port.
+    For tests and benchmarks on one machine: the group meets on a free loopback port; ``fn``
+    must be importable (module level) and the arguments picklable. Returns when every process
+    has finished. If one raises, the others are terminated and :class:`SpawnedRankError` is
+    raised here with the traceback of the rank that failed *first* (peers that merely lost their
+    connection to it are listed, not blamed). A collective that hangs fails after ``timeout_s``.
+    A rendezvous port taken between choosing and binding it is retried with a new port.
     """
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException, spawn
 
     for attempt in range(attempts):
         port = find_free_port()
+        error_dir = tempfile.mkdtemp(prefix="marginkit-spawn-")
         try:
-            mp.spawn(_spawn_worker, args=(fn, world, port, timeout_s, args), nprocs=world, join=True)
-            return
-        except mp.ProcessRaisedException as error:
-            if "address already in use" in str(error).lower() and attempt + 1 < attempts:
-                continue
-            raise
+            try:
+                spawn(
+                    _spawn_worker,
+                    args=(fn, world, port, timeout_s, error_dir, args),
+                    nprocs=world,
+                    join=True,
+                )
+                return
+            except ProcessException as error:
+                failures = []
+                for name in os.listdir(error_dir):
+                    with open(os.path.join(error_dir, name)) as file:
+                        stamp, _, trace = file.read().partition("\n")
+                    failures.append((float(stamp), int(name[4:-4]), trace))
+                if not failures:  # died without a Python exception (signal, os._exit)
+                    raise
+                failures.sort()
+                _, first, trace = failures[0]
+                if "address already in use" in trace.lower() and attempt + 1 < attempts:
+                    continue
+                others = ", ".join(str(r) for _, r, _ in failures[1:]) or "none"
+                raise SpawnedRankError(
+                    f"rank {first} of {world} failed first (ranks also failing after it: {others}):\n{trace}",
+                    first,
+                ) from error
+        finally:
+            shutil.rmtree(error_dir, ignore_errors=True)
