@@ -170,3 +170,21 @@ def test_load_state_dict_validates():
         sched.load_state_dict({"step": 3, "names": ["gamma"]})
     with pytest.raises(ValueError, match="step'\\] must be >= 0"):
         sched.load_state_dict({"step": -2})
+
+
+def test_scheduled_circle_loss_equals_a_loss_built_with_those_values(gen):
+    # Integration: the library's losses read their hyper-parameters at forward time, so a
+    # scheduled loss computes exactly what a loss constructed with the scheduled values does.
+    from marginkit.losses import CircleLoss
+
+    emb = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+    labels = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    loss = CircleLoss(margin=0.25, gamma=256.0)
+    sched = HyperparameterScheduler(
+        loss, {"gamma": LinearWarmup(32, 64, 4), "margin": CosineDecay(0.4, 0.25, 4)}
+    )
+    for _ in range(3):
+        values = sched.step()
+        expected = CircleLoss(margin=values["margin"], gamma=values["gamma"])(emb, labels)
+        assert torch.equal(loss(emb, labels), expected)
+    assert values["gamma"] == 56.0
