@@ -191,9 +191,15 @@ class HNSWIndex:
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         q = prepare(queries.detach().cpu(), self.metric, "queries", torch.float32)
-        params = self._faiss.SearchParametersHNSW()
-        params.efSearch = max(self.ef_search, k)
-        distances, labels = self.index.search(q.numpy(), k, params=params)
+        ef = self.ef_search
+        # efSearch below k cannot return k neighbours; raise it for this call only. (Not via
+        # SearchParametersHNSW: faiss.contrib.torch_utils, which pytorch-metric-learning
+        # imports, replaces Index.search with a version that drops `params`.)
+        self.ef_search = max(ef, k)
+        try:
+            distances, labels = self.index.search(q.numpy(), k)
+        finally:
+            self.ef_search = ef
         indices = torch.from_numpy(labels)
         if bool((indices < 0).any()):
             raise RuntimeError(

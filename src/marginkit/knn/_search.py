@@ -83,8 +83,8 @@ def prepare(x: torch.Tensor, metric: str, name: str, dtype: torch.dtype | None =
 
 
 def neg_sqnorms(references: torch.Tensor) -> torch.Tensor:
-    """``-||r||²`` per reference row: the bias of the ``l2`` key."""
-    return -(references * references).sum(dim=1)
+    """``-||r||²`` per reference row: the bias of the ``l2`` key (no ``[N, D]`` temporary)."""
+    return torch.linalg.vector_norm(references, dim=1).square_().neg_()
 
 
 @dataclass(frozen=True)

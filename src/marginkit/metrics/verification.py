@@ -220,8 +220,8 @@ def pair_scores(
 
     # Genuine pairs: rows sorted by label; a row's partners are the later rows of its class.
     sorted_labels, order = torch.sort(labels, stable=True)
-    _, counts = torch.unique_consecutive(sorted_labels, return_counts=True)
-    class_end = torch.repeat_interleave(counts.cumsum(0), counts).tolist()
+    _, group, counts = torch.unique_consecutive(sorted_labels, return_inverse=True, return_counts=True)
+    class_end = counts.cumsum(0)[group].tolist()
     es = e[order]
     gen_scores, gen_i, gen_j = [], [], []
     s = 0

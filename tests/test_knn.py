@@ -1,0 +1,417 @@
+"""KNNClassifier and its index backends against scikit-learn, float64 brute force and FAISS."""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.neighbors import KNeighborsClassifier
+
+from marginkit.knn import KNNClassifier, model_fingerprint
+from marginkit.knn._search import _estimate, exact_search, plan_chunks, prepare
+
+SK_METRIC = {"l2": "euclidean", "cosine": "cosine"}
+
+
+def _data(gen, n=300, q=120, d=12, c=5, dtype=torch.float64):
+    ref = torch.randn(n, d, generator=gen, dtype=dtype)
+    lab = torch.randint(0, c, (n,), generator=gen)
+    lab[:c] = torch.arange(c)  # every class present, so sklearn's columns are 0..C-1
+    return ref, lab, torch.randn(q, d, generator=gen, dtype=dtype)
+
+
+def _brute(queries, refs, k, metric):
+    """float64 numpy brute force: values, indices, ties to the lower index (lexsort)."""
+    q, r = queries.double().numpy(), refs.double().numpy()
+    if metric == "cosine":
+        q = q / np.linalg.norm(q, axis=1, keepdims=True)
+        r = r / np.linalg.norm(r, axis=1, keepdims=True)
+        key = q @ r.T
+    else:
+        key = -np.sqrt(((q[:, None, :] - r[None, :, :]) ** 2).sum(-1))
+    cols = np.arange(r.shape[0])
+    idx = np.stack([np.lexsort((cols, -row))[:k] for row in key])
+    vals = np.take_along_axis(key, idx, 1)
+    return (vals if metric == "cosine" else -vals), idx
+
+
+# ---------------------------------------------------------------- scikit-learn equality
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+@pytest.mark.parametrize("weights", ["uniform", "distance"])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_matches_sklearn_float64(gen, metric, weights, k):
+    ref, lab, q = _data(gen)
+    clf = KNNClassifier(k, metric, weights).fit(ref, lab)
+    sk = KNeighborsClassifier(k, weights=weights, metric=SK_METRIC[metric], algorithm="brute")
+    sk.fit(ref.numpy(), lab.numpy())
+    np.testing.assert_allclose(clf.predict_proba(q).numpy(), sk.predict_proba(q.numpy()), atol=1e-12)
+    np.testing.assert_array_equal(clf.predict(q).numpy(), sk.predict(q.numpy()))
+    dist, idx = sk.kneighbors(q.numpy(), k)
+    values, indices = clf.kneighbors(q)
+    np.testing.assert_array_equal(indices.numpy(), idx)
+    expected = 1 - dist if metric == "cosine" else dist
+    np.testing.assert_allclose(values.numpy(), expected, atol=1e-12)
+    assert clf.score(q, torch.from_numpy(sk.predict(q.numpy()))) == 1.0
+
+
+@pytest.mark.parametrize("backend", ["faiss", "hnsw"])
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+@pytest.mark.parametrize("weights", ["uniform", "distance"])
+def test_faiss_backends_match_sklearn_float32(gen, backend, metric, weights):
+    ref, lab, q = _data(gen, dtype=torch.float32)
+    clf = KNNClassifier(5, metric, weights, backend, hnsw_ef_search=300).fit(ref, lab)
+    sk = KNeighborsClassifier(5, weights=weights, metric=SK_METRIC[metric], algorithm="brute")
+    sk.fit(ref.double().numpy(), lab.numpy())
+    np.testing.assert_allclose(clf.predict_proba(q).numpy(), sk.predict_proba(q.double().numpy()), atol=2e-5)
+    np.testing.assert_array_equal(clf.predict(q).numpy(), sk.predict(q.double().numpy()))
+
+
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(3, 40), k=st.integers(1, 6), c=st.integers(1, 4))
+def test_vote_ties_match_sklearn(seed, n, k, c):
+    # Small k and few classes make vote ties frequent; both break them to the smallest class id.
+    g = torch.Generator().manual_seed(seed)
+    k, c = min(k, n), min(c, n)
+    ref = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    lab = torch.randint(0, c, (n,), generator=g)
+    lab[torch.randperm(n, generator=g)[:c]] = torch.arange(c)
+    q = torch.randn(25, 3, generator=g, dtype=torch.float64)
+    for weights in ("uniform", "distance"):
+        clf = KNNClassifier(k, "l2", weights).fit(ref, lab)
+        sk = KNeighborsClassifier(k, weights=weights, algorithm="brute").fit(ref.numpy(), lab.numpy())
+        np.testing.assert_array_equal(clf.predict(q).numpy(), sk.predict(q.numpy()))
+        np.testing.assert_allclose(clf.predict_proba(q).numpy(), sk.predict_proba(q.numpy()), atol=1e-12)
+
+
+def test_zero_distance_neighbour_takes_the_vote_like_sklearn():
+    ref = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.2], [2.0, 2.0]], dtype=torch.float64)
+    lab = torch.tensor([2, 0, 0, 1])
+    q = ref[:1].clone()
+    clf = KNNClassifier(3, "l2", "distance").fit(ref, lab)
+    sk = KNeighborsClassifier(3, weights="distance", algorithm="brute").fit(ref.numpy(), lab.numpy())
+    np.testing.assert_array_equal(clf.predict_proba(q).numpy(), sk.predict_proba(q.numpy()))
+    assert clf.predict(q).item() == 2
+
+
+# ---------------------------------------------------------------- exact search
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+@pytest.mark.parametrize("limit_mb", [0.05, 512])
+def test_exact_search_matches_float64_brute_force(gen, metric, limit_mb):
+    ref, _, q = _data(gen, n=700, q=90, d=6)
+    plan = plan_chunks(90, 700, 6, 9, 8, int(limit_mb * 2**20))
+    if limit_mb < 1:
+        assert plan.reference_cols < 700  # the merge across reference chunks is exercised
+    values, idx = exact_search(
+        q, prepare(ref, metric, "r"), 9, metric=metric, memory_limit_bytes=int(limit_mb * 2**20)
+    )
+    bv, bi = _brute(q, ref, 9, metric)
+    np.testing.assert_array_equal(idx.numpy(), bi)
+    np.testing.assert_allclose(values.numpy(), bv, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss"])
+@pytest.mark.parametrize("limit_mb", [0.02, 512])
+def test_ties_go_to_the_lower_reference_index(backend, limit_mb):
+    # Integer coordinates: equal distances are exactly equal in float32.
+    base = torch.tensor([[1.0, 0.0], [0.0, 1.0], [3.0, 0.0], [0.0, 3.0]])
+    ref = base.repeat(60, 1)  # reference i is base[i % 4]; 60 copies of each spread over chunks
+    perm = torch.randperm(240, generator=torch.Generator().manual_seed(1))
+    ref = ref[perm]
+    lab = torch.arange(240) % 3
+    clf = KNNClassifier(5, "l2", backend=backend, memory_limit_mb=limit_mb).fit(ref, lab)
+    q = torch.tensor([[1.0, 0.0], [0.0, 3.0], [0.5, 0.5]])
+    values, idx = clf.kneighbors(q, k=70)
+    bv, bi = _brute(q, ref, 70, "l2")
+    np.testing.assert_array_equal(idx.numpy(), bi)
+    np.testing.assert_allclose(values.numpy(), bv, atol=1e-6)
+    # The k-th place is contested by 60 equal copies: the lowest indices must win.
+    first = (ref == q[0]).all(dim=1).nonzero().squeeze(1)
+    assert idx[0, :60].tolist() == first.tolist()
+
+
+def test_vote_tie_goes_to_smallest_class():
+    ref = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 5.0]])
+    clf = KNNClassifier(2, "l2").fit(ref, torch.tensor([3, 1, 0]))
+    assert clf.predict(torch.tensor([[0.0, 0.0]])).item() == 1
+    clf = KNNClassifier(2, "l2").fit(ref, torch.tensor([1, 3, 0]))
+    assert clf.predict(torch.tensor([[0.0, 0.0]])).item() == 1
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_faiss_flat_equals_exact(gen, metric):
+    ref, lab, q = _data(gen, n=3000, q=400, d=32, c=20, dtype=torch.float32)
+    exact = KNNClassifier(10, metric).fit(ref, lab)
+    flat = KNNClassifier(10, metric, backend="faiss").fit(ref, lab)
+    ve, ie = exact.kneighbors(q)
+    vf, i_f = flat.kneighbors(q)
+    assert (ie == i_f).float().mean() > 0.999  # float32 rounding may swap near-ties
+    torch.testing.assert_close(vf, ve, atol=1e-5, rtol=1e-5)
+    assert torch.equal(exact.predict(q), flat.predict(q))
+
+
+def _clustered(gen, n, d=32, centres=50, noise=0.3):
+    c = torch.randn(centres, d, generator=gen)
+    a = torch.randint(0, centres, (n,), generator=gen)
+    return c[a] + noise * torch.randn(n, d, generator=gen), a
+
+
+def test_hnsw_recall_helper(gen):
+    ref, lab = _clustered(gen, 4000)
+    q, _ = _clustered(gen, 300)
+    clf = KNNClassifier(10, "l2", backend="hnsw", hnsw_m=8, hnsw_ef_construction=40).fit(ref, lab)
+    recalls = {}
+    for ef in (1, 10, 400):
+        clf.hnsw_ef_search = ef
+        recalls[ef] = clf.recall_at_k(q)
+    assert 0 <= recalls[1] <= recalls[400] <= 1
+    assert recalls[400] > 0.95
+    # The helper equals the set overlap computed here from the two backends' neighbours.
+    clf.hnsw_ef_search = 10
+    _, approx = clf.kneighbors(q)
+    _, exact = KNNClassifier(10, "l2").fit(ref, lab).kneighbors(q)
+    overlap = np.mean(
+        [len(set(a) & set(e)) / 10 for a, e in zip(approx.tolist(), exact.tolist(), strict=True)]
+    )
+    assert clf.recall_at_k(q) == pytest.approx(overlap)
+    assert KNNClassifier(10, "l2").fit(ref, lab).recall_at_k(q) == 1.0
+
+
+# ---------------------------------------------------------------- growing, saving, fingerprints
+def _seeded(module, gen):
+    """Overwrite a module's parameters from the seeded generator (no global RNG)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return module
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw"])
+def test_add_equals_fit_on_everything(gen, backend):
+    ref, lab, q = _data(gen, n=400, dtype=torch.float32)
+    lab[300:] = 7  # a class that only arrives with add()
+    full = KNNClassifier(5, backend=backend, hnsw_ef_search=400).fit(ref, lab)
+    grown = KNNClassifier(5, backend=backend, hnsw_ef_search=400).fit(ref[:300], lab[:300])
+    assert grown.num_classes == 5
+    grown.add(ref[300:], lab[300:])
+    assert grown.num_classes == 8 and grown.num_references == 400
+    if backend != "hnsw":  # the HNSW graph depends on insertion batches; compare outcomes only
+        assert torch.equal(full.kneighbors(q)[1], grown.kneighbors(q)[1])
+    assert torch.equal(full.predict(q), grown.predict(q))
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw"])
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_save_load_round_trip(gen, tmp_path, backend, metric):
+    ref, lab, q = _data(gen, n=500, dtype=torch.float32)
+    model = _seeded(torch.nn.Linear(12, 12), gen)
+    clf = KNNClassifier(3, metric, "distance", backend, num_classes=9).fit(ref, lab, model_fingerprint=model)
+    path = tmp_path / "index.npz"
+    clf.save(path)
+    with np.load(path, allow_pickle=False) as z:  # no pickle anywhere in the file
+        meta = json.loads(str(z["metadata"]))
+    assert meta["dimension"] == 12 and meta["metric"] == metric
+    assert meta["normalization"] == ("l2" if metric == "cosine" else "none")
+    assert meta["model_fingerprint"] == model_fingerprint(model)
+    back = KNNClassifier.load(path, expected_fingerprint=model)
+    assert (
+        back.num_classes == 9 and back.backend == backend and back.model_fingerprint == clf.model_fingerprint
+    )
+    v1, i1 = clf.kneighbors(q)
+    v2, i2 = back.kneighbors(q)
+    assert torch.equal(i1, i2) and torch.equal(v1, v2)
+    assert torch.equal(clf.predict_proba(q), back.predict_proba(q))
+    back.add(ref[:10], lab[:10])  # a loaded index keeps growing
+    assert back.num_references == 510
+
+
+def test_load_refuses_another_model(gen, tmp_path):
+    ref, lab, _ = _data(gen, dtype=torch.float32)
+    model = _seeded(torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.BatchNorm1d(12)), gen)
+    path = tmp_path / "index.npz"
+    KNNClassifier().fit(ref, lab, model_fingerprint=model_fingerprint(model)).save(path)
+    KNNClassifier.load(path, expected_fingerprint=copy.deepcopy(model))  # same weights: fine
+    retrained = copy.deepcopy(model)
+    with torch.no_grad():
+        retrained[0].weight[0, 0] += 1e-3
+    with pytest.raises(ValueError, match="model fingerprint mismatch"):
+        KNNClassifier.load(path, expected_fingerprint=retrained)
+    with pytest.raises(ValueError, match="model fingerprint mismatch"):
+        KNNClassifier.load(path, expected_fingerprint="sha256:" + "0" * 64)
+    unfingerprinted = tmp_path / "bare.npz"
+    KNNClassifier().fit(ref, lab).save(unfingerprinted)
+    with pytest.raises(ValueError, match="model fingerprint mismatch"):
+        KNNClassifier.load(unfingerprinted, expected_fingerprint=model)
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(ValueError, match="not a saved KNNClassifier"):
+        KNNClassifier.load(tmp_path / "other.npz")
+
+
+def test_model_fingerprint_sees_weights_buffers_architecture(gen):
+    model = _seeded(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), gen)
+    fp = model_fingerprint(model)
+    assert fp == model_fingerprint(copy.deepcopy(model))
+    buffers = copy.deepcopy(model)
+    buffers[1].running_mean += 1
+    wider = copy.deepcopy(model)
+    wider[1].eps = 1e-3  # no tensor changes, the architecture repr does
+    half = copy.deepcopy(model).half()
+    assert len({fp, model_fingerprint(buffers), model_fingerprint(wider), model_fingerprint(half)}) == 4
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        model_fingerprint("model")
+
+
+# ---------------------------------------------------------------- precision and devices
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_are_upcast(gen, dtype):
+    ref, lab, q = _data(gen, dtype=torch.float32)
+    ref, q = ref.to(dtype), q.to(dtype)
+    half = KNNClassifier(5, "cosine", "distance").fit(ref, lab)
+    single = KNNClassifier(5, "cosine", "distance").fit(ref.float(), lab)
+    values, _ = half.kneighbors(q)
+    assert values.dtype == torch.float32
+    assert torch.equal(half.predict_proba(q), single.predict_proba(q.float()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exact_backend_on_cuda_matches_cpu(gen):
+    ref, lab, q = _data(gen, dtype=torch.float32)
+    cpu = KNNClassifier(5, "l2").fit(ref, lab)
+    cuda = KNNClassifier(5, "l2").fit(ref.cuda(), lab.cuda())
+    torch.testing.assert_close(cuda.predict_proba(q.cuda()).cpu(), cpu.predict_proba(q), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- memory limit
+@given(
+    nq=st.integers(1, 10**5),
+    n=st.integers(1, 10**7),
+    d=st.integers(1, 2048),
+    k=st.integers(1, 1000),
+    limit_mb=st.floats(0.5, 4096),
+    itemsize=st.sampled_from([4, 8]),
+)
+def test_plan_keeps_its_estimate_under_the_limit(nq, n, d, k, limit_mb, itemsize):
+    k = min(k, n)
+    limit = int(limit_mb * 2**20)
+    try:
+        plan = plan_chunks(nq, n, d, k, itemsize, limit)
+    except ValueError as err:
+        assert "too small" in str(err)
+        assert _estimate(1, min(k + 1, n), 1, d, k, itemsize, torch.get_num_threads()) > limit
+        return
+    assert plan.estimated_bytes <= limit
+    assert 1 <= plan.query_rows <= nq and min(k + 1, n) <= plan.reference_cols <= n
+    assert plan.query_rows * plan.reference_cols * itemsize <= limit  # the largest temporary
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import gc, json, sys, torch
+    from marginkit.knn import KNNClassifier
+    torch.set_num_threads(2)
+
+    def kib(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(50_000, 32, generator=g)
+    q = torch.randn(1_000, 32, generator=g)
+    lab = torch.randint(0, 10, (50_000,), generator=g)
+    out = {}
+    for metric in ("cosine", "l2"):
+        for limit in (8, 512):
+            clf = KNNClassifier(10, metric, memory_limit_mb=limit).fit(ref, lab)
+            clf.kneighbors(q)  # warm-up: thread pools and one-off buffers
+            gc.collect()
+            base = kib("VmRSS:")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak-RSS counter VmHWM
+            result = clf.kneighbors(q)
+            out[f"{metric}-{limit}"] = (kib("VmHWM:") - base) / 1024
+            del result, clf
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")
+def test_exact_backend_peak_memory_stays_under_limit():
+    # Peak RSS growth of one search, measured in a fresh process. glibc is told to mmap every
+    # allocation over 64 KiB and to trim freed memory, so RSS follows live memory (otherwise
+    # freed blocks are kept in the heap and the measurement under-reports).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, env=env, check=True, timeout=300
+    )
+    growth = json.loads(done.stdout.strip().splitlines()[-1])
+    result_mb = 1_000 * 10 * (4 + 8) / 2**20  # the returned values and indices are not temporaries
+    for metric in ("cosine", "l2"):
+        assert growth[f"{metric}-8"] <= 8 + result_mb + 0.5, growth
+        # The measurement sees the search's memory: with a large budget the peak is far above 8 MB
+        # (whole-reference chunks of thousands of queries).
+        assert growth[f"{metric}-512"] > 64, growth
+
+
+# ---------------------------------------------------------------- errors
+def test_bad_input_errors(gen):
+    ref, lab, q = _data(gen, n=20, dtype=torch.float32)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        KNNClassifier(k=0)
+    with pytest.raises(ValueError, match="k=30 exceeds the number of references"):
+        KNNClassifier(k=30).fit(ref, lab)
+    clf = KNNClassifier(3)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        clf.predict(q)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        clf.add(ref, lab)
+    with pytest.raises(ValueError, match="embeddings must contain at least one row"):
+        clf.fit(torch.empty(0, 12), torch.empty(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must have shape"):
+        clf.fit(ref, lab[:-1])
+    with pytest.raises(ValueError, match="embeddings contains NaN"):
+        clf.fit(torch.where(ref > 2, math.nan, ref), lab)
+    with pytest.raises(ValueError, match="all-zero row"):
+        clf.fit(torch.cat([ref, torch.zeros(1, 12)]), torch.cat([lab, lab[:1]]))
+    with pytest.raises(ValueError, match="labels must be class ids >= 0"):
+        clf.fit(ref, lab - 1)
+    with pytest.raises(TypeError, match="labels must be an integer"):
+        clf.fit(ref, lab.float())
+    clf.fit(ref, lab)
+    with pytest.raises(ValueError, match="x contains NaN"):
+        clf.predict(torch.full((2, 12), math.nan))
+    with pytest.raises(ValueError, match="x has dimension 5, but the index holds 12"):
+        clf.predict(q[:, :5])
+    with pytest.raises(ValueError, match="embeddings have dimension 5"):
+        clf.add(ref[:, :5], lab)
+    with pytest.raises(ValueError, match="k=21 exceeds the number of references"):
+        clf.kneighbors(q, k=21)
+    with pytest.raises(ValueError, match="y must have shape"):
+        clf.score(q, lab[:3])
+    with pytest.raises(ValueError, match="metric must be one of"):
+        KNNClassifier(metric="dot")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        KNNClassifier(backend="annoy")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        KNNClassifier(weights="rank")
+    with pytest.raises(ValueError, match="labels must lie in"):
+        KNNClassifier(num_classes=2).fit(ref, lab)
+    with pytest.raises(ValueError, match="memory_limit_mb=.* is too small"):
+        KNNClassifier(3, memory_limit_mb=1e-4).fit(ref, lab).predict(q)
+
+
+def test_missing_faiss_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "faiss", None)  # makes `import faiss` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'marginkit\[faiss\]'"):
+        KNNClassifier(backend="faiss")
+    with pytest.raises(ImportError, match=r"pip install 'marginkit\[faiss\]'"):
+        KNNClassifier(backend="hnsw")
+    KNNClassifier(backend="exact")  # the default needs nothing extra
