@@ -131,7 +131,9 @@ class DatasetSplits:
                 f"got {tuple(out.shape[1:])}"
             )
         if self.mean is not None and self.std is not None:
-            out = (out - self.mean) / self.std
+            mean = torch.as_tensor(self.mean, dtype=torch.float32)
+            std = torch.as_tensor(self.std, dtype=torch.float32)
+            out = (out - mean) / std
         return out
 
 
