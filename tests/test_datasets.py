@@ -234,6 +234,18 @@ def test_non_contiguous_labels_are_mapped_to_0_to_C_minus_1(tmp_path):
         np.testing.assert_array_equal(original[split.y.numpy()], ys[split.x[:, 0].long().numpy()])
 
 
+def test_labels_indexing_given_class_names_are_kept(tmp_path):
+    x = np.arange(40, dtype=np.float64)[:, None].repeat(2, 1)
+    y = np.where(np.arange(40) % 2 == 0, 0, 2)
+    np.savez(tmp_path / "n.npz", x=x, y=y, class_names=np.array(["a", "b", "c", "d"]))
+    data = load_dataset(f"features:{tmp_path / 'n.npz'}")
+    assert data.num_classes == 4 and data.class_names == ["a", "b", "c", "d"]
+    assert set(data.train.y.tolist()) == {0, 2}
+    np.savez(tmp_path / "m.npz", x=x, y=y + 3, class_names=np.array(["a", "b", "c", "d"]))
+    with pytest.raises(ValueError, match="label 5 has no entry in its 4 class names"):
+        load_dataset(f"features:{tmp_path / 'm.npz'}")
+
+
 def test_constant_feature_is_not_divided_by_zero(tmp_path):
     path, _, _ = _traceable(tmp_path)
     data = load_dataset(f"features:{path}")

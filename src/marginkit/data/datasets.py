@@ -6,9 +6,11 @@ inputs, int64 labels ``0..C-1`` and train / validation / test :class:`Split` s. 
 identical for every source:
 
 1. read the source's train and test splits (and its validation split, if it has one);
-2. check labels (integers, ``[N]`` or ``[N, 1]``) and map them onto ``0..C-1`` (if the labels
-   are not already exactly ``0..C-1``, their sorted distinct values become the classes and
-   :attr:`DatasetSplits.class_names` keeps the original values);
+2. check labels (integers, ``[N]`` or ``[N, 1]``) and map them onto ``0..C-1``: labels of a
+   source with class names (CIFAR-10 ``batches.meta``, folder names, ``class_names`` in a
+   features file, the built-ins) index those names and are kept; otherwise, if the labels
+   are not exactly ``0..C-1``, their sorted distinct values become the classes and
+   :attr:`DatasetSplits.class_names` keeps the original values as strings;
 3. carve a stratified, seeded validation split (``val_fraction`` of each class, see
    :func:`stratified_split`) from the training split, unless the source provides one;
 4. keep ``train_per_class`` samples per class of what remains (:func:`stratified_subset`);
@@ -527,14 +529,14 @@ def _remap_labels(raw: RawSplits, name: str) -> tuple[dict[str, np.ndarray], int
         return labels, int(np.unique(raw.y_train).size), None
     present = np.unique(np.concatenate(list(labels.values())))
     names = raw.class_names
-    if names is not None and present.size and present[-1] >= len(names):
-        raise ValueError(f"{name}: label {int(present[-1])} has no entry in its {len(names)} class names")
-    if present.size and np.array_equal(present, np.arange(present.size)):
-        num_classes = int(present.size) if names is None else len(names)
-        return labels, num_classes, names
+    if names is not None:  # labels index the source's class names: keep them as they are
+        if present.size and present[-1] >= len(names):
+            raise ValueError(f"{name}: label {int(present[-1])} has no entry in its {len(names)} class names")
+        return labels, len(names), list(names)
+    if np.array_equal(present, np.arange(present.size)):
+        return labels, int(present.size), [str(v) for v in present.tolist()]
     remapped = {split: np.searchsorted(present, y).astype(np.int64) for split, y in labels.items()}
-    new_names = [names[v] if names is not None else str(v) for v in present.tolist()]
-    return remapped, int(present.size), new_names
+    return remapped, int(present.size), [str(v) for v in present.tolist()]
 
 
 def load_dataset(
