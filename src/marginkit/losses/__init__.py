@@ -17,5 +17,6 @@ __getattr__, __dir__, __all__ = attach(
         "ClassCircleLoss": "circle",
         "TripletMarginLoss": "triplet",
         "LocalMarginTripletLoss": "triplet",
+        "GatheredPairLoss": "gathered",
     },
 )

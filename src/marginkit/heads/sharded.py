@@ -1,0 +1,410 @@
+"""Class-sharded cosine head: each rank owns a slice of the class centres (model parallel).
+
+With 10⁵–10⁷ identities the class centres ``[C, D]``, their gradient, their optimiser state and
+the ``[B, C]`` logits outgrow one device. :class:`ShardedCosineHead` splits the classes into
+``world_size`` balanced contiguous slices (rank ``r`` owns ``C//W + (r < C%W)`` of them, as
+insightface's PartialFC), all-gathers the embeddings with autograd, and returns a
+:class:`~marginkit._sharded.ShardedCosines` holding the cosines between the *global* batch and
+the *local* centres. Every class-level loss of :mod:`marginkit.losses` accepts it and returns
+exactly the single-process loss on the concatenated batch (``docs/distributed.md``): one call
+site, ``loss(head(embeddings), labels)``, serves :class:`~marginkit.heads.CosineHead` and
+:class:`ShardedCosineHead`.
+
+Keep the head **outside** ``DistributedDataParallel`` (its parameters differ per rank; wrap only
+the backbone). Checkpoints do not depend on the world size: :meth:`ShardedCosineHead.full_state_dict`
+gathers the full ``[C, D]`` weight (the state dict of a ``CosineHead``), and ``load_state_dict``
+accepts either that full weight (re-sliced for this rank) or this rank's own slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from marginkit._sharded import (
+    ShardedCosines,
+    _all_gather,
+    _gather_padded,
+    comm_device,
+    gather_rows_with_grad,
+)
+from marginkit._validation import choice, positive_int
+from marginkit.distributed import is_distributed, rank, world_size
+from marginkit.heads.cosine import _EPS, cosine_similarity_matrix
+
+__all__ = ["ShardedCosineHead", "balanced_slices"]
+
+Group = Any
+
+#: Classes per initialisation block: centres are drawn block by block from generators seeded by
+#: ``(seed, block)``, so the full weight is the same whatever the world size.
+INIT_BLOCK = 4096
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_OK, _NOT_TENSOR, _NOT_FLOAT, _BAD_SHAPE, _NOT_FINITE = 0, 1, 2, 3, 4
+
+
+def balanced_slices(num_classes: int, world: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of every rank's class slice: ``size = C//W + (r < C%W)``, contiguous."""
+    base, extra = divmod(num_classes, world)
+    return [(r * base + min(r, extra), base + (r < extra)) for r in range(world)]
+
+
+def _mix(seed: int, block: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + block * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+class ShardedCosineHead(nn.Module):
+    r"""Cosine classifier whose class centres are split over the ranks of a process group.
+
+    .. math:: c_{bj} = \cos\angle(e_b, w_j),\qquad b \in \text{global batch},\ j \in \text{local slice}
+
+    ``forward(e)`` all-gathers every rank's embeddings ``[B_r, D]`` in rank order (with autograd)
+    and returns a :class:`~marginkit._sharded.ShardedCosines`; pass it with the *local* labels to
+    a class-level loss. Every rank gets the same value, the single-process loss on the
+    concatenated batch; call ``backward()`` on it on every rank. The local centres then receive
+    exactly :math:`\partial L/\partial W_r`, and the local embeddings
+    :math:`\text{world\_size}\cdot\partial L/\partial e` (``grad_reduction="mean"``, what
+    ``DistributedDataParallel``'s averaging of the backbone gradients divides away) or exactly
+    :math:`\partial L/\partial e` (``grad_reduction="sum"``). Without an initialised process
+    group (or with one rank) it is a plain cosine head returning a ``ShardedCosines``.
+
+    Class sampling (``sample_rate < 1``, training mode only; An et al., "Partial FC: Training 10
+    Million Identities on a Single Machine", ICCVW 2021): each step, every rank keeps the centres
+    of all positive classes of the global batch in its slice plus random negatives, up to
+    ``max(1, int(sample_rate · num_local))`` columns; the loss is then the exact loss over the
+    sampled classes (non-sampled centres get a zero gradient). ``sample_rate=1`` is exact.
+
+    Memory per rank (float32, ``C_r = C/W``): weights ``4·C_r·D`` bytes, their gradient as much,
+    optimiser state ``k·4·C_r·D`` (SGD momentum k = 1, Adam k = 2), logits ``4·B·C_r·ρ`` per
+    ``[B, C_r]`` buffer (ρ = sample_rate; the margin-softmax losses hold about three such buffers
+    at the peak of a step). See ``docs/distributed.md`` for measured numbers.
+
+    Args:
+        num_classes: ``C``, at least the group's world size.
+        embedding_dim: ``D ≥ 1``.
+        group: process group (default: the world).
+        sample_rate: fraction of each slice's centres used per training step, in ``(0, 1]``.
+        grad_reduction: ``"mean"`` | ``"sum"``: how the backbone gradients are combined over the
+            ranks after backward (``"mean"`` is DistributedDataParallel's averaging).
+        seed: initialisation (and sampling) seed. ``None`` draws one from torch's global
+            generator on the group's first rank and broadcasts it (a collective).
+        eps: norm floor (as :class:`~marginkit.heads.CosineHead`).
+        device, dtype: of the local centres.
+
+    Shape:
+        embeddings ``[B_r, D]`` on rank ``r`` → ``ShardedCosines`` with cosines
+        ``[B_0 + … + B_{W-1}, num_local]``.
+
+    Example:
+        >>> import torch
+        >>> from marginkit.heads import ShardedCosineHead
+        >>> from marginkit.losses import CosFaceLoss
+        >>> head = ShardedCosineHead(num_classes=10, embedding_dim=4, seed=0)  # 1 process: all classes
+        >>> e = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+        >>> y = torch.arange(8)
+        >>> loss = CosFaceLoss(scale=30.0, margin=0.35)(head(e), y)  # doctest: +SKIP
+        >>> head.full_state_dict()["weight"].shape
+        torch.Size([10, 4])
+    """
+
+    weight: nn.Parameter
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        group: Group = None,
+        sample_rate: float = 1.0,
+        *,
+        grad_reduction: str = "mean",
+        seed: int | None = None,
+        eps: float = _EPS,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_classes = positive_int(num_classes, "num_classes")
+        self.embedding_dim = positive_int(embedding_dim, "embedding_dim")
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)):
+            raise TypeError(f"sample_rate must be a real number, got {type(sample_rate).__name__}")
+        if not (0.0 < float(sample_rate) <= 1.0):
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+        self.sample_rate = float(sample_rate)
+        self.grad_reduction = choice(grad_reduction, "grad_reduction", ("mean", "sum"))
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+            raise ValueError(f"eps must be a number in (0, 1), got {eps!r}")
+        self.eps = float(eps)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be None or a non-negative int, got {seed!r}")
+        self.group = group
+        self.world_size = world_size(group)
+        self.rank = rank(group)
+        if self.num_classes < self.world_size:
+            raise ValueError(
+                f"num_classes must be at least the number of ranks sharing the head: got num_classes="
+                f"{self.num_classes} for a group of {self.world_size} ranks (every rank needs a class)"
+            )
+        self.class_offset, self.num_local = balanced_slices(self.num_classes, self.world_size)[self.rank]
+        self.weight = nn.Parameter(
+            torch.empty(self.num_local, self.embedding_dim, device=device, dtype=dtype)
+        )
+        self.seed = self._agree_on_seed(seed)
+        self._sample_gen: torch.Generator | None = None
+        self.last_class_index: Tensor | None = None
+        self.reset_parameters()
+
+    # ---------------------------------------------------------------- set-up
+    def _agree_on_seed(self, seed: int | None) -> int:
+        if seed is not None:
+            return seed
+        drawn = torch.randint(0, 1 << 62, (1,), dtype=torch.long)
+        if is_distributed(self.group):
+            drawn = drawn.to(comm_device(self.group, torch.device("cpu")))
+            src = 0 if self.group is None else torch.distributed.get_global_rank(self.group, 0)
+            torch.distributed.broadcast(drawn, src=src, group=self.group)
+        return int(drawn.item())
+
+    def reset_parameters(self) -> None:
+        """Centres uniform on the unit sphere, drawn per block of classes from ``(seed, block)``.
+
+        Independent of the world size: the same ``seed`` gives the same full weight on any number
+        of ranks, each rank drawing only the blocks that overlap its slice.
+        """
+        start, stop = self.class_offset, self.class_offset + self.num_local
+        rows = []
+        for block in range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1):
+            gen = torch.Generator().manual_seed(_mix(self.seed, block))
+            first = block * INIT_BLOCK
+            size = min(INIT_BLOCK, self.num_classes - first)
+            values = torch.randn(size, self.embedding_dim, generator=gen, dtype=torch.float64)
+            rows.append(values[max(start - first, 0) : min(stop - first, size)])
+        full = torch.cat(rows)
+        full = full / torch.linalg.vector_norm(full, dim=1, keepdim=True).clamp_min(self.eps)
+        with torch.no_grad():
+            self.weight.copy_(full)
+
+    def slice_sizes(self) -> list[int]:
+        """Every rank's number of classes, in rank order."""
+        return [n for _, n in balanced_slices(self.num_classes, self.world_size)]
+
+    # ---------------------------------------------------------------- forward
+    def _exchange_and_check(self, embeddings: Any) -> list[int]:
+        """Validate the embeddings on every rank together; return every rank's batch size.
+
+        Every rank raises the same error (naming the offending ranks) when any rank's embeddings
+        are not a floating ``[B, D]`` tensor with ``D = embedding_dim``, have a different dtype,
+        or contain NaN/inf.
+        """
+        status, shape, dtype_code = _OK, (), -1
+        if not isinstance(embeddings, Tensor):
+            status = _NOT_TENSOR
+        elif not torch.is_floating_point(embeddings) or embeddings.dtype not in _DTYPES:
+            status, shape = _NOT_FLOAT, tuple(embeddings.shape)
+        else:
+            shape, dtype_code = tuple(embeddings.shape), _DTYPES.index(embeddings.dtype)
+            if embeddings.dim() != 2 or embeddings.shape[1] != self.embedding_dim:
+                status = _BAD_SHAPE
+            elif embeddings.numel() and not bool(torch.isfinite(embeddings).all()):
+                status = _NOT_FINITE
+        rows = [(status, shape, dtype_code)]
+        if is_distributed(self.group):
+            device = embeddings.device if isinstance(embeddings, Tensor) else self.weight.device
+            meta = torch.full((6,), -1, dtype=torch.long)
+            dims = [*shape[:3], -1, -1, -1][:3]
+            meta[:] = torch.tensor([status, len(shape), *dims, dtype_code])
+            parts = _all_gather(meta.to(comm_device(self.group, device)), self.world_size, self.group)
+            rows = []
+            for p in parts:
+                m = p.tolist()
+                dims_r = tuple(m[2 : 2 + min(m[1], 3)]) + (("...",) if m[1] > 3 else ())
+                rows.append((m[0], dims_r, m[5]))
+        self._raise_embedding_errors(rows, embeddings)
+        return [s[0] for _, s, _ in rows]
+
+    def _raise_embedding_errors(self, rows: list[tuple[int, tuple[Any, ...], int]], embeddings: Any) -> None:
+        many = len(rows) > 1
+        for r, (status, _shape, _) in enumerate(rows):
+            where = f" on rank {r}" if many else ""
+            if status == _NOT_TENSOR:
+                got = "another type" if many else type(embeddings).__name__
+                raise TypeError(f"embeddings{where} must be a torch.Tensor, got {got}")
+            if status == _NOT_FLOAT:
+                raise TypeError(
+                    f"embeddings{where} must be a floating-point tensor (float16/32/64, bfloat16)"
+                )
+            if status == _NOT_FINITE:
+                raise ValueError(f"embeddings{where} contain NaN or infinite values")
+        bad = [r for r, (status, _, _) in enumerate(rows) if status == _BAD_SHAPE]
+        if bad:
+            listed = (
+                ", ".join(f"rank {r}: {rows[r][1]}" for r in range(len(rows))) if many else str(rows[0][1])
+            )
+            raise ValueError(
+                f"embeddings must have shape [batch, embedding_dim={self.embedding_dim}]"
+                f"{' on every rank' if many else ''}, got {listed}"
+            )
+        codes = {code for _, _, code in rows}
+        if len(codes) > 1:
+            listed = ", ".join(f"rank {r}: {_DTYPES[c]}" for r, (_, _, c) in enumerate(rows))
+            raise TypeError(f"embeddings must have the same dtype on every rank, got {listed}")
+
+    def _sampling(self) -> bool:
+        return (
+            self.training
+            and self.sample_rate < 1.0
+            and int(self.sample_rate * self.num_local) < self.num_local
+        )
+
+    def forward(self, embeddings: Tensor) -> ShardedCosines:
+        """Gather the embeddings ``[B_r, D]`` of every rank; cosines against the local centres."""
+        sizes = self._exchange_and_check(embeddings)
+        if is_distributed(self.group):
+            scale = float(self.world_size) if self.grad_reduction == "mean" else 1.0
+            gathered = gather_rows_with_grad(embeddings, sizes, self.rank, self.group, scale)
+        else:
+            gathered = embeddings
+        sample = self._sampling()
+        cosines = None if sample else self._cosines(gathered, None)
+        return ShardedCosines(
+            head=self, embeddings=gathered, batch_sizes=sizes, cosines=cosines, sample=sample
+        )
+
+    def logits(self, embeddings: Tensor) -> ShardedCosines:
+        """Alias of :meth:`forward` (as :meth:`marginkit.heads.CosineHead.logits`)."""
+        return self.forward(embeddings)
+
+    def _cosines(self, embeddings: Tensor, index: Tensor | None) -> Tensor:
+        weight = self.weight if index is None else self.weight.index_select(0, index)
+        return cosine_similarity_matrix(embeddings, weight, self.eps)
+
+    @torch.no_grad()
+    def _sample_index(self, positives: Tensor) -> Tensor:
+        """Sorted local ids: every positive, then random negatives up to the sample size."""
+        num_sample = max(1, int(self.sample_rate * self.num_local))
+        device = self.weight.device
+        positives = torch.unique(positives.to(device))
+        if positives.numel() >= num_sample:
+            index = positives
+        else:
+            if self._sample_gen is None or self._sample_gen.device != device:
+                self._sample_gen = torch.Generator(device=device).manual_seed(_mix(self.seed, -1 - self.rank))
+            score = torch.rand(self.num_local, generator=self._sample_gen, device=device)
+            score[positives] = 2.0
+            index = torch.topk(score, num_sample).indices.sort().values
+        self.last_class_index = index
+        return index
+
+    @torch.no_grad()
+    def predict(self, embeddings: Tensor) -> Tensor:
+        """Class ids ``[B_r]`` (int64) of this rank's embeddings: nearest centre over all ranks.
+
+        Ties go to the lowest class id (as :meth:`CosineHead.predict`). A collective.
+        """
+        sizes = self._exchange_and_check(embeddings)
+        gathered = _gather_padded(embeddings, sizes, self.group) if is_distributed(self.group) else embeddings
+        best, arg = self._cosines(gathered, None).max(dim=1)
+        ids = arg + self.class_offset
+        if is_distributed(self.group):
+            top = best.clone()
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            ids = torch.where(best == top, ids, self.num_classes)
+            torch.distributed.all_reduce(ids, op=torch.distributed.ReduceOp.MIN, group=self.group)
+            start = sum(sizes[: self.rank])
+            ids = ids[start : start + sizes[self.rank]]
+        return ids
+
+    # ---------------------------------------------------------------- checkpoints
+    @torch.no_grad()
+    def gather_rows(self, local: Tensor) -> Tensor:
+        """Concatenate every rank's ``[num_local, ...]`` tensor into ``[num_classes, ...]`` (collective)."""
+        if local.shape[:1] != (self.num_local,):
+            raise ValueError(
+                f"local must have {self.num_local} rows (this rank's classes), got {tuple(local.shape)}"
+            )
+        if not is_distributed(self.group):
+            return local.detach().clone()
+        return _gather_padded(local.detach().contiguous(), self.slice_sizes(), self.group)
+
+    def local_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows ``[num_local, ...]`` of a full ``[num_classes, ...]`` tensor."""
+        if full.shape[:1] != (self.num_classes,):
+            raise ValueError(f"full must have num_classes={self.num_classes} rows, got {tuple(full.shape)}")
+        return full[self.class_offset : self.class_offset + self.num_local]
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """``{"weight": [num_classes, D]}`` on every rank: a world-size-independent checkpoint.
+
+        A collective (every rank must call it); the result equals a ``CosineHead``'s state dict,
+        and loads into a ``ShardedCosineHead`` on any number of ranks or into a ``CosineHead``.
+        """
+        return {"weight": self.gather_rows(self.weight)}
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Load a :meth:`full_state_dict` (saved on any number of ranks): keep this rank's rows."""
+        self.load_state_dict(state_dict)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + "weight"
+        value = state_dict.get(key)
+        if isinstance(value, Tensor):
+            full, local = (self.num_classes, self.embedding_dim), (self.num_local, self.embedding_dim)
+            if tuple(value.shape) == full and full != local:
+                state_dict = {**state_dict, key: self.local_rows(value)}
+            elif tuple(value.shape) != local:
+                error_msgs.append(
+                    f"{key}: expected the full weight {list(full)} (saved on any number of ranks) or this "
+                    f"rank's slice {list(local)}, got {list(value.shape)}"
+                )
+                return
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimiser's state for ``weight`` with every per-class tensor gathered to ``[C, ...]``.
+
+        A collective. Works for optimisers whose per-parameter state holds tensors shaped like
+        the parameter (SGD momentum, Adam moments) and scalars (Adam's ``step``).
+        """
+        state = optimizer.state.get(self.weight, {})
+        out: dict[str, Any] = {}
+        for name in sorted(state):
+            value = state[name]
+            if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == self.num_local:
+                out[name] = self.gather_rows(value)
+            else:
+                out[name] = value.clone() if isinstance(value, Tensor) else value
+        return out
+
+    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Install a :meth:`full_optimizer_state` (from any world size) for ``weight`` in ``optimizer``."""
+        if not any(self.weight is p for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("optimizer does not hold this head's weight")
+        local: dict[str, Any] = {}
+        for name, value in state.items():
+            if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == self.num_classes:
+                local[name] = self.local_rows(value).to(self.weight.device).clone()
+            else:
+                local[name] = value.clone() if isinstance(value, Tensor) else value
+        optimizer.state[self.weight] = local
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
+            f"classes=[{self.class_offset}, {self.class_offset + self.num_local}), "
+            f"rank={self.rank}/{self.world_size}, sample_rate={self.sample_rate:g}, "
+            f"grad_reduction={self.grad_reduction!r}"
+        )

@@ -1,0 +1,240 @@
+"""N gloo ranks == one process on the concatenated batch, for every class-level and pair loss.
+
+Each spawned group (2 and 3 ranks, CPU, loopback) runs every check (spawning costs seconds):
+
+- the sharded head's initial full weight equals the one-process head's (world-size-independent
+  initialisation), and it is the reference weight below;
+- every class-level loss (NormSoftmax, CosFace, ArcFace, Q-Margin incl. α = 1, Entmax incl.
+  α > 2, Sparsemax, ClassCircle) on a :class:`ShardedCosineHead`: value, embedding gradients and
+  head-weight gradients equal the same loss on a plain cosine matrix of the concatenated batch
+  (float64: 1e-10, float32: 1e-5), for both ``grad_reduction`` conventions, unequal local
+  batches, an empty local batch, reductions ``"sum"``/``"none"``, and the support sizes of the
+  alpha losses;
+- class sampling (``sample_rate < 1``): the loss equals the one-process loss restricted to the
+  union of the ranks' sampled classes, and every positive class is among them;
+- the pair losses through :class:`GatheredPairLoss`: value and embedding gradients;
+- the collectives: the softmax-type losses issue 2 all-reduces of ``(B, ·)``, never the logits.
+
+The references are the losses' own single-process paths on ``cosine_similarity_matrix`` of
+the concatenated batch (tested elsewhere against independent float64 brute force, entmax and
+pytorch-metric-learning); the sharded code shares none of their class-dimension reductions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from marginkit._sharded import record_collectives, sharded_loss
+from marginkit.distributed import all_gather_no_grad
+from marginkit.heads.cosine import cosine_similarity_matrix
+from marginkit.heads.sharded import ShardedCosineHead
+from marginkit.losses import (
+    ArcFaceLoss,
+    CircleLoss,
+    ClassCircleLoss,
+    CosFaceLoss,
+    EntmaxLoss,
+    GatheredPairLoss,
+    LocalMarginTripletLoss,
+    NormSoftmaxLoss,
+    QMarginLoss,
+    SparsemaxLoss,
+    TripletMarginLoss,
+)
+
+NUM_CLASSES, DIM, SEED = 23, 8, 11
+
+
+def _call(loss, out, labels):
+    return sharded_loss(loss, out, labels)
+
+
+def class_losses():
+    return [
+        NormSoftmaxLoss(scale=10.0),
+        CosFaceLoss(scale=16.0, margin=0.3, reduction="sum"),
+        ArcFaceLoss(scale=16.0, margin=0.5),
+        QMarginLoss(alpha=1.25, scale=16.0, margin=0.2),
+        QMarginLoss(alpha=1.0, scale=16.0, margin=0.2),
+        EntmaxLoss(alpha=1.5, scale=8.0, reduction="none"),
+        EntmaxLoss(alpha=2.5, scale=4.0),
+        SparsemaxLoss(scale=4.0),
+        ClassCircleLoss(margin=0.25, gamma=16.0),
+    ]
+
+
+def pair_losses():
+    return [
+        CircleLoss(margin=0.25, gamma=32.0),
+        TripletMarginLoss(margin=0.2, mining="batch_hard"),
+        TripletMarginLoss(margin=0.2, mining="batch_all", distance="l2", normalize=False),
+        TripletMarginLoss(margin=0.2, mining="semi_hard", reduction="none"),
+        LocalMarginTripletLoss(k=2, margin=0.2),
+    ]
+
+
+def assert_close(actual, expected, tol, what=""):
+    """``|a − b| ≤ tol·(1 + |b|)`` (torch.testing would import DTensor: seconds per process)."""
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    excess = (actual.double() - expected.double()).abs() - tol * (1 + expected.double().abs())
+    assert bool((excess <= 0).all()), f"{what}: max excess {float(excess.max()):.3g} over tolerance {tol}"
+
+
+def global_data(full_weight, sizes, dtype, seed):
+    """Embeddings near their class centres (moderate losses, several active classes) + labels."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
+    noise = torch.randn(n, DIM, generator=g, dtype=torch.float64)
+    e = 2.0 * full_weight.double()[y] + 0.9 * noise
+    return e.to(dtype), y
+
+
+def reference(loss, e_all, y_all, weight, columns=None, labels=None):
+    e = e_all.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    cos = cosine_similarity_matrix(e, w)
+    if columns is not None:
+        cos = cos[:, columns]
+    value = loss(cos, y_all if labels is None else labels)
+    value.backward(torch.ones_like(value))
+    support = getattr(loss, "last_support_size", None)
+    return value.detach(), e.grad, w.grad, support
+
+
+def check_class_losses(me, world, expected_weight, dtype, tol, grad_reduction, sizes, seed):
+    head = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, grad_reduction=grad_reduction, dtype=dtype)
+    full = head.full_state_dict()["weight"]
+    assert torch.equal(full, expected_weight.to(dtype)), "initial weight depends on the world size"
+    e_all, y_all = global_data(full, sizes, dtype, seed)
+    start = sum(sizes[:me])
+    rows = slice(start, start + sizes[me])
+    mine = slice(head.class_offset, head.class_offset + head.num_local)
+    factor = world if grad_reduction == "mean" else 1
+    for loss in class_losses():
+        name = f"{loss!r} {dtype} rank {me}"
+        ref_value, ref_ge, ref_gw, ref_support = reference(loss, e_all, y_all, full)
+        e = e_all[rows].clone().requires_grad_(True)
+        head.zero_grad()
+        value = _call(loss, head(e), y_all[rows])
+        assert_close(value.detach(), ref_value, tol, name + " value")
+        value.backward(torch.ones_like(value))
+        assert_close(e.grad, factor * ref_ge[rows], tol, name + " embedding grad")
+        assert_close(head.weight.grad, ref_gw[mine], tol, name + " weight grad")
+        if ref_support is not None:
+            assert torch.equal(loss.last_support_size, ref_support), name
+    return head, full, e_all, y_all
+
+
+def check_sampling(me, world, expected_weight, tol):
+    head = ShardedCosineHead(NUM_CLASSES, DIM, sample_rate=0.4, seed=SEED, dtype=torch.float64)
+    sizes = [2 + r for r in range(world)]
+    full = expected_weight.double()
+    e_all, y_all = global_data(full, sizes, torch.float64, 5)
+    start = sum(sizes[:me])
+    rows = slice(start, start + sizes[me])
+    for loss in (CosFaceLoss(scale=16.0, margin=0.3), QMarginLoss(alpha=1.5, scale=8.0, margin=0.1)):
+        e = e_all[rows].clone().requires_grad_(True)
+        head.zero_grad()
+        out = head(e)
+        value = _call(loss, out, y_all[rows])
+        value.backward()
+        index = head.last_class_index
+        assert index is not None and out.class_index is index
+        assert index.shape[0] >= max(int(0.4 * head.num_local), 1)
+        columns = all_gather_no_grad(index + head.class_offset)
+        assert bool(torch.isin(y_all, columns).all()), "a positive class was not sampled"
+        assert columns.numel() < NUM_CLASSES
+        labels = torch.searchsorted(columns, y_all)
+        ref_value, ref_ge, ref_gw, _ = reference(loss, e_all, y_all, full, columns, labels)
+        assert_close(value.detach(), ref_value, tol, f"sampled {loss!r}")
+        assert_close(e.grad, world * ref_ge[rows], tol, "sampled embedding grad")
+        grad_full = torch.zeros_like(full)
+        grad_full[columns] = ref_gw[columns]
+        assert_close(head.weight.grad, grad_full[head.class_offset : head.class_offset + head.num_local], tol)
+    head.eval()  # evaluation: every class, no sampling
+    assert head(e_all[rows]).class_index is None
+
+
+def check_pair_losses(me, world, tol):
+    sizes = [5 + 2 * r for r in range(world)]
+    n, start = sum(sizes), sum(sizes[:me])
+    rows = slice(start, start + sizes[me])
+    g = torch.Generator().manual_seed(21)
+    e_all = torch.randn(n, DIM, generator=g, dtype=torch.float64)
+    y_all = torch.arange(n) % 3
+    for grad_reduction, factor in (("mean", world), ("sum", 1)):
+        for loss in pair_losses():
+            wrapped = GatheredPairLoss(loss, grad_reduction=grad_reduction)
+            ref_e = e_all.clone().requires_grad_(True)
+            ref = loss(ref_e, y_all)
+            ref.backward(torch.ones_like(ref))
+            e = e_all[rows].clone().requires_grad_(True)
+            value = wrapped(e, y_all[rows])
+            assert_close(value.detach(), ref.detach(), tol, f"{loss!r} value")
+            value.backward(torch.ones_like(value))
+            assert_close(e.grad, factor * ref_e.grad[rows], tol, f"{loss!r} grad")
+
+
+def check_communication(me, world):
+    """Softmax type: label gather + MAX [B, 2(+W)] + SUM [B]; Q-Margin: + Newton SUMs of [B, 4]."""
+    head = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED)
+    e_all, y_all = global_data(head.full_state_dict()["weight"], [4] * world, torch.float32, 3)
+    rows = slice(4 * me, 4 * me + 4)
+    e = e_all[rows].clone().requires_grad_(True)
+    with record_collectives() as softmax:
+        _call(CosFaceLoss(), head(e), y_all[rows]).backward()
+    assert softmax.calls == {"all_gather": 3, "all_reduce_max": 1, "all_reduce_sum": 2}, softmax.calls
+    b = 4 * world
+    assert softmax.bytes["all_reduce_max"] == 4 * (2 * b + world)
+    assert softmax.bytes["all_reduce_sum"] == 4 * b + 4 * b * DIM  # rest-sum + embedding gradient
+    with record_collectives() as qmargin:
+        _call(QMarginLoss(), head(e), y_all[rows]).backward()
+    newton = qmargin.calls["all_reduce_sum"] - 1
+    assert newton >= 2 and qmargin.bytes["all_reduce_sum"] == newton * 4 * (4 * b + 1) + 4 * b * DIM
+
+
+def _worker(me, world, expected_weight):
+    torch.manual_seed(1234 + me)  # the code under test must not depend on the global RNG per rank
+    sizes = [3 + (r * 2) % 5 for r in range(world)]  # unequal local batches
+    check_class_losses(me, world, expected_weight, torch.float64, 1e-10, "sum", sizes, 1)
+    check_class_losses(me, world, expected_weight, torch.float32, 1e-5, "mean", sizes, 2)
+    empty_first = [0] + [4] * (world - 1)  # rank 0 contributes no rows
+    check_class_losses(me, world, expected_weight, torch.float64, 1e-10, "mean", empty_first, 3)
+    check_sampling(me, world, expected_weight, 1e-10)
+    check_pair_losses(me, world, 1e-10)
+    check_communication(me, world)
+    dist.barrier()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_losses_on_n_ranks_equal_one_process(world):
+    expected = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, dtype=torch.float64).weight.detach()
+    run_distributed(_worker, world, expected, timeout_s=120.0)
+
+
+def test_one_process_sharded_head_equals_plain_losses(gen):
+    """The same checks without a process group (fast, and a guard on the reference itself)."""
+    expected = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, dtype=torch.float64).weight.detach()
+    check_class_losses(0, 1, expected, torch.float64, 1e-12, "mean", [9], 1)
+    check_class_losses(0, 1, expected, torch.float32, 1e-6, "sum", [9], 2)
+    check_pair_losses(0, 1, 1e-12)
+
+
+def test_reference_data_is_not_degenerate():
+    """The comparisons above must see moderate losses and several active classes per row."""
+    weight = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, dtype=torch.float64).weight.detach()
+    e, y = global_data(weight, [12], torch.float64, 1)
+    cos = cosine_similarity_matrix(e, weight)
+    for loss in class_losses():
+        loss.reduction = "none"
+        values = loss(cos, y)
+        assert bool((values > 1e-3).sum() >= 3), f"{loss!r}: losses {values}"
+        assert bool((values < 30).all()), f"{loss!r}: saturated losses {values}"
+    support = EntmaxLoss(alpha=1.5, scale=8.0, reduction="none")
+    support(cos, y)
+    assert int(support.last_support_size.max()) >= 3
