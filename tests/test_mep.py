@@ -340,6 +340,25 @@ def test_degenerate_rows_bit_identical(norm, dtype, prob):
     assert torch.equal(z[:2], xt[:2])
 
 
+@pytest.mark.parametrize("norm", ["l2", "l1"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@given(prob=problems(rows=4), data=st.data())
+def test_labels_path_equals_mask_path_with_ties(norm, dtype, prob, data):
+    """Integer labels take their own code path (no mask scan, top-2 for L1): same answer as the
+    one-hot mask, exact feasibility, exact idempotence, feasible rows bit-identical."""
+    x, _, m = prob
+    n = x.shape[1]
+    y = torch.tensor([data.draw(st.integers(0, n - 1)) for _ in range(len(x))])
+    mask = torch.nn.functional.one_hot(y, n).bool()
+    xt = torch.tensor(x, dtype=dtype)
+    zl, zm = mep(xt, y, m, norm), mep(xt, mask, m, norm)
+    assert torch.equal(zl, zm)
+    assert bool(breakpoint_feasible(zl, mask, m).all())
+    assert torch.equal(mep(zl, y, m, norm), zl)
+    keep = breakpoint_feasible(xt, mask, m)
+    assert torch.equal(zl[keep], xt[keep])
+
+
 def test_labels_equal_one_hot_mask(gen):
     x = torch.randn(64, 9, generator=gen)
     y = torch.randint(0, 9, (64,), generator=gen)

@@ -39,7 +39,7 @@ def _positive_mask(
                 f"{name} (bool mask) must have the shape of scores {tuple(scores.shape)}, "
                 f"got {tuple(positives.shape)}"
             )
-        return positives.to(scores.device), False
+        return positives.to(scores.device), None
     if torch.is_floating_point(positives) or torch.is_complex(positives):
         raise TypeError(
             f"{name} must be a bool mask (dtype torch.bool) shaped like scores or integer labels "
@@ -51,10 +51,10 @@ def _positive_mask(
             "a mask must have dtype torch.bool (integer labels have shape scores.shape[:-1])"
         )
     label_tensor(positives, name, shape=scores.shape[:-1], num_classes=n)
-    labels = positives.to(device=scores.device, dtype=torch.long)
+    labels = positives.to(device=scores.device, dtype=torch.long).unsqueeze(-1)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    mask.scatter_(-1, labels.unsqueeze(-1), True)
-    return mask, True
+    mask.scatter_(-1, labels, True)
+    return mask, labels
 
 
 def _margin_tensor(margin: Any, batch_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Any:
@@ -119,9 +119,8 @@ def margin_gap(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
     float_tensor(scores, "scores")
     mask, _ = _positive_mask(positives, scores)
     x = scores.to(compute_dtype(scores.dtype))
-    inf = torch.tensor(math.inf, dtype=x.dtype, device=x.device)
-    lo_pos = torch.where(mask, x, inf).amin(-1)
-    hi_neg = torch.where(mask, -inf, x).amax(-1)
+    lo_pos = torch.where(mask, x, math.inf).amin(-1)
+    hi_neg = torch.where(mask, -math.inf, x).amax(-1)
     return (lo_pos - hi_neg).to(scores.dtype)
 
 
@@ -191,62 +190,90 @@ def project(
     """:func:`mep` with the name used for ``positives`` in error messages (``MEPLoss``: ``target``)."""
     float_tensor(scores, "scores")
     choice(norm, "norm", NORMS)
-    mask, one_per_row = _positive_mask(positives, scores, positives_name)
+    mask, labels = _positive_mask(positives, scores, positives_name)
     wd = compute_dtype(scores.dtype)
     m = _margin_tensor(margin, scores.shape[:-1], wd, scores.device)
     x = scores.to(wd)
     n = x.shape[-1]
+    if n == 1:  # one class: no row has both a positive and a negative
+        return scores.clone()
 
     # Breakpoints: x_i for positives, x_j + m for negatives.
-    b = torch.where(mask, x, x + m)
-    inf = torch.tensor(math.inf, dtype=wd, device=x.device)
-    lo_pos = torch.where(mask, x, inf).amin(-1, keepdim=True).detach()
-    hi_neg = torch.where(mask, -inf, b).amax(-1, keepdim=True).detach()
-    # Feasible (incl. no positive: lo=+inf, or no negative: hi=-inf) rows are returned as is.
-    feasible = hi_neg <= lo_pos
-
-    if norm == "l2":
-        # Centre each infeasible row on its bracket [min x_P, max b_N] for float accuracy.
-        centre = torch.where(feasible, 0.0, 0.5 * (lo_pos + hi_neg))
-        level = centre + _l2_level(b - centre, mask, n - mask.sum(-1, keepdim=True))
+    if labels is None:
+        b = torch.where(mask, x, x + m)
+        n_neg = n - mask.sum(-1, keepdim=True)
     else:
-        if one_per_row and n >= 2:
-            # |N| = n - 1 in every row: u_(n-1) is the second largest breakpoint, no sort.
-            level = torch.topk(b, 2, dim=-1).values[..., 1:]
-        else:
-            n_neg = n - mask.sum(-1, keepdim=True)
-            u = torch.sort(b, dim=-1).values
-            level = u.gather(-1, (n_neg - 1).clamp_(0, n - 1))
-    top_neg = _below_margin(level, m)
-    z = torch.where(mask, torch.where(x < level, level, x), torch.where(x > top_neg, top_neg, x))
-    out = z.to(scores.dtype)
-    return torch.where(feasible, scores, out)
+        x_pos = x.gather(-1, labels)
+        b = (x + m).scatter_(-1, labels, x_pos)
+        n_neg = torch.full_like(labels, n - 1)
+
+    # level ℓ (= min z_P), plus min_P x and max_N b when they come for free.
+    lo_pos = hi_neg = None
+    if norm == "l2":
+        level, hi_sorted = _l2_level(b, mask, n_neg, labels)
+        if labels is not None:
+            lo_pos, hi_neg = x_pos, hi_sorted
+    elif labels is not None:
+        # |N| = n - 1 in every row: u_(n-1) is the second largest breakpoint, no sort needed.
+        top2, idx = torch.topk(b, 2, dim=-1)
+        level = top2[..., 1:]
+        lo_pos, hi_neg = x_pos, torch.where(idx[..., :1] == labels, top2[..., 1:], top2[..., :1])
+    else:
+        level = torch.sort(b, dim=-1).values.gather(-1, (n_neg - 1).clamp_(0, n - 1))
+    if lo_pos is None:
+        lo_pos = torch.where(mask, x, math.inf).amin(-1, keepdim=True)
+        hi_neg = torch.where(mask, -math.inf, b).amax(-1, keepdim=True)
+    # Feasible rows (incl. no positive: lo = +inf, or no negative: hi = -inf) keep their scores:
+    # clamping at ±inf gives z = x exactly, with the identity as Jacobian.
+    feasible = (hi_neg <= lo_pos).detach()
+    top_neg = torch.where(feasible, math.inf, _below_margin(level, m))
+    level = torch.where(feasible, -math.inf, level)
+    if labels is None:
+        z = torch.clamp(x, min=torch.where(mask, level, -math.inf), max=torch.where(mask, math.inf, top_neg))
+    else:
+        z = torch.minimum(x, top_neg).scatter(-1, labels, torch.maximum(x_pos, level))
+    return z.to(scores.dtype)
 
 
-def _l2_level(b: torch.Tensor, mask: torch.Tensor, n_neg: torch.Tensor) -> torch.Tensor:
-    r"""Root ``ℓ`` of ``Σ_P (ℓ − u)_+ − Σ_N (u − ℓ)_+`` for breakpoints ``b`` (``[..., n]`` → ``[..., 1]``).
+def _l2_level(
+    b: torch.Tensor, mask: torch.Tensor, n_neg: torch.Tensor, labels: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., n]`` → ``[..., 1]``).
 
-    After sorting ``u`` ascending with signs ``s_k = +1`` (positive) / ``−1`` (negative), and
-    prefix sums ``C_k = Σ_{j≤k} s_j``, ``S_k = Σ_{j≤k} s_j u_j``, ``T = Σ_N u``, the
-    derivative at breakpoint ``k`` is ``h_k = (C_k + |N|) u_k − (S_k + T)`` (positives at or
-    below ``u_k`` pull up, negatives above push down). ``h`` is non-decreasing; with ``K`` the
-    number of ``h_k < 0`` the root lies in ``[u_{K-1}, u_K]`` where ``h`` is linear, so
-    ``ℓ = (S_{K−1} + T) / (C_{K−1} + |N|)`` — the mean of the active breakpoints (positives
-    at or below, negatives above), i.e. linear interpolation inside the bracket.
+    ``b`` holds the breakpoints (``x_i`` on ``mask``, ``x_j + m`` elsewhere). After one sort,
+    ``u`` ascending with signs ``s_k = +1`` (positive) / ``−1`` (negative), the prefix sums
 
-    Only called meaningfully on infeasible rows, where the denominator is ``≥ 1``; other
-    rows get a finite value that the caller discards.
+        cnt_k = Σ_{j≤k} s_j + |N| = #{P at or below k} + #{N above k},
+        acc_k = Σ_{j≤k} s_j u_j + Σ_N u = Σ_{P at or below k} u + Σ_{N above k} u,
+
+    give ``h(u_k) = cnt_k u_k − acc_k`` at every breakpoint. ``h`` is non-decreasing, so with
+    ``K = #{k : h(u_k) < 0}`` the root lies in ``[u_{K−1}, u_K]``, where ``h`` is linear
+    with the active set of index ``K − 1``; hence ``ℓ = acc_{K−1} / cnt_{K−1}`` (the mean of
+    the active breakpoints — linear interpolation inside the bracket, exact, no iteration).
+
+    Accuracy: values are centred on the row's L1 level ``u_(|N|)`` (inside the bracket of an
+    infeasible row) and ``acc`` is accumulated in float64, so the prefix sums do not lose
+    digits to far-away negatives cancelling against ``Σ_N u``; counts are exact integers.
+    Infeasible rows have ``cnt_{K−1} ≥ 1``; other rows get a finite value that the caller
+    discards. With ``labels`` (one positive per row) also returns ``max_N b`` (read off the
+    sorted row), else ``None``.
     """
+    n = b.shape[-1]
     u, order = torch.sort(b, dim=-1)
-    pos = mask.gather(-1, order)
-    sign = torch.where(pos, 1.0, -1.0).to(u.dtype)
-    cnt = sign.cumsum(-1) + n_neg.to(u.dtype)  # (#P ≤ k) + (#N > k)
-    s = torch.where(pos, u, -u)
-    tot_neg = (u.sum(-1, keepdim=True) - s.sum(-1, keepdim=True)) * 0.5  # Σ_N u
-    acc = s.cumsum(-1) + tot_neg  # Σ_{P ≤ k} u + Σ_{N > k} u
-    h = cnt * u - acc
-    k = ((h < 0).sum(-1, keepdim=True) - 1).clamp_(min=0)
-    return acc.gather(-1, k) / cnt.gather(-1, k).clamp(min=1.0)
+    pos = mask.gather(-1, order) if labels is None else order == labels
+    centre = u.gather(-1, (n_neg - 1).clamp(0, n - 1)).detach()
+    uc = u - centre
+    sign = torch.where(pos, 1.0, -1.0).to(torch.float32 if n < 2**24 else torch.float64)
+    cum = torch.cumsum(uc * sign, -1, dtype=torch.float64)  # Σ_{j≤k} s_j u_j
+    tot_neg = 0.5 * (uc.sum(-1, keepdim=True, dtype=torch.float64) - cum[..., -1:])  # Σ_N u
+    cnt = sign.cumsum(-1).add_(n_neg)
+    with torch.no_grad():
+        k = (torch.addcmul(-cum, cnt, uc) < tot_neg).sum(-1, keepdim=True).sub_(1).clamp_(min=0)
+    level = (centre + (cum.gather(-1, k) + tot_neg) / cnt.gather(-1, k).clamp(min=1.0)).to(b.dtype)
+    hi_neg = None
+    if labels is not None:  # the largest negative breakpoint is the last or second-to-last entry
+        hi_neg = torch.where(pos[..., -1:], u[..., -2:-1], u[..., -1:]).detach()
+    return level, hi_neg
 
 
 def _below_margin(level: torch.Tensor, m: Any) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""Benchmark of marginkit.ops.mep against an O(n²) interval scan and one torch.sort.
+
+Usage:  python benchmarks/bench_mep.py [--quick] [--threads T] [--rounds R]
+
+For each (B, n) it times, side by side and interleaved (round-robin, median of rounds):
+- ``sort``: one ``torch.sort`` of the same [B, n] tensor (the floor for any sort-based method);
+- ``mep L2`` and ``mep L1`` (this library);
+- ``scan L2``: the source's algorithm, batched over rows but O(n²) work per row — f′ is
+  evaluated at every breakpoint against every score, then the bracketing pair is
+  interpolated. It is run in row chunks (to bound memory) and skipped when B·n² is too big.
+Scores are 3·N(0, 1) in float32; positives are integer labels (one per row) or a random bool
+mask with 10 % density (multi-label). ``L2 err`` / ``scan err``: max |Δ| of each float32
+answer against ``mep`` in float64 (the scan's error is not re-measured when it ran once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from marginkit.ops import mep
+
+SIZES = [(256, 100), (256, 1000), (64, 4000), (8, 100000)]
+QUICK_SIZES = [(16, 50), (16, 300)]
+SCAN_MAX_WORK = 1.1e9  # B·n² above this: skip the O(n²) scan (hours of CPU per call)
+SCAN_CHUNK = 2**25  # elements of one [rows, n, n] slab of the scan (128 MiB in float32)
+
+
+def scan_l2(x: torch.Tensor, pos: torch.Tensor, m: float) -> torch.Tensor:
+    """O(n²)-per-row reference: f′(u_k)/2 = Σ_P (u_k − x_i)_+ − Σ_N (x_j + m − u_k)_+ for every
+    breakpoint u_k, then ℓ by linear interpolation between the largest breakpoint with f′ < 0
+    and the smallest with f′ ≥ 0. Batched over rows (in chunks), no sort, no prefix sums."""
+    b = torch.where(pos, x, x + m)
+    rows = max(1, SCAN_CHUNK // (x.shape[-1] ** 2))
+    levels = []
+    inf = torch.tensor(math.inf, dtype=x.dtype)
+    for start in range(0, x.shape[0], rows):
+        bc, pc = b[start : start + rows], pos[start : start + rows]
+        diff = bc.unsqueeze(1) - bc.unsqueeze(2)  # [r, k, j] = b_j − u_k
+        h = torch.where(pc.unsqueeze(1), (-diff).clamp_min(0), -diff.clamp_min(0)).sum(-1)
+        neg = h < 0
+        lo = torch.where(neg, bc, -inf).amax(-1)
+        hi = torch.where(neg, inf, bc).amin(-1)
+        h_lo = torch.where(neg & (bc == lo.unsqueeze(-1)), h, -inf).amax(-1)
+        h_hi = torch.where(~neg & (bc == hi.unsqueeze(-1)), h, inf).amin(-1)
+        step = torch.where(torch.isfinite(lo), -h_lo * (hi - lo) / (h_hi - h_lo), 0.0)
+        levels.append(torch.where(torch.isfinite(lo), lo + step, hi))
+    level = torch.cat(levels).unsqueeze(-1)
+    feasible = torch.where(pos, -inf, b).amax(-1, keepdim=True) <= torch.where(pos, x, inf).amin(
+        -1, keepdim=True
+    )
+    z = torch.where(pos, torch.maximum(x, level), torch.minimum(x, level - m))
+    return torch.where(feasible, x, z)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    lines = [
+        f"positives: {kind}",
+        f"{'B':>4} {'n':>7} | {'sort ms':>8} | {'L2 ms':>8} {'L2/sort':>7} {'L2 err':>8} | {'scan L2 ms':>10}"
+        f" {'scan/L2':>8} {'scan err':>8} | {'L1 ms':>8} {'L1/sort':>7}",
+    ]
+    for b, n in sizes:
+        x = 3 * torch.randn(b, n, generator=gen)
+        if kind == "labels":
+            pos = torch.randint(0, n, (b,), generator=gen)
+            mask = torch.nn.functional.one_hot(pos, n).bool()
+        else:
+            pos = mask = torch.rand(b, n, generator=gen) < 0.1
+        fns = {
+            "sort": lambda x=x: torch.sort(x, dim=-1),
+            "l2": lambda x=x, pos=pos: mep(x, pos, 1.0, "l2"),
+            "l1": lambda x=x, pos=pos: mep(x, pos, 1.0, "l1"),
+        }
+        work = b * n * n
+        run_scan = work <= SCAN_MAX_WORK
+        if run_scan:
+            fns["scan"] = lambda x=x, mask=mask: scan_l2(x, mask, 1.0)
+        # The scan runs in the first rounds only when it is slow (seconds per call).
+        scan_rounds = rounds if work <= 3e7 else 3 if work <= 3e8 else 1
+        for k, fn in fns.items():  # warm-up (the big scans are not repeated for it)
+            if k != "scan" or scan_rounds > 1:
+                fn()
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for r in range(rounds):
+            for k, fn in fns.items():
+                if k != "scan" or r < scan_rounds:
+                    times[k].append(timed(fn))
+        t = {k: statistics.median(v) for k, v in times.items()}
+        ref = mep(x.double(), pos, 1.0)  # float64 answer, to report the float32 errors
+        err = float((mep(x, pos, 1.0) - ref).abs().max())
+        if run_scan:
+            delta = float((scan_l2(x, mask, 1.0) - ref).abs().max()) if scan_rounds > 1 else math.nan
+            scan = f"{t['scan'] * 1e3:>10.1f} {t['scan'] / t['l2']:>7.0f}x {delta:>8.1e}"
+        else:
+            scan = f"{'skipped':>10} {'':>8} {'':>8}"
+        lines.append(
+            f"{b:>4} {n:>7} | {t['sort'] * 1e3:>8.2f} | {t['l2'] * 1e3:>8.2f} {t['l2'] / t['sort']:>6.2f}x"
+            f" {err:>8.1e} | {scan} | {t['l1'] * 1e3:>8.2f} {t['l1'] / t['sort']:>6.2f}x"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--rounds", type=int, default=15, help="timing rounds per size (median)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s), float32, margin 1.0")
+    print("ratios: L2/sort and L1/sort = time relative to one torch.sort (targets <= 2.5x and <= 2x);")
+    print("scan/L2 = speed-up of mep L2 over the O(n²) scan (target >= 50x at n = 1000)\n")
+    for kind in ("labels", "mask"):
+        print("\n".join(bench(sizes, 3 if args.quick else args.rounds, kind)))
+        print()
+
+
+if __name__ == "__main__":
+    main()
