@@ -26,10 +26,15 @@ CASES = [
 
 
 @pytest.fixture(autouse=True)
-def _seeded():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)  # module initialisation draws from the global generator
-        yield
+def _seeded_single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny convolutions: a second thread only spins on shared cores
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)  # module initialisation draws from the global generator
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("name", "shape"), CASES)
@@ -141,22 +146,17 @@ def test_cnn1d_learns_mnist1d_with_plain_softmax(tmp_path):
     weight = torch.nn.Parameter(torch.randn(10, 32) * 0.01)
     opt = torch.optim.Adam([*model.parameters(), weight], lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small convolutions: one thread is fastest on shared cores
-    try:
-        for _ in range(4):
-            order = torch.randperm(len(data.train), generator=gen)
-            for i in range(0, len(order), 128):
-                b = order[i : i + 128]
-                logits = 16 * model(data.train.x[b]) @ F.normalize(weight, dim=1).T
-                loss = F.cross_entropy(logits, data.train.y[b])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        model.eval()
-        with torch.no_grad():
-            ref, query = model(data.train.x), model(data.test.x)
-    finally:
-        torch.set_num_threads(threads)
+    for _ in range(4):
+        order = torch.randperm(len(data.train), generator=gen)
+        for i in range(0, len(order), 128):
+            b = order[i : i + 128]
+            logits = 16 * model(data.train.x[b]) @ F.normalize(weight, dim=1).T
+            loss = F.cross_entropy(logits, data.train.y[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()
+    with torch.no_grad():
+        ref, query = model(data.train.x), model(data.test.x)
     nearest = data.train.y[(query @ ref.T).argmax(1)]
     assert float((nearest == data.test.y).double().mean()) >= 0.85
