@@ -1,6 +1,7 @@
 """N gloo ranks == one process on the concatenated batch, for every class-level and pair loss.
 
-Each spawned group (2 and 3 ranks, CPU, loopback) runs every check (spawning costs seconds):
+Each spawned group (2 ranks here, 3 ranks in the spawn of ``tests/test_sharded_head.py`` that
+also checks checkpoints and errors; CPU, loopback) runs every check (spawning costs seconds):
 
 - the sharded head's initial full weight equals the one-process head's (world-size-independent
   initialisation), and it is the reference weight below;
@@ -211,10 +212,12 @@ def _worker(me, world, expected_weight):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3])
-def test_losses_on_n_ranks_equal_one_process(world):
+def test_losses_on_two_ranks_equal_one_process():
+    """2 ranks here; the same worker runs on 3 ranks inside the one 3-rank spawn of
+    tests/test_sharded_head.py::test_three_ranks_checkpoint_errors_and_losses (spawning costs
+    seconds per process)."""
     expected = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, dtype=torch.float64).weight.detach()
-    run_distributed(_worker, world, expected, timeout_s=120.0)
+    run_distributed(_worker, 2, expected, timeout_s=120.0)
 
 
 def test_one_process_sharded_head_equals_plain_losses(gen):
