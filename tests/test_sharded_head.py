@@ -33,9 +33,32 @@ from marginkit.losses import (
 from test_distributed_losses import DIM, NUM_CLASSES, SEED
 from test_distributed_losses import _worker as losses_worker
 
+# Losses whose forward already dispatches a ShardedCosines to marginkit._sharded.sharded_loss.
+HOOKED = (ClassCircleLoss,)
+
 
 def _call(loss, out, labels):
+    if isinstance(loss, HOOKED):
+        return loss(out, labels)
     return sharded_loss(loss, out, labels)
+
+
+@pytest.mark.parametrize("loss_type", HOOKED, ids=lambda t: t.__name__)
+def test_one_call_site_serves_both_heads(gen, loss_type):
+    """``loss(head(e), labels)`` with a CosineHead and a (one-process) ShardedCosineHead."""
+    sharded = ShardedCosineHead(15, 6, seed=3, dtype=torch.float64)
+    plain = CosineHead(15, 6, dtype=torch.float64)
+    plain.load_state_dict(sharded.full_state_dict())
+    e = torch.randn(9, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 15, (9,), generator=gen)
+    results = []
+    for head in (plain, sharded):
+        x = e.clone().requires_grad_(True)
+        value = loss_type()(head(x), y)
+        value.backward()
+        results.append((value.detach(), x.grad, head.weight.grad))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def as_rank(monkeypatch, r, world):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from marginkit._sharded import ShardedCosines, sharded_loss
 from marginkit._validation import REDUCTIONS, choice, cosine_tensor, label_tensor, positive_float, reduce
 from marginkit.ops.circle import _circle_loss, _class_circle_logits
 from marginkit.ops.pairs import (
@@ -156,7 +157,9 @@ class ClassCircleLoss(nn.Module):
         work = torch.float64 if cosines.dtype == torch.float64 else torch.float32
         return _class_circle_logits(cosines.to(work).clamp(-1.0, 1.0), labels, margin, gamma)
 
-    def forward(self, cosines: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, cosines: torch.Tensor | ShardedCosines, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(cosines, ShardedCosines):  # a ShardedCosineHead's output: docs/distributed.md
+            return sharded_loss(self, cosines, labels)
         z = self.logits(cosines, labels)
         # the class-dimension reduction, a separate step (a sharded log-sum-exp can replace it)
         loss = F.cross_entropy(z, labels.long(), reduction="none")
