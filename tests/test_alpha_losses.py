@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from alpha_reference import brute_force
 from marginkit.losses import EntmaxLoss, QMarginLoss, SparsemaxLoss
+from marginkit.ops import alpha as alpha_impl
 from marginkit.ops import alpha_divergence_loss, alpha_softargmax
 
 
@@ -310,3 +311,35 @@ def test_losses_reject_bad_input():
         alpha_divergence_loss(x, y, 1.5, q=-torch.ones(5))
     with pytest.raises(ValueError, match="alpha must be a finite number >= 1"):
         alpha_divergence_loss(x, y, 0.99)
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 3.0])
+def test_qmargin_candidate_paths_with_many_near_equal_cosines(alpha, gen):
+    # "Start of training": random unit vectors in 512-d give cosines ~N(0, 1/512); the first
+    # bound is loose, the block-maxima bound and the block pre-filter do the work.
+    c = 20_003
+    cos = torch.randn(16, c, generator=gen) / 512**0.5
+    y = torch.randint(0, c, (16,), generator=gen)
+    y[:4] = cos[:4].argmax(-1)  # the label holds the row maximum
+    xs = cos.clone().requires_grad_()
+    results = []
+    for kwargs in ({}, {"candidates": False}, {"topk": 0.02}):
+        # scale ∝ 1/(α − 1): the support window 1/((α − 1)s) stays 0.11 in cosine units
+        loss_fn = QMarginLoss(alpha=alpha, scale=8.75 / (alpha - 1), margin=0.2, reduction="none", **kwargs)
+        loss = loss_fn(xs, y)
+        (grad,) = torch.autograd.grad(loss.sum(), xs)
+        results.append((loss, grad, loss_fn.last_support_size))
+    for loss, grad, support in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(grad, results[0][1], atol=1e-4, rtol=0)
+        assert torch.equal(support, results[0][2])
+    # the path under test: the first bound leaves most blocks as candidates (dense pre-filter),
+    # the block-maxima bound removes most candidates
+    blocks, beta = alpha_impl._Blocks(cos), torch.full((16,), alpha - 1)
+    scale, log_qy = 8.75 / (alpha - 1), torch.full((16,), -8.75 / (alpha - 1) * 0.2)
+    lo, _ = alpha_impl._row_bounds(cos, blocks, scale, beta, torch.float32, None, y, log_qy)
+    thr = alpha_impl._threshold(lo, beta, scale)
+    assert not blocks.sparse(thr)
+    refined = alpha_impl._block_subset_bound(blocks, scale, beta, alpha - 1, y, log_qy, lo)
+    thr_refined = alpha_impl._threshold(refined, beta, scale)
+    assert int((cos > thr_refined[:, None]).sum()) < 0.5 * int((cos > thr[:, None]).sum())

@@ -104,7 +104,9 @@ def test_candidate_filter_and_topk_equal_full_rows(alpha, gen):
         torch.testing.assert_close(alpha_softargmax(x, alpha, q=q, **kwargs), full, atol=1e-12, rtol=0)
     # The candidate path really works on a compact set (flat entries, far fewer than n per row).
     beta = torch.full((6,), alpha - 1, dtype=torch.float64)
-    sol = alpha_impl._solve(x, x.amax(-1), scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log())
+    sol = alpha_impl._solve(
+        x, alpha_impl._Blocks(x), scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log()
+    )
     assert sol.entries.is_flat
     assert sol.p.numel() < 6 * 3000 // 4
 
@@ -259,3 +261,41 @@ def test_bad_inputs_raise_clear_errors():
         alpha_softargmax(x, 1.5, topk=True)
     with pytest.raises(ValueError, match="dim must index a dimension"):
         alpha_softargmax(x, 1.5, dim=2)
+
+
+@pytest.mark.parametrize("n", [40, 64, 1000, 4160, 5003])
+def test_block_prefilter_and_max_excluding(n, gen):
+    x = torch.randn(6, n, generator=gen)
+    blocks = alpha_impl._Blocks(x)
+    torch.testing.assert_close(blocks.rowmax, x.amax(-1), rtol=0, atol=0)
+    for quantile in (0.5, 0.99, 0.9999):  # dense and block-sparse regimes
+        thr = torch.quantile(x, quantile, dim=-1) - 1e-3 * torch.rand(6, generator=gen)
+        expected = (x > thr[:, None]).reshape(-1).nonzero().squeeze(1)
+        assert torch.equal(blocks.above(thr), expected)
+    label = torch.randint(0, n, (6,), generator=gen)
+    label[0] = n - 1  # in the partial tail block when n % 64 != 0
+    label[1] = x[1].argmax()
+    xt = x.clone()
+    xt[2, 3] = xt[2].max() + 1  # a tie between the label and another column
+    xt[2, 7] = xt[2, 3]
+    label[2] = 3
+    blocks = alpha_impl._Blocks(xt)
+    masked = xt.scatter(1, label[:, None], -math.inf)
+    torch.testing.assert_close(blocks.max_excluding(label), masked.amax(-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.25, 2.0, 3.0])
+def test_block_subset_bound_is_a_valid_tight_lower_bound(alpha, gen):
+    # logits spread over ~ one support window 1/β: the support spans many blocks, τ_lo is loose
+    scale = 1.0 / (alpha - 1)
+    x = torch.randn(8, 20_000, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 20_000, (8,), generator=gen)
+    log_qy = torch.full((8,), -3.0, dtype=torch.float64)
+    beta = torch.full((8,), alpha - 1, dtype=torch.float64)
+    blocks = alpha_impl._Blocks(x)
+    lo, _ = alpha_impl._row_bounds(x, blocks, scale, beta, torch.float64, None, y, log_qy)
+    refined = alpha_impl._block_subset_bound(blocks, scale, beta, alpha - 1, y, log_qy, lo)
+    q = torch.ones_like(x).scatter_(1, y[:, None], log_qy.exp()[:, None])
+    sol = alpha_impl._solve(scale * x, None, scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log())
+    assert bool((refined >= lo).all()) and bool((refined <= sol.tau + 1e-12).all())
+    assert float((sol.tau - refined).mean()) < 0.5 * float((sol.tau - lo).mean())

@@ -37,7 +37,7 @@ from marginkit._validation import (
     reduce,
     same_batch,
 )
-from marginkit.ops.alpha import _alpha_loss_on_scores, _topk_count
+from marginkit.ops.alpha import _alpha_loss_on_scores, _Blocks, _topk_count
 
 __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
 
@@ -45,12 +45,13 @@ __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
 _COSINE_ATOL = 1e-3
 
 
-def _checked_cosines(cosines: Any, labels: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """Validate ``cosines [..., C]`` and ``labels [...]``; return 2-D cosines, flat labels, row maxima.
+def _checked_cosines(cosines: Any, labels: Any) -> tuple[Tensor, Tensor, _Blocks]:
+    """Validate ``cosines [..., C]`` and ``labels [...]``; return 2-D cosines, flat labels, block maxima.
 
     The check is :func:`cosine_tensor`'s, decided from the row minima and maxima (NaN and inf
-    propagate through them): two bandwidth-bound reductions instead of two full-size temporaries.
-    :func:`cosine_tensor` itself runs (and raises its message) only when they show a problem.
+    propagate through them): two bandwidth-bound reductions instead of two full-size temporaries
+    (the maxima are needed anyway). :func:`cosine_tensor` itself runs (and raises its message)
+    only when they show a problem.
     """
     if not isinstance(cosines, Tensor) or not torch.is_floating_point(cosines) or cosines.dim() < 1:
         cosine_tensor(cosines, "cosines", atol=_COSINE_ATOL)
@@ -61,15 +62,16 @@ def _checked_cosines(cosines: Any, labels: Any) -> tuple[Tensor, Tensor, Tensor]
     if cosines.dim() >= 2 and labels.dim() >= 1:
         same_batch(cosines, "cosines", labels, "labels")
     label_tensor(labels, "labels", shape=cosines.shape[:-1], num_classes=cosines.shape[-1])
-    x2d = cosines.reshape(-1, cosines.shape[-1])
-    rowmax = x2d.amax(-1)
+    x2d = cosines.reshape(-1, cosines.shape[-1]).contiguous()
+    blocks = _Blocks(x2d)
+    rowmax = blocks.rowmax
     if x2d.shape[0]:
         rowmin = x2d.amin(-1)
         ok = (rowmax <= 1 + _COSINE_ATOL) & (rowmin >= -1 - _COSINE_ATOL)
         if not bool(ok.all()):
             cosine_tensor(cosines, "cosines", atol=_COSINE_ATOL)
     y = labels.reshape(-1).to(device=cosines.device, dtype=torch.long)
-    return x2d, y, rowmax
+    return x2d, y, blocks
 
 
 class _AlphaCosineLoss(nn.Module):
@@ -116,12 +118,12 @@ class _AlphaCosineLoss(nn.Module):
         no host synchronisation).
         """
         alpha, scale, margin = self._check_hyper()
-        x2d, y, rowmax = _checked_cosines(cosines, labels)
+        x2d, y, blocks = _checked_cosines(cosines, labels)
         k = _topk_count(self.topk, x2d.shape[1])
         loss, support = _alpha_loss_on_scores(
             x2d,
             y,
-            rowmax,
+            blocks,
             alpha=alpha,
             scale=scale,
             log_q_label=-scale * margin,

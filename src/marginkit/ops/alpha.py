@@ -72,6 +72,86 @@ _CHECK_EVERY = 2
 _DENSE_FRACTION = 0.5
 # The flat candidate set is re-filtered when that keeps at most this fraction of it.
 _SHRINK_FRACTION = 0.7
+# Columns per block of the block maxima; blocks are compared element-wise only when they may
+# hold a candidate, unless more than this fraction of the logits would be compared anyway.
+_BLOCK = 64
+_BLOCK_FRACTION = 0.25
+# Newton steps spent on the block-maxima lower bound (see _block_subset_bound).
+_SUBSET_ITERATIONS = 3
+
+
+# --------------------------------------------------------------------------------------------
+# Block maxima of the full rows
+# --------------------------------------------------------------------------------------------
+
+
+class _Blocks:
+    """Maxima of blocks of ``_BLOCK`` consecutive columns of ``x`` ``[N, n]`` (one bandwidth-bound pass).
+
+    They give the row maxima, the largest logit outside a given column (the label) and a
+    block-level pre-filter for the candidates, so that only blocks holding a candidate are
+    compared element by element. The last, partial block is padded with ``-inf``.
+    """
+
+    def __init__(self, x: Tensor) -> None:
+        n_rows, n = x.shape
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        self.x, self.n = x, n
+        self.nb = n // _BLOCK
+        self.main = x[:, : self.nb * _BLOCK].view(n_rows, self.nb, _BLOCK)
+        parts = [self.main.amax(2)]
+        self.tail = None
+        if n > self.nb * _BLOCK:
+            self.tail = x.new_full((n_rows, _BLOCK), -math.inf)
+            self.tail[:, : n - self.nb * _BLOCK] = x[:, self.nb * _BLOCK :]
+            parts.append(self.tail.amax(1, keepdim=True))
+        self.bmax = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+        self.rowmax = self.bmax.amax(1)
+
+    def _values(self, bi: Tensor, bj: Tensor) -> Tensor:
+        """The ``_BLOCK`` values of the blocks ``(bi, bj)``, ``[k, _BLOCK]``.
+
+        Gathered as rows of the (overlapping) view of every ``_BLOCK``-wide window of the flat
+        logits: ``index_select`` copies whole rows, several times faster than indexing
+        ``main[bi, bj]`` element by element.
+        """
+        if self.nb == 0:
+            assert self.tail is not None
+            return self.tail.index_select(0, bi)
+        total = self.x.numel()
+        windows = self.x.view(-1).as_strided((total - _BLOCK + 1, _BLOCK), (1, 1))
+        offsets = bi * self.n + bj * _BLOCK
+        if self.tail is None:
+            return windows.index_select(0, offsets)
+        values = windows.index_select(0, offsets.clamp(max=total - _BLOCK))
+        in_tail = (bj == self.nb).nonzero().squeeze(1)
+        return values.index_copy_(0, in_tail, self.tail.index_select(0, bi.index_select(0, in_tail)))
+
+    def max_excluding(self, column: Tensor) -> Tensor:
+        """Per row, the largest value outside ``column[row]`` (``-inf`` if there is none)."""
+        rows = torch.arange(self.x.shape[0], device=column.device)
+        bj = column // _BLOCK
+        others = self.bmax.index_put((rows, bj), torch.tensor(-math.inf, dtype=self.bmax.dtype))
+        inside = self._values(rows, bj).index_put(
+            (rows, column - bj * _BLOCK), torch.tensor(-math.inf, dtype=self.bmax.dtype)
+        )
+        return torch.maximum(others.amax(1), inside.amax(1))
+
+    def sparse(self, thr: Tensor) -> bool:
+        """Do the blocks that may hold an entry above ``thr`` make a small part of the logits?"""
+        n_selected = int((self.bmax > thr.unsqueeze(1)).sum())
+        return n_selected * _BLOCK <= _BLOCK_FRACTION * self.x.numel()
+
+    def above(self, thr: Tensor) -> Tensor:
+        """Sorted row-major flat indices of the entries ``x[i, j] > thr[i]``."""
+        selected = self.bmax > thr.unsqueeze(1)
+        n_selected = int(selected.sum())
+        if n_selected * _BLOCK > _BLOCK_FRACTION * self.x.numel():
+            return (self.x > thr.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
+        bi, bj = selected.nonzero().unbind(1)
+        k, g = (self._values(bi, bj) > thr[bi].unsqueeze(1)).nonzero().unbind(1)
+        return bi[k] * self.n + bj[k] * _BLOCK + g
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,9 +162,10 @@ _SHRINK_FRACTION = 0.7
 class _Entries:
     """Where the entries of a compact problem sit in the full ``[N, n]`` logits.
 
-    Padded layout (``row is None``): per-entry tensors are ``[N, K]`` and ``col`` is ``[N, K]``
-    (``None``: all ``n`` columns in order). Flat layout: per-entry tensors are ``[m]`` with their
-    ``row`` and row-major ``flat`` index ``row * n + column`` (no padding however unequal the rows).
+    Padded layout (``flat is None``): per-entry tensors are ``[N, K]`` and ``col`` is ``[N, K]``
+    (``None``: all ``n`` columns in order). Flat layout: per-entry tensors are ``[m]``, sorted by
+    their row-major ``flat`` index ``row * n + column``; ``counts[i]`` entries belong to row ``i``
+    (no padding however unequal the rows), so row sums are segment sums.
     """
 
     def __init__(
@@ -92,25 +173,34 @@ class _Entries:
         n_rows: int,
         n_cols: int,
         *,
-        row: Tensor | None = None,
         flat: Tensor | None = None,
+        row: Tensor | None = None,
+        counts: Tensor | None = None,
         col: Tensor | None = None,
     ) -> None:
-        self.n_rows, self.n_cols = n_rows, n_cols
-        self.row, self.flat, self.col = row, flat, col
+        self.n_rows, self.n_cols, self.flat, self.col = n_rows, n_cols, flat, col
+        if flat is not None and counts is None:
+            starts = torch.arange(n_rows + 1, device=flat.device) * n_cols
+            counts = torch.searchsorted(flat, starts).diff()
+        if flat is not None and row is None:
+            assert counts is not None
+            row = torch.repeat_interleave(
+                torch.arange(n_rows, device=flat.device), counts, output_size=len(flat)
+            )
+        self.row, self.counts = row, counts
 
     @property
     def is_flat(self) -> bool:
-        return self.row is not None
+        return self.flat is not None
 
     def per_entry(self, v: Tensor) -> Tensor:
         """Broadcast a per-row ``[N]`` tensor to the entries."""
         return v.index_select(0, self.row) if self.row is not None else v.unsqueeze(-1)
 
     def rowsum(self, e: Tensor) -> Tensor:
-        if self.row is None:
+        if self.counts is None:
             return e.sum(-1)
-        return e.new_zeros(self.n_rows).index_add_(0, self.row, e)
+        return torch.segment_reduce(e, "sum", lengths=self.counts)
 
     def rowmax(self, e: Tensor) -> Tensor:
         if self.row is None:
@@ -119,28 +209,29 @@ class _Entries:
 
     def is_column(self, label: Tensor) -> Tensor:
         """Per entry: does it sit in column ``label[row]``?"""
-        if self.row is not None:
+        if self.flat is not None:
             first = torch.arange(self.n_rows, device=label.device) * self.n_cols
             return self.flat == self.per_entry(first + label)
         cols = torch.arange(self.n_cols, device=label.device).unsqueeze(0) if self.col is None else self.col
         return cols == label.unsqueeze(-1)
 
     def select(self, idx: Tensor) -> _Entries:
-        """The flat entries at positions ``idx``."""
-        assert self.row is not None and self.flat is not None
-        return _Entries(self.n_rows, self.n_cols, row=self.row[idx], flat=self.flat[idx])
+        """The flat entries at the (increasing) positions ``idx``."""
+        assert self.flat is not None and self.row is not None
+        flat = self.flat.index_select(0, idx)
+        return _Entries(self.n_rows, self.n_cols, flat=flat, row=self.row.index_select(0, idx))
 
     def to_flat(self, device: torch.device) -> _Entries:
-        if self.row is not None:
+        if self.flat is not None:
             return self
         k = self.n_cols if self.col is None else self.col.shape[1]
         row = torch.arange(self.n_rows, device=device).repeat_interleave(k)
         col = torch.arange(self.n_cols, device=device).repeat(self.n_rows) if self.col is None else self.col
-        return _Entries(self.n_rows, self.n_cols, row=row, flat=row * self.n_cols + col.reshape(-1))
+        return _Entries(self.n_rows, self.n_cols, flat=row * self.n_cols + col.reshape(-1), row=row)
 
     def scatter(self, e: Tensor, dtype: torch.dtype) -> Tensor:
         """Dense ``[N, n]`` tensor of ``dtype`` with the entries' values, zeros elsewhere."""
-        if self.row is None and self.col is None:
+        if self.flat is None and self.col is None:
             return e.to(dtype)
         out = torch.zeros(self.n_rows, self.n_cols, dtype=dtype, device=e.device)
         if self.flat is not None:
@@ -151,11 +242,16 @@ class _Entries:
     def gather(self, dense: Tensor) -> Tensor:
         """The entries' values in a dense ``[N, n]`` tensor."""
         if self.flat is not None:
-            return dense.take(self.flat)
+            return dense.reshape(-1).index_select(0, self.flat)
         return dense if self.col is None else dense.gather(1, self.col)
 
-    def saved(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        return self.row, self.flat, self.col
+    def saved(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        return self.flat, self.row, self.counts, self.col
+
+    @classmethod
+    def restore(cls, n_rows: int, n_cols: int, saved: tuple[Tensor | None, ...]) -> _Entries:
+        flat, row, counts, col = saved
+        return cls(n_rows, n_cols, flat=flat, row=row, counts=counts, col=col)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,11 +324,11 @@ class _Problem:
         idx = keep.nonzero().squeeze(1)
         new = copy.copy(self)
         new.entries = self.entries.select(idx)
-        new.theta, new.btheta = self.theta[idx], self.btheta[idx]
+        new.theta, new.btheta = self.theta.index_select(0, idx), self.btheta.index_select(0, idx)
         if self.logq is not None:
-            new.logq = self.logq[idx]
+            new.logq = self.logq.index_select(0, idx)
         if isinstance(self.beta_e, Tensor) and isinstance(self.r_e, Tensor):
-            new.beta_e, new.r_e = self.beta_e[idx], self.r_e[idx]
+            new.beta_e, new.r_e = self.beta_e.index_select(0, idx), self.r_e.index_select(0, idx)
         return new
 
     def shrunk(self, tau: Tensor) -> tuple[_Problem, Tensor | None]:
@@ -259,7 +355,8 @@ def _lower_bound(problem: _Problem) -> Tensor:
 def _upper_bound(problem: _Problem) -> Tensor:
     r"""Per-row :math:`\tau_{hi} = \max_j\theta_j - E(\sum_j q_j)` over finite logits (mass :math:`\le 1`).
 
-    Sharded: MAX all-reduce of the row maximum, SUM all-reduce of the total measure.
+    Any total measure at least :math:`\sum_j q_j` gives a valid bound. Sharded: MAX all-reduce
+    of the row maximum, SUM all-reduce of the total measure.
     """
     entries, theta = problem.entries, problem.theta
     finite = theta > -math.inf
@@ -283,8 +380,9 @@ def _find_tau(
     hi: Tensor,
     *,
     hybrid: bool,
+    max_iter: int | None = None,
     trace: list[Tensor] | None = None,
-) -> tuple[Tensor, _Problem]:
+) -> tuple[Tensor, _Problem, Tensor]:
     r"""Safeguarded Newton for :math:`M(\tau) = 1` per row, started at the lower bound ``lo``.
 
     Newton on :math:`h = (M^\beta - 1)/\beta` inside the bracket ``[lo, hi]`` (updated from the
@@ -299,11 +397,12 @@ def _find_tau(
 
     Host syncs: the shrink decisions and the scheduled convergence checks, not every iteration.
     ``trace`` (a list) receives the per-row "converged" flags after every iteration. Returns the
-    root and the (possibly shrunk) problem.
+    root, the (possibly shrunk) problem and the final lower bracket (mass ≥ 1 verified there).
     """
     beta = problem.beta
     eps = torch.finfo(lo.dtype).eps
-    max_iter = 100 if lo.dtype != torch.float64 else 200
+    if max_iter is None:
+        max_iter = 100 if lo.dtype != torch.float64 else 200
     tol = _TOL_ULPS * eps
     x = lo
     mass, slope = problem.mass_slope(x)
@@ -344,7 +443,7 @@ def _find_tau(
             trace.append(done.clone())
         if it >= _FIRST_CHECK and (it - _FIRST_CHECK) % _CHECK_EVERY == 0 and bool(done.all()):
             break
-    return x, problem
+    return x, problem, lo
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,22 +465,17 @@ class _Solution(NamedTuple):
         if self.entries.is_flat:
             return self
         entries = self.entries.to_flat(self.tau.device)
-        return _Solution(
-            self.tau,
-            self.p.reshape(-1),
-            self.w.reshape(-1),
-            self.u.reshape(-1),
-            self.theta.reshape(-1),
-            entries,
-        )
+        fields = (self.p, self.w, self.u, self.theta)
+        return _Solution(self.tau, *(f.reshape(-1) for f in fields), entries)
 
 
-def _solve_problem(problem: _Problem) -> _Solution:
-    lo = _lower_bound(problem)
-    hi = torch.maximum(_upper_bound(problem), lo)
+def _solve_problem(problem: _Problem, lo: Tensor | None = None, hi: Tensor | None = None) -> _Solution:
+    """Solve a compact problem (bounds computed from it unless given)."""
+    lo = _lower_bound(problem) if lo is None else lo
+    hi = torch.maximum(_upper_bound(problem) if hi is None else hi, lo)
     scalar = problem.beta_scalar
     hybrid = scalar > 1 if scalar is not None else bool((problem.beta > 1).any())
-    tau, problem = _find_tau(problem, lo, hi, hybrid=hybrid)
+    tau, problem, _ = _find_tau(problem, lo, hi, hybrid=hybrid)
     p, w, u = problem.support(tau)
     entries = problem.entries
     p = p / entries.per_entry(entries.rowsum(p))
@@ -403,39 +497,82 @@ def _entry_logq(
     return None
 
 
-def _row_lower_bound(
+def _row_bounds(
     x: Tensor,
-    rowmax: Tensor,
+    blocks: _Blocks,
     scale: float,
     beta: Tensor,
     cdt: torch.dtype,
     logq: Tensor | None,
     label: Tensor | None,
     logq_label: Tensor | None,
-) -> Tensor:
-    """τ_lo of the full rows, ``[N]``, without a ``[N, n]`` temporary when q is 1 off the labels."""
+) -> tuple[Tensor, Tensor | None]:
+    """``(τ_lo, τ_hi)`` of the full rows, ``[N]`` each (``τ_hi`` ``None`` for a general q).
+
+    No ``[N, n]`` temporary unless ``q`` is a general dense measure: with ``q ≤ 1`` (q ≡ 1 or
+    the label override with a margin ≥ 0) the total measure is at most ``n``.
+    """
+    top = blocks.rowmax.to(cdt) * scale
     if logq is not None:
-        return (x.to(cdt) * scale - _offset(logq.to(cdt), beta.unsqueeze(-1))).amax(-1)
-    top = rowmax.to(cdt) * scale
+        return (x.to(cdt) * scale - _offset(logq.to(cdt), beta.unsqueeze(-1))).amax(-1), None
+    log_n = torch.tensor(float(x.shape[1]), dtype=cdt, device=x.device).log()
+    hi = top - _offset(log_n, beta)
     if label is None or logq_label is None:
-        return top
-    # q = 1 except at the label: τ_lo = max(max_{j≠y} θ_j, θ_y − E(q_y)). The largest other logit
-    # is the row maximum unless the label holds it; only then is the second largest needed.
+        return top, hi
+    # q = 1 except at the label: τ_lo = max(max_{j≠y} θ_j, θ_y − E(q_y)).
     xy = x.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt) * scale
-    label_is_max = xy >= top
-    others = top
-    if bool(label_is_max.any()):
-        if x.shape[1] > 1:
-            second = x.topk(2, dim=-1).values[:, 1].to(cdt) * scale
-        else:
-            second = torch.full_like(top, -math.inf)
-        others = torch.where(label_is_max, second, top)
-    return torch.maximum(others, xy - _offset(logq_label.to(cdt), beta))
+    others = blocks.max_excluding(label).to(cdt) * scale
+    lo = torch.maximum(others, xy - _offset(logq_label.to(cdt), beta))
+    return lo, hi if bool((logq_label <= 0).all()) else None
+
+
+def _threshold(lo: Tensor, beta: Tensor, scale: float) -> Tensor:
+    """Candidate threshold ``(τ_lo − 1/β)/scale`` in the units of x, lowered by a few ulps so that
+    rounding never drops an entry that the solver's arithmetic would find active."""
+    thr = (lo - 1.0 / beta) / scale
+    return thr - 8 * torch.finfo(lo.dtype).eps * (thr.abs() + 1.0 / (beta * scale))
+
+
+def _block_subset_bound(
+    blocks: _Blocks,
+    scale: float,
+    beta: Tensor,
+    beta_scalar: float | None,
+    label: Tensor | None,
+    logq_label: Tensor | None,
+    lo: Tensor,
+) -> Tensor:
+    r"""A tighter lower bound on τ: the root of the problem restricted to the block maxima.
+
+    The block maxima are logits of the row; with weights no larger than their q (1, or
+    :math:`\min(1, q_y)` for the label's block when q is 1 off the label) the restricted mass is
+    at most the full mass at every τ, so the restricted root — the lower end of its bracket,
+    where mass ≥ 1 was verified — is a lower bound of the full root. It is close to the root
+    when the support is spread over many blocks (exactly when :math:`\tau_{lo}` is loose). A few
+    Newton steps on the block maxima above ``lo − 1/β`` (flat, shrinking) suffice: any verified
+    lower end of the bracket is a valid bound. (Block maxima below ``lo − 1/β`` are left out:
+    a smaller subset only lowers the bound.)
+    """
+    bmax = blocks.bmax
+    cdt = compute_dtype(bmax.dtype)
+    flat = (bmax > _threshold(lo, beta, scale).unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
+    entries = _Entries(bmax.shape[0], bmax.shape[1], flat=flat)
+    theta = bmax.reshape(-1).index_select(0, flat).to(cdt) * scale
+    logq = None
+    if label is not None and logq_label is not None:
+        at_label = entries.is_column(label // _BLOCK)
+        logq = torch.where(at_label, entries.per_entry(logq_label.to(cdt).clamp_max(0.0)), 0.0)
+    problem = _Problem(entries, theta, logq, beta, beta_scalar)
+    sub_lo = _lower_bound(problem)
+    hi = torch.maximum(_upper_bound(problem), sub_lo)
+    hybrid = beta_scalar > 1 if beta_scalar is not None else bool((beta > 1).any())
+    _, _, verified = _find_tau(problem, sub_lo, hi, hybrid=hybrid, max_iter=_SUBSET_ITERATIONS)
+    return torch.maximum(verified, lo)
 
 
 def _solve_candidates(
     x: Tensor,
-    rowmax: Tensor,
+    blocks: _Blocks,
     scale: float,
     beta: Tensor,
     beta_scalar: float | None,
@@ -446,19 +583,20 @@ def _solve_candidates(
     """Exact solve on the candidates ``θ_j > τ_lo − 1/β``, stored flat (no padding)."""
     n_rows, n = x.shape
     cdt = compute_dtype(x.dtype)
-    lo = _row_lower_bound(x, rowmax, scale, beta, cdt, logq, label, logq_label)
-    # Threshold in the units of x, lowered by a few ulps so that rounding never drops an entry.
-    thr = (lo - 1.0 / beta) / scale
-    thr = thr - 8 * torch.finfo(cdt).eps * (thr.abs() + 1.0 / (beta * scale))
-    flat = (x > thr.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
+    lo, hi = _row_bounds(x, blocks, scale, beta, cdt, logq, label, logq_label)
+    thr = _threshold(lo, beta, scale)
+    if logq is None and not blocks.sparse(thr):
+        lo = torch.maximum(lo, _block_subset_bound(blocks, scale, beta, beta_scalar, label, logq_label, lo))
+        thr = _threshold(lo, beta, scale)
+    flat = blocks.above(thr)
     if flat.numel() > _DENSE_FRACTION * x.numel():
         return _solve_dense(x, scale, beta, beta_scalar, logq, label, logq_label)
-    entries = _Entries(n_rows, n, row=flat // n, flat=flat)
-    theta = x.take(flat).to(cdt)
+    entries = _Entries(n_rows, n, flat=flat)
+    theta = x.reshape(-1).index_select(0, flat).to(cdt)
     if scale != 1.0:
         theta = theta.mul_(scale)
     lq = _entry_logq(entries, cdt, logq, label, logq_label)
-    return _solve_problem(_Problem(entries, theta, lq, beta, beta_scalar))
+    return _solve_problem(_Problem(entries, theta, lq, beta, beta_scalar), lo, hi)
 
 
 def _solve_dense(
@@ -479,25 +617,28 @@ def _solve_dense(
 
 
 def _merge_rows(base: _Solution, rows: Tensor, sub: _Solution) -> _Solution:
-    """``base`` with its ``rows`` replaced by the solution ``sub`` of those rows (flat result)."""
+    """``base`` with its ``rows`` replaced by the solution ``sub`` of those rows (flat, sorted)."""
     base, sub = base.to_flat(), sub.to_flat()
     b, s = base.entries, sub.entries
     assert b.row is not None and b.flat is not None and s.row is not None and s.flat is not None
     replaced = torch.zeros(base.tau.shape[0], dtype=torch.bool, device=rows.device)
     replaced[rows] = True
-    keep = ~replaced[b.row]
-    row = rows[s.row]
-    flat = torch.cat([b.flat[keep], row * b.n_cols + (s.flat - s.row * s.n_cols)])
-    row = torch.cat([b.row[keep], row])
-    fields = [torch.cat([getattr(base, f)[keep], getattr(sub, f)]) for f in ("p", "w", "u", "theta")]
+    keep = (~replaced.index_select(0, b.row)).nonzero().squeeze(1)
+    sub_rows = rows.index_select(0, s.row)
+    flat = torch.cat([b.flat.index_select(0, keep), sub_rows * b.n_cols + (s.flat - s.row * s.n_cols)])
+    flat, order = flat.sort()
+    fields = [
+        torch.cat([getattr(base, f).index_select(0, keep), getattr(sub, f)]).index_select(0, order)
+        for f in ("p", "w", "u", "theta")
+    ]
     tau = base.tau.clone()
     tau[rows] = sub.tau
-    return _Solution(tau, *fields, _Entries(b.n_rows, b.n_cols, row=row, flat=flat))
+    return _Solution(tau, *fields, _Entries(b.n_rows, b.n_cols, flat=flat))
 
 
 def _solve(
     x: Tensor,
-    rowmax: Tensor,
+    blocks: _Blocks | None,
     *,
     scale: float,
     beta: Tensor,
@@ -526,7 +667,7 @@ def _solve(
             return sol
         sub = _solve(
             x[bad],
-            rowmax[bad],
+            None,
             scale=scale,
             beta=beta[bad],
             beta_scalar=beta_scalar,
@@ -537,7 +678,9 @@ def _solve(
         )
         return _merge_rows(sol, bad, sub)
     if candidates:
-        return _solve_candidates(x, rowmax, scale, beta, beta_scalar, logq, label, logq_label)
+        return _solve_candidates(
+            x, _Blocks(x) if blocks is None else blocks, scale, beta, beta_scalar, logq, label, logq_label
+        )
     return _solve_dense(x, scale, beta, beta_scalar, logq, label, logq_label)
 
 
@@ -552,14 +695,14 @@ class _SoftargmaxFunction(torch.autograd.Function):
         ctx: Any,
         x: Tensor,
         logq: Tensor | None,
-        rowmax: Tensor,
+        blocks: _Blocks,
         beta: Tensor,
         beta_scalar: float | None,
         k: int | None,
         candidates: bool,
     ) -> Tensor:
         sol = _solve(
-            x, rowmax, scale=1.0, beta=beta, beta_scalar=beta_scalar, logq=logq, k=k, candidates=candidates
+            x, blocks, scale=1.0, beta=beta, beta_scalar=beta_scalar, logq=logq, k=k, candidates=candidates
         )
         ctx.shape = x.shape
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
@@ -568,8 +711,8 @@ class _SoftargmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        p, w, row, flat, col = ctx.saved_tensors
-        entries = _Entries(ctx.shape[0], ctx.shape[1], row=row, flat=flat, col=col)
+        p, w, *saved = ctx.saved_tensors
+        entries = _Entries.restore(ctx.shape[0], ctx.shape[1], tuple(saved))
         on = w > 0
         g = entries.gather(grad).to(p.dtype).masked_fill(~on, 0.0)
         mean = entries.rowsum(w * g) / entries.rowsum(w)
@@ -607,7 +750,7 @@ class _LossFunction(torch.autograd.Function):
         x: Tensor,
         logq: Tensor | None,
         label: Tensor,
-        rowmax: Tensor,
+        blocks: _Blocks | None,
         beta: Tensor,
         beta_scalar: float | None,
         scale: float,
@@ -617,7 +760,7 @@ class _LossFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         sol = _solve(
             x,
-            rowmax,
+            blocks,
             scale=scale,
             beta=beta,
             beta_scalar=beta_scalar,
@@ -638,13 +781,13 @@ class _LossFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(support)
         ctx.shape, ctx.scale = x.shape, scale
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
-        ctx.save_for_backward(sol.p, sol.u, *sol.entries.saved(), label, beta, logq_y)
+        ctx.save_for_backward(sol.p, sol.u, label, beta, logq_y, *sol.entries.saved())
         return loss, support
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _grad_support: Tensor | None) -> tuple[Tensor | None, ...]:
-        p, u, row, flat, col, label, beta, logq_y = ctx.saved_tensors
-        entries = _Entries(ctx.shape[0], ctx.shape[1], row=row, flat=flat, col=col)
+        p, u, label, beta, logq_y, *saved = ctx.saved_tensors
+        entries = _Entries.restore(ctx.shape[0], ctx.shape[1], tuple(saved))
         x_dtype, q_dtype = ctx.dtypes
         g = grad.to(p.dtype)
         y = label.unsqueeze(1)
@@ -679,17 +822,17 @@ def _check_float_meta(x: Any, name: str) -> Tensor:
     return x
 
 
-def _checked_rowmax(x2d: Tensor, name: str) -> Tensor:
-    """Row maxima of logits, validating them on the way (one reduction instead of two full checks).
+def _checked_blocks(x2d: Tensor, name: str) -> _Blocks:
+    """Block maxima of logits, validating them on the way (one reduction instead of two full checks).
 
     ``amax`` propagates NaN and +inf, so a non-finite row maximum means NaN, +inf or an all
     ``-inf`` row; :func:`float_tensor` then produces the error message for the first two.
     """
-    rowmax = x2d.amax(-1)
-    if rowmax.numel() and not bool(torch.isfinite(rowmax).all()):
+    blocks = _Blocks(x2d)
+    if blocks.rowmax.numel() and not bool(torch.isfinite(blocks.rowmax).all()):
         float_tensor(x2d, name, allow_inf=True)
         raise ValueError(f"{name} has a row whose entries are all -inf; at least one class must be finite")
-    return rowmax
+    return blocks
 
 
 def _alpha_rows(
@@ -844,11 +987,11 @@ def alpha_softargmax(
     logq = None if q is None else _log_reference(q, logits)
     x = logits.movedim(dim, -1)
     batch_shape, n = x.shape[:-1], x.shape[-1]
-    x2d = x.reshape(-1, n)
+    x2d = x.reshape(-1, n).contiguous()
     k = _topk_count(topk, n)
     cdt = compute_dtype(logits.dtype)
     beta, scalar_alpha = _alpha_rows(_alpha_batch(alpha, logits, dim), batch_shape, cdt, logits.device)
-    rowmax = _checked_rowmax(x2d, "logits")
+    blocks = _checked_blocks(x2d, "logits")
     lq2d = None if logq is None else logq.movedim(dim, -1).reshape(-1, n)
     if scalar_alpha == 1.0:
         z = x2d.to(cdt) if lq2d is None else x2d.to(cdt) + lq2d
@@ -857,7 +1000,7 @@ def alpha_softargmax(
         p2d = x2d.clone()
     else:
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
-        p2d = _SoftargmaxFunction.apply(x2d, lq2d, rowmax, beta, beta_scalar, k, bool(candidates))
+        p2d = _SoftargmaxFunction.apply(x2d, lq2d, blocks, beta, beta_scalar, k, bool(candidates))
     return p2d.reshape(x.shape).movedim(-1, dim)
 
 
@@ -909,7 +1052,7 @@ def alpha_divergence_loss(
         Fenchel-Young Losses", JMLR 2020.
     """
     _check_float_meta(logits, "logits")
-    x2d = logits.reshape(-1, logits.shape[-1])
+    x2d = logits.reshape(-1, logits.shape[-1]).contiguous()
     n = x2d.shape[1]
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
@@ -920,7 +1063,7 @@ def alpha_divergence_loss(
     k = _topk_count(topk, n)
     cdt = compute_dtype(logits.dtype)
     beta, scalar_alpha = _alpha_rows(alpha, logits.shape[:-1], cdt, logits.device)
-    rowmax = _checked_rowmax(x2d, "logits")
+    blocks = _checked_blocks(x2d, "logits")
     y = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
     if y.numel() and not bool(torch.isfinite(x2d.gather(1, y.unsqueeze(1))).all()):
         raise ValueError("logits must be finite at the labels (a label points at a class masked with -inf)")
@@ -932,14 +1075,14 @@ def alpha_divergence_loss(
         loss = x2d.new_zeros(0, dtype=cdt)
     else:
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
-        loss, _ = _LossFunction.apply(x2d, lq2d, y, rowmax, beta, beta_scalar, 1.0, None, k, bool(candidates))
+        loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
     return loss.reshape(logits.shape[:-1])
 
 
 def _alpha_loss_on_scores(
     x2d: Tensor,
     labels: Tensor,
-    rowmax: Tensor,
+    blocks: _Blocks,
     *,
     alpha: float,
     scale: float,
@@ -966,4 +1109,4 @@ def _alpha_loss_on_scores(
     logq_label = None
     if log_q_label != 0.0:
         logq_label = torch.full((n_rows,), log_q_label, dtype=cdt, device=x2d.device)
-    return _LossFunction.apply(x2d, None, labels, rowmax, beta, alpha - 1.0, scale, logq_label, k, candidates)
+    return _LossFunction.apply(x2d, None, labels, blocks, beta, alpha - 1.0, scale, logq_label, k, candidates)
