@@ -16,7 +16,7 @@ import torch
 from marginkit.cli import main
 
 TINY = ["--model", "mlp", "--set", "model_options.hidden=[32]", "--embedding-dim", "8", "--batch-size", "32",
-        "--k", "3", "--quiet"]  # fmt: skip
+        "--k", "3", "--num-threads", "1", "--quiet"]  # fmt: skip
 
 
 def blobs(path: Path, *, classes: int = 3, per_class: int = 30, dim: int = 6, seed: int = 0) -> Path:

@@ -43,6 +43,7 @@ def small_config(data: str, **over: object) -> TrainConfig:
     base = {
         "data": data, "model": "mlp", "model_options": {"hidden": [32]}, "embedding_dim": 8, "epochs": 3,
         "batch_size": 32, "lr": 3e-3, "k": 3, "loss": "softmax", "samples_per_class": 4, "warmup_epochs": 0.5,
+        "num_threads": 1,
     }  # fmt: skip
     base.update(over)
     return apply_overrides(TrainConfig(), base)
@@ -195,7 +196,7 @@ def test_open_set_run_reports_verification(tmp_path):
         TrainConfig(),
         {
             "data": "identities", "model": "mlp", "model_options": {"hidden": [32]}, "embedding_dim": 16,
-            "epochs": 1, "batch_size": 64, "loss": "cosface", "k": 3,
+            "epochs": 1, "batch_size": 64, "loss": "cosface", "k": 3, "num_threads": 1,
             "data_options": {"num_train_identities": 20, "train_samples_per_identity": 6,
                              "num_val_identities": 8, "num_test_identities": 10,
                              "test_samples_per_identity": 5, "dim": 16, "hidden_dim": 16},

@@ -338,7 +338,8 @@ def _bar_plot(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
     for i, m in enumerate(metrics):
         means = [r.get(m, np.nan) if r.get(m) is not None else np.nan for r in summary]
         stds = [r.get(f"{m}_std") or 0.0 for r in summary]
-        ax.bar(x + (i - (n - 1) / 2) * width, means, width, yerr=stds, capsize=2, label=m)
+        yerr = stds if any(stds) else None
+        ax.bar(x + (i - (n - 1) / 2) * width, means, width, yerr=yerr, capsize=2, label=m)
     ax.set_xticks(x, [r["loss"] for r in summary], rotation=30, ha="right")
     finite = [r.get(m) for r in summary for m in metrics if isinstance(r.get(m), (int, float))]
     lo = min(finite) if finite else 0.0

@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=1, help="seeds per loss (mean ± std)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true", help="replace existing runs in DIR")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once in separate processes")
 
     p = sub.add_parser("demo", help="compare 8 losses on mnist1d (a few minutes on CPU)", allow_abbrev=False)
     _common(p)
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--epochs", type=int, help="override the demo's epoch budget")
     p.add_argument("--losses", help="comma-separated subset of the demo's losses")
+    p.add_argument("--jobs", type=int, help="runs trained at once (default: min(2, CPU cores))")
+    p.add_argument("--overwrite", action="store_true", help="retrain runs already in DIR")
     p.add_argument("--device", default="cpu")
 
     p = sub.add_parser("losses", help="list the loss names and their defaults", allow_abbrev=False)
@@ -188,7 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print("\nmarginkit: interrupted", file=sys.stderr)
+        hint = ""
+        if args.command == "train":
+            hint = f"; continue with: marginkit train --resume --out {args.out}"
+        elif args.command in ("compare", "demo"):
+            hint = "; run the same command again to reuse finished runs and resume the others"
+        print(f"\nmarginkit: interrupted{hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
         if args.debug:

@@ -390,6 +390,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     summary_text, report = run_compare(
         base_config(losses, [*file_pairs, *cli_pairs]), losses, seeds=args.seeds, out=args.out,
         quiet=args.quiet, overwrite=args.overwrite, file_pairs=file_pairs, cli_pairs=cli_pairs,
+        jobs=args.jobs,
     )  # fmt: skip
     print(summary_text)
     print(f"report  {report}")
@@ -401,8 +402,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     losses = [s.strip() for s in args.losses.split(",")] if args.losses else None
     summary_text, report, seconds = run_demo(
-        args.out, seeds=args.seeds, epochs=args.epochs, losses=losses, quiet=args.quiet, device=args.device
-    )
+        args.out, seeds=args.seeds, epochs=args.epochs, losses=losses, quiet=args.quiet, device=args.device,
+        jobs=args.jobs, overwrite=args.overwrite,
+    )  # fmt: skip
     print(summary_text)
     print(f"\n{seconds:.0f} s · summary {Path(args.out) / 'summary.json'}")
     print(f"report  {report}")

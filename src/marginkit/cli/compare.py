@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -35,14 +36,15 @@ DEMO_OPTIONS: dict[str, Any] = {
     "data": "mnist1d",
     "model": "cnn1d",
     "embedding_dim": 64,
-    "epochs": 12,
+    "epochs": 8,
     "batch_size": 128,
+    "samples_per_class": 12,  # pair losses: 10 classes x 12 = 120 samples per batch
     "lr": 3e-3,
     "weight_decay": 5e-4,
     "scheduler": "cosine",
     "warmup_epochs": 1,
     "k": 5,
-    "samples_per_class": 8,
+    "num_threads": 1,  # one thread per run, runs in parallel processes (--jobs)
 }
 
 #: Per-loss adjustments of the demo (learning rate / loss options only; budget unchanged).
@@ -222,6 +224,17 @@ def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dic
     return {"metrics": result.metrics, "seconds": result.seconds, "reused": False}
 
 
+def _worker(config_json: str, run_dir: str, overwrite: bool) -> dict[str, Any]:
+    """One run in a worker process of ``compare --jobs N``."""
+    from marginkit.train.config import TrainConfig
+    from marginkit.train.trainer import load_splits
+
+    config = TrainConfig.from_json(config_json)
+    with user_errors():
+        splits = load_splits(config, cache=True)
+    return _run_one(config, Path(run_dir), splits=splits, overwrite=overwrite)
+
+
 def run_compare(
     base: Any,
     losses: Sequence[str],
@@ -234,9 +247,14 @@ def run_compare(
     cli_pairs: Sequence[tuple[str, Any]] = (),
     per_loss: dict[str, dict[str, Any]] | None = None,
     title: str = "marginkit comparison",
+    jobs: int = 1,
 ) -> tuple[str, Path]:
     """Train every loss for ``seeds`` seeds and write the summary files; returns the
-    Markdown table and the report's path."""
+    Markdown table and the report's path.
+
+    ``jobs > 1`` trains that many runs at once in separate processes (spawned; each run
+    keeps its own seed and thread count, so the results equal a sequential comparison).
+    """
     from marginkit.report import compare_plot, write_compare_report
     from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
     from marginkit.train.registry import LOSSES
@@ -266,35 +284,55 @@ def run_compare(
             except ConfigError as exc:
                 raise UserError(f"{loss}: {exc}") from exc
     total = len(configs)
-    per_seed: dict[str, list[dict[str, float]]] = {loss: [] for loss in losses}
+    per_seed: dict[str, dict[int, dict[str, float]]] = {loss: {} for loss in losses}
     seconds: dict[str, list[float]] = {loss: [] for loss in losses}
-    runs: dict[str, list[Path]] = {loss: [] for loss in losses}
+    runs: dict[str, list[Path]] = {loss: [out / "runs" / loss / f"seed{base.seed + s}" for s in range(seeds)]
+                                   for loss in losses}  # fmt: skip
+    order = [(loss, s) for s in range(seeds) for loss in losses]
     t0 = time.perf_counter()
     done = 0
-    for s in range(seeds):
-        splits = None
-        for loss in losses:
+
+    def record(loss: str, s: int, res: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        row = _row_metrics(res["metrics"])
+        per_seed[loss][s] = row
+        seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
+        tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
+        _log(
+            f"[{done}/{total}] {loss:<14} seed {base.seed + s}: "
+            + "  ".join(f"{k} {row[k]:.4f}" for k in ("knn_accuracy", "map_at_r") if k in row)
+            + tag,
+            quiet,
+        )
+
+    if jobs <= 1:
+        for loss, s in order:
             cfg = configs[(loss, s)]
-            if splits is None:
-                with user_errors():
-                    splits = load_splits(cfg, cache=True)
-            run_dir = out / "runs" / loss / f"seed{cfg.seed}"
-            res = _run_one(cfg, run_dir, splits=splits, overwrite=overwrite)
-            done += 1
-            row = _row_metrics(res["metrics"])
-            per_seed[loss].append(row)
-            seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
-            runs[loss].append(run_dir)
-            tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
-            _log(
-                f"[{done}/{total}] {loss:<14} seed {cfg.seed}: "
-                + "  ".join(f"{k} {row[k]:.4f}" for k in ("knn_accuracy", "map_at_r") if k in row)
-                + tag,
-                quiet,
-            )
+            with user_errors():
+                splits = load_splits(cfg, cache=True)
+            record(loss, s, _run_one(cfg, runs[loss][s], splits=splits, overwrite=overwrite))
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = {
+                pool.submit(_worker, configs[key].to_json(), str(runs[key[0]][key[1]]), overwrite): key
+                for key in order
+            }
+            try:
+                for fut in concurrent.futures.as_completed(futures):
+                    loss, s = futures[fut]
+                    record(loss, s, fut.result())
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
     summary = []
     for loss in losses:
-        row = aggregate(loss, per_seed[loss])
+        row = aggregate(loss, [per_seed[loss][s] for s in range(seeds)])
         row["kind"] = LOSSES[loss].kind
         row["seconds"] = sum(seconds[loss]) / len(seconds[loss])
         row["runs"] = [str(p) for p in runs[loss]]
@@ -334,6 +372,8 @@ def run_demo(
     losses: Sequence[str] | None = None,
     quiet: bool = False,
     device: str = "cpu",
+    jobs: int | None = None,
+    overwrite: bool = False,
 ) -> tuple[str, Path, float]:
     """The README's main job: :data:`DEMO_LOSSES` on mnist1d with :data:`DEMO_OPTIONS`."""
     t0 = time.perf_counter()
@@ -349,8 +389,10 @@ def run_demo(
         f"{seeds} seed(s) → {out}",
         quiet,
     )
+    if jobs is None:
+        jobs = max(1, min(2, os.cpu_count() or 1))
     table, report = run_compare(
         base, chosen, seeds=seeds, out=out, quiet=quiet, cli_pairs=pairs, per_loss=DEMO_PER_LOSS,
-        title="marginkit demo — margin losses on MNIST-1D",
+        title="marginkit demo — margin losses on MNIST-1D", jobs=jobs, overwrite=overwrite,
     )  # fmt: skip
     return table, report, time.perf_counter() - t0

@@ -76,8 +76,9 @@ LOSSES: dict[str, LossSpec] = {
                  {"margin": 0.25, "gamma": 64.0}),
         LossSpec("circle", "pair", f"{_L}:CircleLoss", "Circle loss on in-batch pairs",
                  {"margin": 0.25, "gamma": 64.0}),
-        LossSpec("triplet", "pair", f"{_L}:TripletMarginLoss", "triplet margin loss, batch-hard mining",
-                 {"margin": 0.2}),
+        LossSpec("triplet", "pair", f"{_L}:TripletMarginLoss",
+                 "triplet margin loss, batch-all mining (mean over non-zero triplets)",
+                 {"margin": 0.2, "mining": "batch_all"}),
         LossSpec("local_triplet", "pair", f"{_L}:LocalMarginTripletLoss",
                  "local-margin triplet loss (K-NN aware; k defaults to the run's K)", {"margin": 0.2}),
     )
