@@ -49,7 +49,8 @@ def measure(fn, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
     parser.add_argument("--classes", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--batch", type=int, default=128)
@@ -82,7 +83,7 @@ def main() -> None:
             if not args.no_entmax and c <= 100_000:
                 peer = EntmaxBisectLoss(alpha)
                 # the peer has no reference measure: time it on s·c (same cost)
-                variants["entmax EntmaxBisectLoss"] = lambda x=x, y=y: peer(x * s, y).backward()
+                variants["entmax EntmaxBisectLoss"] = lambda p=peer, x=x, y=y: p(x * s, y).backward()
             results = {}
             for name, fn in variants.items():
                 if name == "qmargin nocand" and c > 100_000:
