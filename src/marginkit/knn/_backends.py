@@ -45,11 +45,10 @@ class Index(Protocol):
     def state(self) -> dict[str, np.ndarray]: ...
 
 
-def order_by_value_then_index(keys: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort each row by key descending, then reference index ascending."""
-    indices, perm = indices.sort(dim=1)
-    keys, perm2 = keys.gather(1, perm).sort(dim=1, descending=True, stable=True)
-    return keys, indices.gather(1, perm2)
+def order_by_value_then_index(keys: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort each row by key descending, then reference index ascending (NumPy, no threads)."""
+    order = np.lexsort((indices, -keys), axis=-1)
+    return np.take_along_axis(keys, order, -1), np.take_along_axis(indices, order, -1)
 
 
 class ExactIndex:
@@ -118,20 +117,17 @@ class FaissFlatIndex:
         flat = self._faiss.rev_swig_ptr(self.index.get_xb(), n * d)
         return torch.from_numpy(flat).view(n, d)
 
-    def _keys(self, distances: np.ndarray) -> torch.Tensor:
-        d = torch.from_numpy(distances)
-        return d if self.metric == "cosine" else -d  # squared L2 -> larger is closer
-
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         q = prepare(queries.detach().cpu(), self.metric, "queries", torch.float32)
         kk = min(k + 1, len(self))
-        distances, labels = self.index.search(q.numpy(), kk)
-        keys, indices = self._keys(distances), torch.from_numpy(labels)
-        tied = keys[:, k] == keys[:, k - 1] if kk > k else torch.zeros(len(q), dtype=torch.bool)
+        distances, indices = self.index.search(q.numpy(), kk)
+        keys = distances if self.metric == "cosine" else -distances  # larger is closer
+        tied = keys[:, k] == keys[:, k - 1] if kk > k else np.zeros(len(q), dtype=bool)
         keys, indices = order_by_value_then_index(keys[:, :k], indices[:, :k])
-        values = keys if self.metric == "cosine" else (-keys).clamp_min(0).sqrt()
-        if bool(tied.any()):
-            rows = tied.nonzero().squeeze(1)
+        values = torch.from_numpy(keys if self.metric == "cosine" else np.sqrt(np.maximum(-keys, 0)))
+        indices = torch.from_numpy(indices)
+        if tied.any():
+            rows = torch.from_numpy(np.flatnonzero(tied))
             v, i = exact_search(
                 q[rows], self.vectors(), k, metric=self.metric, memory_limit_bytes=self.memory_limit_bytes
             )
@@ -200,16 +196,15 @@ class HNSWIndex:
             distances, labels = self.index.search(q.numpy(), k)
         finally:
             self.ef_search = ef
-        indices = torch.from_numpy(labels)
-        if bool((indices < 0).any()):
+        if (labels < 0).any():
             raise RuntimeError(
                 f"HNSW returned fewer than k={k} neighbours for some queries; raise hnsw_ef_search "
                 f"(now {self.ef_search}) or use the 'faiss' or 'exact' backend"
             )
-        keys, indices = order_by_value_then_index(-torch.from_numpy(distances), indices)
-        sq = (-keys).clamp_min(0)
-        values = 1 - sq / 2 if self.metric == "cosine" else sq.sqrt()
-        return values, indices
+        keys, indices = order_by_value_then_index(-distances, labels)
+        sq = np.maximum(-keys, 0)
+        values = 1 - sq / 2 if self.metric == "cosine" else np.sqrt(sq)
+        return torch.from_numpy(values), torch.from_numpy(indices)
 
     def state(self) -> dict[str, np.ndarray]:
         return {"faiss_index": self._faiss.serialize_index(self.index)}
