@@ -175,17 +175,16 @@ class ShardedCosineHead(nn.Module):
         of ranks, each rank drawing only the blocks that overlap its slice.
         """
         start, stop = self.class_offset, self.class_offset + self.num_local
-        rows = []
-        for block in range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1):
-            gen = torch.Generator().manual_seed(_mix(self.seed, block))
-            first = block * INIT_BLOCK
-            size = min(INIT_BLOCK, self.num_classes - first)
-            values = torch.randn(size, self.embedding_dim, generator=gen, dtype=torch.float64)
-            rows.append(values[max(start - first, 0) : min(stop - first, size)])
-        full = torch.cat(rows)
-        full = full / torch.linalg.vector_norm(full, dim=1, keepdim=True).clamp_min(self.eps)
-        with torch.no_grad():
-            self.weight.copy_(full)
+        with torch.no_grad():  # block by block: the temporary is one block, not the slice
+            for block in range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1):
+                gen = torch.Generator().manual_seed(_mix(self.seed, block))
+                first = block * INIT_BLOCK
+                size = min(INIT_BLOCK, self.num_classes - first)
+                values = torch.randn(size, self.embedding_dim, generator=gen, dtype=torch.float64)
+                lo, hi = max(start - first, 0), min(stop - first, size)
+                values = values[lo:hi]
+                values /= torch.linalg.vector_norm(values, dim=1, keepdim=True).clamp_min(self.eps)
+                self.weight[first + lo - start : first + hi - start].copy_(values)
 
     def slice_sizes(self) -> list[int]:
         """Every rank's number of classes, in rank order."""
