@@ -426,3 +426,17 @@ def test_three_ranks_checkpoint_errors_and_losses(tmp_path):
     single.load_full_optimizer_state(opt1, two["optimizer"])
     _train(single, opt1, e3, y3)
     torch.testing.assert_close(single.weight.detach(), three["head"]["weight"], rtol=1e-12, atol=1e-12)
+
+
+def test_gathered_pair_loss_in_one_process_is_the_loss_and_is_re_exported(gen):
+    import marginkit.distributed
+
+    assert marginkit.distributed.GatheredPairLoss is GatheredPairLoss
+    e = torch.randn(6, 4, generator=gen)
+    y = torch.tensor([0, 0, 1, 1, 2, 2])
+    loss = CircleLoss(gamma=16.0)
+    assert torch.equal(GatheredPairLoss(loss)(e, y), loss(e, y))
+    with pytest.raises(ValueError, match="grad_reduction must be one of"):
+        GatheredPairLoss(loss, grad_reduction="avg")
+    with pytest.raises(TypeError, match="loss must be a callable"):
+        GatheredPairLoss(3)

@@ -310,3 +310,13 @@ def _spawn_for_test(
                 ) from error
         finally:
             shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy re-export: ``GatheredPairLoss`` lives in :mod:`marginkit.losses.gathered` (which imports
+    this module, hence not imported at the top)."""
+    if name == "GatheredPairLoss":
+        from marginkit.losses.gathered import GatheredPairLoss
+
+        return GatheredPairLoss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
