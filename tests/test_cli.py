@@ -326,3 +326,37 @@ def test_console_script_entry_point(tmp_path):
         [str(exe), "eval", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120, check=False
     )
     assert proc.returncode == 2 and proc.stderr.startswith("marginkit: error:")
+
+
+def test_eval_on_other_data_prints_without_overwriting(trained, tmp_path, capsys):
+    other = blobs(tmp_path / "other.npz", seed=5)
+    before = (trained / "metrics.json").read_text()
+    code, out, err = run_cli(capsys, "eval", str(trained), "--data", f"features:{other}")
+    assert code == 0, err
+    assert f"features:{other}" in out and "K-NN accuracy" in out
+    assert (trained / "metrics.json").read_text() == before
+    bad = tmp_path / "wide.npz"
+    np.savez(bad, x=np.zeros((30, 9), np.float32), y=np.arange(30) % 3)
+    code, _, err = run_cli(capsys, "eval", str(trained), "--data", f"features:{bad}")
+    assert code == 2 and "input shape" in err
+
+
+def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path, features, capsys, monkeypatch):
+    import marginkit.train.trainer as trainer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--data",
+        f"features:{features}",
+        "--loss",
+        "softmax",
+        *TINY,
+        "--out",
+        str(tmp_path / "r"),
+    )
+    assert code == 130 and "marginkit train --resume --out" in err

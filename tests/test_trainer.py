@@ -260,3 +260,45 @@ def test_non_finite_loss_is_a_clear_error(tmp_path, data_spec):
 def test_load_splits_cache_returns_same_object(data_spec):
     cfg = small_config(data_spec)
     assert load_splits(cfg, cache=True) is load_splits(cfg, cache=True)
+
+
+@pytest.mark.parametrize("loss", sorted(__import__("marginkit.train.registry", fromlist=["LOSSES"]).LOSSES))
+def test_every_registered_loss_trains_and_evaluates(tmp_path, data_spec, loss):
+    from marginkit.train.registry import LOSSES
+
+    result = train(small_config(data_spec, loss=loss, epochs=1), tmp_path / "r", quiet=True, report=False)
+    m = result.metrics
+    assert math.isfinite(result.history[0]["train_loss"]) and 0 <= m["knn_accuracy"] <= 1
+    assert ("head_accuracy" in m) == (LOSSES[loss].kind == "class")
+    assert ("support_size_mean" in m) == LOSSES[loss].alpha
+    if LOSSES[loss].alpha:
+        with np.load(tmp_path / "r" / "eval.npz") as z:
+            sizes = z["support_size"]
+            assert sizes.min() >= 1 and sizes.max() <= 4  # 4 classes in the blobs
+
+
+def test_progress_bar_draws_only_on_a_terminal():
+    import io
+
+    from marginkit.train.progress import ProgressBar, format_duration
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    bar = ProgressBar(4, stream=stream, min_interval=0.0)
+    for _ in range(4):
+        bar.update(samples=32, loss=0.5, prefix="epoch 1/2")
+    bar.close()
+    text = stream.getvalue()
+    assert "epoch 1/2" in text and "loss 0.5000" in text and "samples/s" in text and "ETA" in text
+    assert "100.0%" in text and text.endswith("\n")
+    plain = io.StringIO()
+    quiet = ProgressBar(4, stream=plain)
+    quiet.update(samples=1, loss=1.0)
+    quiet.close()
+    off = ProgressBar(4, stream=stream, enabled=False)
+    assert not quiet.active and not off.active and plain.getvalue() == ""
+    assert format_duration(75.3) == "1:15" and format_duration(3725) == "1:02:05"
+    assert format_duration(float("nan")) == "?:??"

@@ -205,13 +205,20 @@ def _roc_det(far: np.ndarray, tar: np.ndarray) -> str:
     frr = 1 - tar
     ok = (far > 0) & (frr > 0)
     ax2.plot(_probit(far[ok]), _probit(frr[ok]))
-    ticks = np.array([1e-4, 1e-3, 1e-2, 0.05, 0.2, 0.5])
-    ax2.set_xticks(_probit(ticks), [f"{t:g}" for t in ticks], fontsize=7)
-    ax2.set_yticks(_probit(ticks), [f"{t:g}" for t in ticks], fontsize=7)
+    ticks = np.array([1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99])
+    labels = ["1e-5", "1e-4", "1e-3", "0.01", "0.1", "0.5", "0.9", "0.99"]
+    ax2.set_xticks(_probit(ticks), labels, fontsize=7)
+    ax2.set_yticks(_probit(ticks), labels, fontsize=7)
+    if ok.any():
+        lo_x, hi_x = _probit(far[ok]).min(), _probit(far[ok]).max()
+        lo_y, hi_y = _probit(frr[ok]).min(), _probit(frr[ok]).max()
+        ax2.set_xlim(lo_x - 0.2, hi_x + 0.2)
+        ax2.set_ylim(lo_y - 0.2, hi_y + 0.2)
     ax2.set_xlabel("false accept rate")
     ax2.set_ylabel("false reject rate")
     ax2.set_title("DET (probit axes)", fontsize=10)
     ax2.grid(alpha=0.3)
+    fig.tight_layout()
     return figure_png(fig)
 
 

@@ -90,26 +90,40 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             rows.append((label, f"{v:.4f}"))
 
-    add(f"K-NN accuracy (k={metrics.get('k')})", "knn_accuracy")
+    loo = ", leave-one-out in test" if metrics.get("open_set") else ""
+    add(f"K-NN accuracy (k={metrics.get('k')}{loo})", "knn_accuracy")
     add("cosine-head accuracy", "head_accuracy")
     add("precision@1", "precision_at_1")
     add("R-precision", "r_precision")
     add("MAP@R", "map_at_r")
     ver = metrics.get("verification")
     if isinstance(ver, dict):
-        for key, value in ver.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                rows.append((f"verification {key}", f"{value:.4f}"))
-            elif isinstance(value, dict):
-                for k2, v2 in value.items():
-                    if isinstance(v2, (int, float)) and not isinstance(v2, bool):
-                        rows.append((f"verification {key} {k2}", f"{v2:.4f}"))
-                    elif v2 is None:
-                        rows.append((f"verification {key} {k2}", "not measurable"))
+        rows.extend(_verification_rows(ver))
     add("median margin gap (cos)", "margin_gap_median")
     add("mean support size", "support_size_mean")
     width = max((len(r[0]) for r in rows), default=10)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _verification_rows(ver: dict[str, Any]) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    if isinstance(ver.get("eer"), (int, float)):
+        rows.append(("verification EER", f"{ver['eer']:.4f}"))
+    tars, thresholds = ver.get("tar_at_far") or {}, ver.get("thresholds") or {}
+    for far, tar in tars.items():
+        label = f"TAR @ FAR {float(far):.0e}"
+        if tar is None:
+            rows.append((label, f"not measurable with {ver.get('num_impostor')} impostor pairs"))
+        else:
+            rows.append((label, f"{tar:.4f} (threshold {thresholds.get(far, float('nan')):.4f})"))
+    if isinstance(ver.get("auc"), (int, float)):
+        rows.append(("ROC AUC", f"{ver['auc']:.4f}"))
+    if isinstance(ver.get("min_dcf"), (int, float)):
+        p = (ver.get("dcf_params") or {}).get("p_target")
+        rows.append((f"minDCF (p_target {p})", f"{ver['min_dcf']:.4f}"))
+    if "num_genuine" in ver:
+        rows.append(("test pairs", f"{ver['num_genuine']} genuine / {ver.get('num_impostor')} impostor"))
+    return rows
 
 
 # ---------------------------------------------------------------------- train

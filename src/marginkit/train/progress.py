@@ -91,8 +91,9 @@ class ProgressBar:
         self.stream.write(line + "\x1b[K")
         self.stream.flush()
 
-    def close(self) -> None:
-        """Finish the line (only if anything was drawn)."""
+    def close(self, *, clear: bool = False) -> None:
+        """Finish the line (only if anything was drawn), or erase it with ``clear``."""
         if self.active and self._last_draw:
-            self.stream.write("\n")
+            self.stream.write("\r\x1b[K" if clear else "\n")
             self.stream.flush()
+            self._last_draw = 0.0

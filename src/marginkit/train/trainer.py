@@ -642,12 +642,12 @@ def train(
                     tmp = run_dir / ".best.pt.tmp"
                     shutil.copyfile(run_dir / "last.pt", tmp)
                     os.replace(tmp, run_dir / "best.pt")
-                if bar.active:
-                    bar.close()
+                if bar.active:  # the epoch's log line replaces its bar
+                    bar.close(clear=True)
                     bar = ProgressBar(total_steps, enabled=not quiet, initial=(epoch + 1) * steps_per_epoch)
                 log(_epoch_line(row, config.epochs))
         finally:
-            bar.close()
+            bar.close(clear=True)
 
         finished = end_epoch >= config.epochs
         result = RunResult(run_dir, config, end_epoch, finished, history=history)
