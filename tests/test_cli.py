@@ -319,10 +319,6 @@ def test_console_script_entry_point(tmp_path):
         pytest.skip("console script not installed in this environment")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [str(exe), "losses"], capture_output=True, text=True, env=env, timeout=120, check=False
-    )
-    assert proc.returncode == 0 and "local_triplet" in proc.stdout
-    proc = subprocess.run(
         [str(exe), "eval", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120, check=False
     )
     assert proc.returncode == 2 and proc.stderr.startswith("marginkit: error:")
