@@ -28,6 +28,9 @@ _SUBMODULES = {
     "models",
     "distributed",
     "cli",
+    "train",
+    "report",
+    "study",
 }
 
 
