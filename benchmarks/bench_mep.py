@@ -2,7 +2,8 @@
 
 Usage:  python benchmarks/bench_mep.py [--quick] [--threads T] [--rounds R]
 
-For each (B, n) it times, side by side and interleaved (round-robin, median of rounds):
+For each (B, n) it times, side by side and interleaved (round-robin; the best of the rounds
+is kept — on a shared, loaded machine the minimum is the least disturbed estimate):
 - ``sort``: one ``torch.sort`` of the same [B, n] tensor (the floor for any sort-based method);
 - ``mep L2`` and ``mep L1`` (this library);
 - ``scan L2``: the source's algorithm, batched over rows but O(n²) work per row — f′ is
@@ -10,14 +11,13 @@ For each (B, n) it times, side by side and interleaved (round-robin, median of r
   interpolated. It is run in row chunks (to bound memory) and skipped when B·n² is too big.
 Scores are 3·N(0, 1) in float32; positives are integer labels (one per row) or a random bool
 mask with 10 % density (multi-label). ``L2 err`` / ``scan err``: max |Δ| of each float32
-answer against ``mep`` in float64 (the scan's error is not re-measured when it ran once).
+answer against ``mep`` in float64.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -58,10 +58,10 @@ def scan_l2(x: torch.Tensor, pos: torch.Tensor, m: float) -> torch.Tensor:
     return torch.where(feasible, x, z)
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    out = fn()
+    return time.perf_counter() - start, out
 
 
 def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
@@ -93,15 +93,17 @@ def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
             if k != "scan" or scan_rounds > 1:
                 fn()
         times: dict[str, list[float]] = {k: [] for k in fns}
+        outputs: dict[str, object] = {}
         for r in range(rounds):
             for k, fn in fns.items():
                 if k != "scan" or r < scan_rounds:
-                    times[k].append(timed(fn))
-        t = {k: statistics.median(v) for k, v in times.items()}
+                    elapsed, outputs[k] = timed(fn)
+                    times[k].append(elapsed)
+        t = {k: min(v) for k, v in times.items()}  # best of the rounds: least disturbed by load
         ref = mep(x.double(), pos, 1.0)  # float64 answer, to report the float32 errors
         err = float((mep(x, pos, 1.0) - ref).abs().max())
         if run_scan:
-            delta = float((scan_l2(x, mask, 1.0) - ref).abs().max()) if scan_rounds > 1 else math.nan
+            delta = float((outputs["scan"] - ref).abs().max())
             scan = f"{t['scan'] * 1e3:>10.1f} {t['scan'] / t['l2']:>7.0f}x {delta:>8.1e}"
         else:
             scan = f"{'skipped':>10} {'':>8} {'':>8}"
@@ -116,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--rounds", type=int, default=15, help="timing rounds per size (median)")
+    parser.add_argument("--rounds", type=int, default=15, help="timing rounds per size (best of)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else SIZES
