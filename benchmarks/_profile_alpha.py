@@ -8,6 +8,7 @@ processes sharing the machine). Two cosine regimes: "random" (random unit embedd
 D = 512: the start of training) and "trained" (the label cosine ~0.7, the others ~N(0, 0.1)).
 
     python benchmarks/_profile_alpha.py [--quick] [--classes 10000 100000] [--threads 1]
+    python benchmarks/_profile_alpha.py --iterations    # Newton iteration counts per dtype
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from entmax import EntmaxBisectLoss
 
 from marginkit.losses import QMarginLoss
+from marginkit.ops import alpha as alpha_impl
 
 
 def cosines(kind: str, b: int, c: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +50,42 @@ def measure(fn, repeats: int) -> tuple[float, float]:
     return min(walls) * 1e3, min(cpus) * 1e3
 
 
+def iteration_counts(quick: bool) -> None:
+    """Newton iterations until |step| <= 4 eps (1 + |tau|), per row, by alpha, dtype and data.
+
+    Also the bisection steps the same tolerance would need from the same bracket.
+    """
+    gen = torch.Generator().manual_seed(0)
+    rows, n = (16, 2000) if quick else (128, 20_000)
+    data = {
+        "cos d=512, s=35": lambda: 35 * torch.randn(rows, n, generator=gen, dtype=torch.float64) / 512**0.5,
+        "N(0,1)": lambda: torch.randn(rows, n, generator=gen, dtype=torch.float64),
+        "N(0,10^2)": lambda: 10 * torch.randn(rows, n, generator=gen, dtype=torch.float64),
+        "ties+1 big": lambda: torch.zeros(rows, n, dtype=torch.float64).index_fill_(
+            1, torch.tensor([0]), 3.0
+        ),
+    }
+    print(f"rows={rows} n={n}; per-row Newton iterations to convergence: mean / max; executed; bisection")
+    for name, make in data.items():
+        x64 = make()
+        for alpha in (1.1, 1.25, 1.5, 2.0, 3.0, 4.0):
+            for dtype in (torch.float32, torch.float64):
+                x = x64.to(dtype)
+                beta = torch.full((rows,), alpha - 1, dtype=dtype)
+                problem = alpha_impl._Problem(alpha_impl._Entries(rows, n), x, None, beta, alpha - 1)
+                lo, hi = alpha_impl._lower_bound(problem), alpha_impl._upper_bound(problem)
+                trace: list[torch.Tensor] = []
+                tau, _, _ = alpha_impl._find_tau(problem, lo, hi, hybrid=alpha > 2, trace=trace)
+                done = torch.stack(trace)
+                first = torch.where(done.any(0), done.int().argmax(0) + 1, len(trace) + 1).double()
+                tol = 4 * torch.finfo(dtype).eps * (1 + tau.abs())
+                bisect = torch.log2((hi - lo).double() / tol.double()).clamp_min(0).ceil()
+                print(
+                    f"  {name:16s} alpha={alpha:<4} {str(dtype)[6:]:8s} newton {first.mean():5.2f} / "
+                    f"{int(first.max()):3d}   executed {len(trace):3d}   bisection {int(bisect.max()):3d}"
+                )
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -58,8 +96,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--alpha", type=float, default=1.25)
     parser.add_argument("--no-entmax", action="store_true")
+    parser.add_argument("--iterations", action="store_true", help="measure Newton iteration counts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.iterations:
+        iteration_counts(args.quick)
+        return
     classes = [2000] if args.quick else args.classes
     repeats = 1 if args.quick else args.repeats
     s, m, alpha = 35.0, 0.2, args.alpha

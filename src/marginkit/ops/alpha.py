@@ -20,29 +20,33 @@ iteration counts measured per dtype) is documented in ``docs/qmargin.md``.
 
 Implementation outline (every step batched over rows, no Python loop over rows or classes):
 
-1. Lower bound :math:`\tau_{lo} = \max_j [\theta_j - E_j]` with
-   :math:`E_j = (q_j^{-\beta} - 1)/\beta` (:math:`p_j \le 1`; the mass at :math:`\tau_{lo}` is
-   :math:`\ge 1`), upper bound :math:`\tau_{hi} = \max_j\theta_j - E(\sum_j q_j)` (mass :math:`\le 1`).
-2. Exact candidate filter: only :math:`\theta_j > \tau_{lo} - 1/\beta` can be active. The
-   candidates are gathered into a compact ``[rows, K_max]`` problem (padding ``-inf``); its
-   root is the root of the full problem.
-3. Newton's method on :math:`h(\tau) = (M(\tau)^\beta - 1)/\beta` (:math:`M` the mass) from
+1. Bounds: :math:`\tau_{lo} = \max_j [\theta_j - E(q_j)]` with :math:`E(q) = (q^{-\beta} - 1)/\beta`
+   (every :math:`p_j \le 1`, so the mass there is :math:`\ge 1`) and
+   :math:`\tau_{hi} = \max_j\theta_j - E(\sum_j q_j)` (mass :math:`\le 1`).
+2. One bandwidth-bound pass computes maxima of 64-column blocks: the row maxima (and the input
+   check), the largest logit off the label (for Q-Margin's :math:`q_y`), and a block pre-filter.
+3. Exact candidate filter: only :math:`\theta_j > \tau_{lo} - 1/\beta` can be active (no sort).
+   When that still leaves most blocks, the root of the problem restricted to the block maxima
+   (a subset, so its root is a lower bound) tightens :math:`\tau_{lo}` first. Candidates are
+   stored flat (row-sorted, no padding); row sums are segment sums.
+4. Newton's method on :math:`h(\tau) = (M(\tau)^\beta - 1)/\beta` (:math:`M` the mass) from
    :math:`\tau_{lo}`, safeguarded by the bracket :math:`[\tau_{lo}, \tau_{hi}]`. For
    :math:`1 < \alpha \le 2`, :math:`M^{\beta} = \|(q_j^{\beta}[1+\beta(\theta_j-\tau)]_+)_j\|_{1/\beta}`
    is a norm of convex functions of :math:`\tau`, hence convex and decreasing: Newton from the
    left is monotone and never leaves the bracket; it is exact in one step when all active
    logits are equal and, as :math:`\alpha\to1`, it is Newton on :math:`\log M` (exact in one
-   step for softmax). For :math:`\alpha > 2` the bracket forces a bisection whenever the Newton
-   point leaves it or the bracket did not halve in three iterations.
-4. Optional top-K restriction with the integrity check: the answer from the K largest logits is
+   step for softmax). Each iterate with mass :math:`\ge 1` is a lower bound: the candidate set
+   shrinks to the entries active there. For :math:`\alpha > 2` a bisection replaces the Newton
+   point when it leaves the bracket or the step does not halve in two iterations (``rtsafe``).
+5. Optional top-K restriction with the integrity check: the answer from the K largest logits is
    exact iff the smallest kept logit is inactive at the :math:`\tau` found from the kept set;
    rows that fail are recomputed exactly.
-5. Backward from the closed form: with :math:`w_j = q_j^{\beta} p_j^{1-\beta}` on the support,
+6. Backward from the closed form: with :math:`w_j = q_j^{\beta} p_j^{1-\beta}` on the support,
    :math:`J = \mathrm{diag}(w) - w w^\top / \sum w`; no differentiation through the solver.
 
-The private helpers ``_lower_bound``, ``_upper_bound``, ``_mass_slope``, ``_support`` and
-``_find_tau`` are the pieces a class-sharded version reuses: MAX all-reduce of the lower bound,
-then Newton steps whose mass and slope are SUM all-reduced.
+The private pieces ``_lower_bound``, ``_upper_bound``, ``_Problem.mass_slope`` /
+``_Problem.support`` and ``_find_tau`` are what a class-sharded version reuses: MAX all-reduce
+of the lower bound, then Newton steps whose mass and slope are SUM all-reduced.
 """
 
 from __future__ import annotations
@@ -387,8 +391,10 @@ def _find_tau(
 
     Newton on :math:`h = (M^\beta - 1)/\beta` inside the bracket ``[lo, hi]`` (updated from the
     sign of :math:`M - 1` at every iterate); a point outside the bracket is replaced by the
-    midpoint. ``hybrid`` (some row has ``α > 2``) adds: bisect when the bracket of such a row did
-    not halve in three iterations. Converged rows are frozen.
+    midpoint. For α ≤ 2 that never happens in exact arithmetic (h is convex and decreasing, the
+    iterates rise monotonically to the root). ``hybrid`` (some row has ``α > 2``, where h is only
+    piecewise concave) adds the progress test of Numerical Recipes' ``rtsafe`` for those rows:
+    bisect when the Newton step is not below half the step before last. Converged rows freeze.
 
     Flat candidate sets shrink as the lower end of the bracket rises: entries inactive at a
     τ with mass ≥ 1 stay inactive at the root. For α ≤ 2 the first Newton iterate is a lower
@@ -404,20 +410,23 @@ def _find_tau(
     if max_iter is None:
         max_iter = 100 if lo.dtype != torch.float64 else 200
     tol = _TOL_ULPS * eps
+    slow_rows = beta > 1
     x = lo
     mass, slope = problem.mass_slope(x)
     done = torch.zeros_like(lo, dtype=torch.bool)
-    force = torch.zeros_like(done)
-    slow_rows = beta > 1
-    width_ref = hi - lo
+    dx = dx_old = hi - lo  # the last two steps (rtsafe's progress test)
     for it in range(1, max_iter + 1):
         step = _newton_step(mass, slope, beta)
         proposal = x + step
-        bisect = ~((proposal >= lo) & (proposal <= hi)) | force
+        bisect = ~((proposal >= lo) & (proposal <= hi))
+        if hybrid:
+            bisect |= slow_rows & (step.abs() > 0.5 * dx_old)
         proposal = torch.where(bisect, 0.5 * (lo + hi), proposal)
         scale = 1.0 + x.abs()
         converged = ((step.abs() <= tol * scale) & ~bisect) | (hi - lo <= tol * scale)
         done = done | converged
+        if hybrid:
+            dx_old, dx = dx, torch.where(done, dx, (proposal - x).abs())
         x = torch.where(done, x, proposal)
         if it == 1 and not hybrid:
             full = problem
@@ -435,10 +444,6 @@ def _find_tau(
         above = mass >= 1
         lo = torch.where(above & ~done, x, lo)
         hi = torch.where(~above & ~done, x, hi)
-        if hybrid and it % 3 == 0:
-            width = hi - lo
-            force = slow_rows & (width > 0.5 * width_ref)
-            width_ref = width
         if trace is not None:
             trace.append(done.clone())
         if it >= _FIRST_CHECK and (it - _FIRST_CHECK) % _CHECK_EVERY == 0 and bool(done.all()):
