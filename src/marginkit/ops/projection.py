@@ -207,17 +207,18 @@ def project(
         b = (x + m).scatter_(-1, labels, x_pos)
         n_neg = torch.full_like(labels, n - 1)
 
-    # level ℓ (= min z_P), plus min_P x and max_N b when they come for free.
+    # level ℓ (= min z_P), plus min_P x and max_N b when they come for free. With one positive
+    # per row, "max_N b <= x_pos" is the same test as "max b <= x_pos" (b_pos = x_pos itself).
     lo_pos = hi_neg = None
     if norm == "l2":
-        level, hi_sorted = _l2_level(b, mask, n_neg, labels)
+        level, b_max = _l2_level(b, mask, n_neg, labels)
         if labels is not None:
-            lo_pos, hi_neg = x_pos, hi_sorted
+            lo_pos, hi_neg = x_pos, b_max
     elif labels is not None:
         # |N| = n - 1 in every row: u_(n-1) is the second largest breakpoint, no sort needed.
-        top2, idx = torch.topk(b, 2, dim=-1)
+        top2 = torch.topk(b, 2, dim=-1).values
         level = top2[..., 1:]
-        lo_pos, hi_neg = x_pos, torch.where(idx[..., :1] == labels, top2[..., 1:], top2[..., :1])
+        lo_pos, hi_neg = x_pos, top2[..., :1]
     else:
         level = torch.sort(b, dim=-1).values.gather(-1, (n_neg - 1).clamp_(0, n - 1))
     if lo_pos is None:
@@ -237,7 +238,7 @@ def project(
 
 def _l2_level(
     b: torch.Tensor, mask: torch.Tensor, n_neg: torch.Tensor, labels: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., n]`` → ``[..., 1]``).
 
     ``b`` holds the breakpoints (``x_i`` on ``mask``, ``x_j + m`` elsewhere). After one sort,
@@ -255,8 +256,7 @@ def _l2_level(
     infeasible row) and ``acc`` is accumulated in float64, so the prefix sums do not lose
     digits to far-away negatives cancelling against ``Σ_N u``; counts are exact integers.
     Infeasible rows have ``cnt_{K−1} ≥ 1``; other rows get a finite value that the caller
-    discards. With ``labels`` (one positive per row) also returns ``max_N b`` (read off the
-    sorted row), else ``None``.
+    discards. Also returns the largest breakpoint ``max b`` (the last sorted entry).
     """
     n = b.shape[-1]
     u, order = torch.sort(b, dim=-1)
@@ -270,10 +270,7 @@ def _l2_level(
     with torch.no_grad():
         k = (torch.addcmul(-cum, cnt, uc) < tot_neg).sum(-1, keepdim=True).sub_(1).clamp_(min=0)
     level = (centre + (cum.gather(-1, k) + tot_neg) / cnt.gather(-1, k).clamp(min=1.0)).to(b.dtype)
-    hi_neg = None
-    if labels is not None:  # the largest negative breakpoint is the last or second-to-last entry
-        hi_neg = torch.where(pos[..., -1:], u[..., -2:-1], u[..., -1:]).detach()
-    return level, hi_neg
+    return level, u[..., -1:].detach()
 
 
 def _below_margin(level: torch.Tensor, m: Any) -> torch.Tensor:
