@@ -128,7 +128,7 @@ def test_topk_that_misses_the_support_falls_back_to_exact(gen):
     assert float((naive[0] - p[0].topk(5).values).abs().max()) > 0.1
 
 
-@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 2.5])
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.5])
 @pytest.mark.parametrize("path", [{}, {"candidates": False}, {"topk": 3}])
 def test_gradcheck_logits_and_measure(alpha, path, gen):
     x = (torch.randn(3, 7, generator=gen, dtype=torch.float64) * 1.5).requires_grad_()

@@ -1012,7 +1012,7 @@ def alpha_softargmax(
 def alpha_divergence_loss(
     logits: Tensor,
     labels: Tensor,
-    alpha: float | Tensor = 1.5,
+    alpha: float | Tensor,
     q: Tensor | None = None,
     topk: int | float | None = None,
     *,
@@ -1050,7 +1050,7 @@ def alpha_divergence_loss(
         >>> from marginkit.ops import alpha_divergence_loss
         >>> logits = torch.tensor([[3.0, 0.0, -1.0], [0.2, 0.1, 0.0]])
         >>> alpha_divergence_loss(logits, torch.tensor([0, 2]), alpha=1.5)
-        tensor([0.0000, 0.2253])
+        tensor([0.0000, 0.6693])
 
     References:
         Roulet et al., ICML 2025 (arXiv 2501.18537); Blondel, Martins, Niculae, "Learning with
@@ -1077,7 +1077,7 @@ def alpha_divergence_loss(
         z = x2d.to(cdt) if lq2d is None else x2d.to(cdt) + lq2d
         loss = F.cross_entropy(z, y, reduction="none")
     elif x2d.shape[0] == 0:
-        loss = x2d.new_zeros(0, dtype=cdt)
+        loss = x2d.to(cdt).sum(-1)  # empty, but connected to the graph
     else:
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
@@ -1102,8 +1102,8 @@ def _alpha_loss_on_scores(
     """
     n_rows, n = x2d.shape
     cdt = compute_dtype(x2d.dtype)
-    if n_rows == 0:
-        return x2d.new_zeros(0, dtype=cdt), torch.zeros(0, dtype=torch.long, device=x2d.device)
+    if n_rows == 0:  # empty, but connected to the graph
+        return x2d.to(cdt).sum(-1), torch.zeros(0, dtype=torch.long, device=x2d.device)
     if alpha == 1.0:
         theta = x2d.to(cdt) * scale
         if log_q_label != 0.0:
