@@ -91,3 +91,12 @@ def test_quick_study_writes_every_table(tmp_path) -> None:
         assert (run_dir / "result.json").is_file()
         if job["kind"] in ("knn", "identities", "transfer"):
             assert (run_dir / "train" / "config.yaml").is_file()
+
+
+def test_cli_study_subcommand_rejects_bad_jobs(tmp_path, capsys) -> None:
+    from marginkit.cli.app import main
+
+    assert main(["study", "--out", str(tmp_path), "--jobs", "0"]) == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+    assert main(["study", "--quick"]) == 2  # --out is required

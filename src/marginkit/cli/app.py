@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in RUN_DIR")
     p.add_argument("--stop-after", type=int, metavar="N", help="stop after N epochs (resume later)")
     p.add_argument("--no-report", action="store_true", help="skip report.html")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train data-parallel on N local processes (torchrun; see docs/distributed.md)",
+    )
 
     p = sub.add_parser("eval", help="evaluate a run (optionally on other data)", allow_abbrev=False)
     _common(p)
@@ -157,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="retrain runs already in DIR")
     p.add_argument("--device", default="cpu")
 
+    p = sub.add_parser("study", help="the reproducible study of docs/RESULTS.md", allow_abbrev=False)
+    _common(p)
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--quick", action="store_true", help="tiny budget (CI smoke run)")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes, one torch thread each")
+
     p = sub.add_parser("losses", help="list the loss names and their defaults", allow_abbrev=False)
     _common(p)
     p = sub.add_parser("datasets", help="list the data set names and file formats", allow_abbrev=False)
@@ -176,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from marginkit.cli import commands
 
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for `train --nproc` re-launching
     handler = getattr(commands, f"cmd_{args.command}")
     try:
         with warnings.catch_warnings():

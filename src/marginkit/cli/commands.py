@@ -127,11 +127,42 @@ def _verification_rows(ver: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------- train
+def _launch_processes(args: argparse.Namespace) -> int:
+    """``train --nproc N``: run this command on N local processes with torchrun (loopback only)."""
+    import os
+    import subprocess
+
+    from marginkit.distributed import _loopback_interface, find_free_port
+
+    argv, skip = [], False
+    for a in getattr(args, "argv", []):
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            argv.append(a)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(args.nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_port()}",
+        "-m", "marginkit.cli", *argv,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
     from marginkit.train.checkpoint import load_checkpoint
     from marginkit.train.config import TrainConfig, load_config
     from marginkit.train.trainer import train
 
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return _launch_processes(args)
     quiet = args.quiet
     if args.resume:
         last = Path(args.out) / "last.pt"
@@ -163,6 +194,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     except _config_errors() as exc:
         raise UserError(str(exc)) from exc
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 prints the summary
+        return 0
     out = Path(args.out)
     if not result.finished:
         print(f"stopped after epoch {result.epochs_completed}/{config.epochs}: {out}")
@@ -381,6 +414,19 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 
     print("built-in: " + ", ".join(DATASETS))
     print("files:    " + ", ".join(f"{f}:PATH" for f in FILE_FORMATS))
+    return 0
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    from marginkit.study import run_study
+
+    if args.jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {args.jobs}")
+    res = run_study(args.out, quick=args.quick, jobs=args.jobs)
+    for claim in res["claims"]:
+        print(f"- {claim['claim']}: {claim['verdict']}")
+    print(f"results: {res['results_md']}")
+    print(f"study wall time: {res['wall_seconds']:.1f} s")
     return 0
 
 

@@ -318,6 +318,7 @@ def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
     if done.is_file():
         stored = json.loads(done.read_text(encoding="utf-8"))
         if stored.get("job") == job:
+            stored["reused"] = True
             return stored
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n", encoding="utf-8")

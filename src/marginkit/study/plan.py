@@ -82,7 +82,7 @@ def study_plan(quick: bool = False, jobs: int = 2) -> StudyPlan:
             ("digits", 30, 5),
             ("breast_cancer", None, 5),
         ],
-        identity_seeds=3,
+        identity_seeds=5,
         identity_steps=300,
         mep_settings=[("mnist1d", 100, 3), ("digits", 30, 5)],
         bench_args=[
