@@ -62,6 +62,7 @@ __all__ = [
     "is_sharded",
     "record_collectives",
     "sharded_loss",
+    "supports_sharding",
 ]
 
 Group = Any
@@ -686,6 +687,15 @@ def _alpha_type(
 # --------------------------------------------------------------------------------------------
 # Dispatch from the loss modules
 # --------------------------------------------------------------------------------------------
+
+
+def supports_sharding(module: Any) -> bool:
+    """Whether :func:`sharded_loss` accepts ``module`` (the class-level losses listed there)."""
+    from marginkit.losses.alpha import _AlphaCosineLoss
+    from marginkit.losses.circle import ClassCircleLoss
+    from marginkit.losses.margin_softmax import _MarginSoftmaxBase
+
+    return isinstance(module, (_MarginSoftmaxBase, _AlphaCosineLoss, ClassCircleLoss))
 
 
 def sharded_loss(module: Any, cosines: ShardedCosines, labels: Any) -> Tensor:

@@ -461,6 +461,11 @@ def train(
 ) -> RunResult:
     """Train (or resume) a run in ``run_dir``, then evaluate its best checkpoint.
 
+    Under ``torchrun --nproc_per_node N`` (or ``marginkit train --nproc N``), or inside an
+    initialised process group, every rank calls this with the same arguments: the ranks train
+    the one-process optimisation data-parallel (:mod:`marginkit.train._ddp`, ``docs/distributed.md``)
+    and rank 0 writes the run directory.
+
     Args:
         config: the run's options; with ``resume`` it may be ``None`` (taken from the
             checkpoint) or must agree with the checkpoint's except for runtime keys.
@@ -474,10 +479,41 @@ def train(
         log: where log lines go (default: stderr unless ``quiet``).
         report: write ``report.html`` at the end.
     """
+    from marginkit.train._ddp import init_distributed
+
+    ctx = init_distributed(config.device if config is not None else "cpu")
+    try:
+        return _train(
+            ctx, config, run_dir, resume=resume, stop_after=stop_after, overwrite=overwrite,
+            quiet=quiet, splits=splits, log=log, report=report,
+        )  # fmt: skip
+    finally:
+        ctx.close()
+
+
+def _train(
+    ctx: Any,
+    config: TrainConfig | None,
+    run_dir: str | Path,
+    *,
+    resume: bool,
+    stop_after: int | None,
+    overwrite: bool,
+    quiet: bool,
+    splits: Any,
+    log: Callable[[str], None] | None,
+    report: bool,
+) -> RunResult:
+    from marginkit.train import _ddp
+
     t_start = time.perf_counter()
+    quiet = quiet or not ctx.is_main  # one rank talks and writes the run directory
     if log is None:
         log = (lambda _msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    run_dir = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    if ctx.is_main:
+        run_dir = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    ctx.barrier()
+    run_dir = Path(run_dir)
     ckpt = None
     if resume:
         last = run_dir / "last.pt"
@@ -504,16 +540,24 @@ def train(
 
     with runtime(config):
         seed_everything(config.seed)
-        device = resolve_device(config.device)
+        device = _ddp.run_device(resolve_device(config.device), ctx)
         if splits is None:
             splits = load_splits(config)
         facts = data_facts(splits)
         model, head, loss_fn = build_components(config, facts, device)
+        par, head = _ddp.parallelize(ctx, model, head, loss_fn, device)
         optimizer = _optimizer(config, model, head)
         train_x, train_y = splits.train.x, splits.train.y
         if train_y.numel() == 0:
             raise ConfigError(f"data set {config.data!r} has no training examples")
         batches = _batches(config, train_y, facts["num_classes"])
+        if ctx.active:
+            global_batch = batches.size if isinstance(batches, _ShuffledBatches) else batches.batch_size
+            if global_batch // ctx.world < 2:
+                raise ConfigError(
+                    f"a batch of {global_batch} split over {ctx.world} processes leaves fewer than 2 "
+                    "samples per process; raise batch_size or use fewer processes"
+                )
         steps_per_epoch = len(batches)
         total_steps = steps_per_epoch * config.epochs
         warmup = round(config.warmup_epochs * steps_per_epoch)
@@ -534,18 +578,20 @@ def train(
             model.load_state_dict(ckpt["model"])
             if head is not None:
                 head.load_state_dict(ckpt["head"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            _ddp.load_optimizer_state(optimizer, ckpt["optimizer"], head, par.sharded)
             scheduler.load_state_dict(ckpt["scheduler"])
             restore_rng(ckpt["rng"])
             start_epoch, global_step = int(ckpt["epoch"]), int(ckpt["global_step"])
             best_metric, best_epoch = float(ckpt["best_metric"]), int(ckpt["best_epoch"])
             history = _read_history(history_path, upto=start_epoch)
-            atomic_write_text("".join(json.dumps(r) + "\n" for r in history), history_path)
+            if ctx.is_main:
+                atomic_write_text("".join(json.dumps(r) + "\n" for r in history), history_path)
             log(f"resuming {run_dir} after epoch {start_epoch}/{config.epochs}")
         else:
             history = []
-            atomic_write_text("", history_path)
-            atomic_write_text(config.to_yaml(), run_dir / "config.yaml")
+            if ctx.is_main:
+                atomic_write_text("", history_path)
+                atomic_write_text(config.to_yaml(), run_dir / "config.yaml")
 
         end_epoch = config.epochs if stop_after is None else min(config.epochs, stop_after)
         bar = ProgressBar(total_steps, enabled=not quiet, initial=start_epoch * steps_per_epoch)
@@ -568,17 +614,20 @@ def train(
                 n_steps, n_samples = 0, 0
                 for idx in batches:
                     idx = torch.as_tensor(idx, dtype=torch.long)
+                    batch_samples = int(idx.numel())
+                    if ctx.active:  # this rank's share of the global batch
+                        idx = idx[ctx.share(batch_samples)]
                     xb = train_x[idx].to(device, non_blocking=True)
                     yb = train_y[idx].to(device, non_blocking=True)
                     with autocast:
-                        emb = model(xb)
-                        if not bool(torch.isfinite(emb).all()):
+                        emb = par.model(xb)
+                        if ctx.any(not bool(torch.isfinite(emb).all()), device):
                             raise TrainingError(
                                 f"embeddings became non-finite at epoch {epoch + 1}, step {n_steps + 1} "
                                 "(the weights diverged); lower lr or set grad_clip"
                             )
-                        out = head(emb) if head is not None else emb
-                    loss = loss_fn(out.float(), yb)
+                        out = par.head(emb) if par.head is not None else emb
+                    loss = par.loss(out.float() if isinstance(out, torch.Tensor) else out, yb)
                     if not torch.isfinite(loss):
                         raise TrainingError(
                             f"loss became {loss.item()} at epoch {epoch + 1}, step {n_steps + 1}; "
@@ -587,19 +636,19 @@ def train(
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     if config.grad_clip is not None:
-                        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+                        shards = list(head.parameters()) if par.sharded else []
+                        others = [p for p in params if not any(p is q for q in shards)]
+                        _ddp.clip_grad_norm(ctx, others, shards, config.grad_clip)
                     optimizer.step()
                     scheduler.step()
                     global_step += 1
                     n_steps += 1
-                    n_samples += int(idx.numel())
+                    n_samples += batch_samples
                     value = float(loss.detach())
                     loss_sum += value
-                    bar.update(
-                        samples=int(idx.numel()), loss=value, prefix=f"epoch {epoch + 1}/{config.epochs}"
-                    )
+                    bar.update(samples=batch_samples, loss=value, prefix=f"epoch {epoch + 1}/{config.epochs}")
                 validate = (epoch + 1) % config.eval_every == 0 or epoch + 1 == config.epochs
-                if validate:
+                if validate and ctx.is_main:  # DDP copies rank 0's buffers to the others
                     recalibrate_batchnorm(
                         model, train_x, batch_size=config.batch_size, max_samples=config.precise_bn,
                         seed=config.seed, device=device,
@@ -607,7 +656,12 @@ def train(
                 seconds = time.perf_counter() - t0
                 from marginkit.train.evaluate import validation_metrics
 
-                val = validation_metrics(model, head, splits, config, device) if validate else {}
+                head_sd = _ddp.head_state(head, par.sharded)  # collective when sharded
+                val = {}
+                if validate and ctx.is_main:
+                    val_head = _ddp.evaluation_head(head, par.sharded, head_sd)
+                    val = validation_metrics(model, val_head, splits, config, device)
+                val = ctx.broadcast(val)
                 row: dict[str, Any] = {
                     "epoch": epoch + 1,
                     "train_loss": float(loss_sum) / max(1, n_steps),
@@ -623,8 +677,10 @@ def train(
                     best_epoch = epoch + 1
                 row["best"] = improved
                 history.append(row)
-                with history_path.open("a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(row) + "\n")
+                if ctx.is_main:
+                    with history_path.open("a", encoding="utf-8") as fh:
+                        fh.write(json.dumps(row) + "\n")
+                optimizer_sd = _ddp.optimizer_state(optimizer, head, par.sharded)  # collective when sharded
                 payload = _payload(
                     config,
                     facts,
@@ -636,9 +692,12 @@ def train(
                     global_step,
                     best_metric,
                     best_epoch,
+                    head_state=head_sd,
+                    optimizer_state=optimizer_sd,
                 )
-                atomic_save(payload, run_dir / "last.pt")
-                if improved:
+                if ctx.is_main:
+                    atomic_save(payload, run_dir / "last.pt")
+                if improved and ctx.is_main:
                     tmp = run_dir / ".best.pt.tmp"
                     shutil.copyfile(run_dir / "last.pt", tmp)
                     os.replace(tmp, run_dir / "best.pt")
@@ -657,7 +716,10 @@ def train(
             return result
         from marginkit.train.evaluate import evaluate_run
 
-        result.metrics = evaluate_run(run_dir, splits=splits, device=device, report=report, spec=spec)
+        metrics = {}
+        if ctx.is_main:  # once, on the full evaluation sets
+            metrics = evaluate_run(run_dir, splits=splits, device=device, report=report, spec=spec)
+        result.metrics = ctx.broadcast(metrics)
         result.seconds = time.perf_counter() - t_start
         return result
 
@@ -691,9 +753,14 @@ def _payload(
     global_step: int,
     best_metric: float,
     best_epoch: int,
+    *,
+    head_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     model_sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    head_sd = {k: v.detach().cpu() for k, v in head.state_dict().items()} if head is not None else {}
+    if head_state is None:
+        head_state = head.state_dict() if head is not None else {}
+    head_sd = {k: v.detach().cpu() for k, v in head_state.items()}
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -703,7 +770,7 @@ def _payload(
         "data": facts,
         "model": model_sd,
         "head": head_sd,
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
         "scheduler": scheduler.state_dict(),
         "rng": capture_rng(),
         "best_metric": float(best_metric),

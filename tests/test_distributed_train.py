@@ -1,0 +1,128 @@
+"""Data-parallel training: ``train()`` on 2 gloo ranks equals one process on the global batch.
+
+One spawn of 2 processes trains, for a sharded class loss (CosFace, with gradient clipping on the
+global norm), an alpha loss (Q-Margin), a replicated-head class loss (MEP) and a pair loss with
+P×K batches (circle), one epoch of 4 SGD-momentum steps each (BN-free, dropout-free MLP) and
+stops; it also trains one run to the end (evaluation once, on rank 0, over the full test set).
+The parent trains the same runs in one process and compares the checkpoints (model, full head
+weight, optimiser state), then resumes the 2-rank checkpoints in one process and compares the
+finished runs with the uninterrupted one-process runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from marginkit.train.checkpoint import load_checkpoint
+from marginkit.train.config import TrainConfig, apply_overrides
+from marginkit.train.trainer import train
+
+LOSSES = {
+    "cosface": {"grad_clip": 0.5},
+    "qmargin": {},
+    "mep": {},
+    "circle": {"samples_per_class": 4},
+}
+
+
+def blobs(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(5, 12)) * 1.5
+    y = np.repeat(np.arange(5), 36)
+    x = centres[y] + rng.normal(size=(y.size, 12))
+    np.savez(path, x=x.astype(np.float32), y=y)
+    return path
+
+
+def config(data: str, loss: str, **over: object) -> TrainConfig:
+    base = {
+        "data": data, "loss": loss, "model": "mlp", "model_options": {"hidden": [32], "norm": "none"},
+        "embedding_dim": 8, "epochs": 2, "batch_size": 36, "optimizer": "sgd", "lr": 0.05,
+        "momentum": 0.9, "eval_every": 2, "k": 3, "num_threads": 1, "seed": 4, **LOSSES[loss],
+    }  # fmt: skip
+    base.update(over)
+    return apply_overrides(TrainConfig(), base)
+
+
+def tensors(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    out = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    out.update({f"head.{k}": v for k, v in ckpt["head"].items()})
+    for pid, state in ckpt["optimizer"]["state"].items():
+        out.update({f"opt.{pid}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def assert_runs_close(a: Path, b: Path, tol: float = 2e-5) -> None:
+    ta, tb = tensors(a), tensors(b)
+    assert ta.keys() == tb.keys()
+    for key in ta:
+        assert ta[key].shape == tb[key].shape, key
+        excess = (ta[key].double() - tb[key].double()).abs() - tol * (1 + tb[key].double().abs())
+        assert float(excess.max()) <= 0, f"{key}: {float(excess.max()):.3g} over tolerance"
+
+
+def _worker(me, world, data, root):
+    for loss in LOSSES:
+        result = train(config(data, loss), Path(root) / f"{loss}-2", stop_after=1, quiet=True, report=False)
+        assert result.epochs_completed == 1 and not result.finished
+    done = train(config(data, "cosface", epochs=1), Path(root) / "full-2", quiet=True, report=False)
+    assert done.finished
+    return_path = Path(root) / f"metrics-rank{me}.json"
+    return_path.write_text(json.dumps(done.metrics, sort_keys=True, default=str))
+
+
+@pytest.mark.distributed
+def test_two_rank_training_equals_one_process_and_resumes_on_one(tmp_path):
+    data = "features:" + str(blobs(tmp_path / "blobs.npz"))
+    run_distributed(_worker, 2, data, str(tmp_path), timeout_s=300.0)
+
+    # metrics: computed once (rank 0), on the full test set, broadcast to every rank
+    m0, m1 = (json.loads((tmp_path / f"metrics-rank{r}.json").read_text()) for r in (0, 1))
+    written = json.loads((tmp_path / "full-2" / "metrics.json").read_text())
+    assert m0 == m1 and m0["num_test"] == written["num_test"]
+    single_full = train(config(data, "cosface", epochs=1), tmp_path / "full-1", quiet=True, report=False)
+    assert m0["num_test"] == single_full.metrics["num_test"]
+    assert_runs_close(tmp_path / "full-2", tmp_path / "full-1")
+
+    for loss in LOSSES:
+        two, one = tmp_path / f"{loss}-2", tmp_path / f"{loss}-1"
+        train(config(data, loss), one, stop_after=1, quiet=True, report=False)
+        assert_runs_close(two, one)  # 4 data-parallel steps == 4 one-process steps
+        # the 2-rank checkpoint (full head, full optimiser state) resumes in one process
+        train(None, two, resume=True, quiet=True, report=False)
+        train(None, one, resume=True, quiet=True, report=False)
+        assert_runs_close(two, one)
+
+
+def test_batch_too_small_for_the_processes_is_a_clear_error(tmp_path, monkeypatch):
+    from marginkit.train import _ddp
+    from marginkit.train.config import ConfigError
+
+    # pretend to be rank 0 of 40 (no process group: the check fires before any collective)
+    monkeypatch.setattr(_ddp, "init_distributed", lambda device: _ddp.DistContext(0, 40, False))
+    monkeypatch.setattr(_ddp.DistContext, "barrier", lambda self: None)
+
+    def local(ctx, model, head, loss, device):
+        return _ddp.Parallel(model, head, False, loss), head
+
+    monkeypatch.setattr(_ddp, "parallelize", local)
+    data = "features:" + str(blobs(tmp_path / "blobs.npz"))
+    with pytest.raises(ConfigError, match="a batch of 36 split over 40 processes leaves fewer than 2"):
+        train(config(data, "cosface"), tmp_path / "run", quiet=True, report=False)
+
+
+def test_share_of_a_global_batch_is_balanced_and_contiguous():
+    from marginkit.train._ddp import DistContext
+
+    for n, world in [(10, 3), (7, 7), (36, 2), (5, 4)]:
+        shares = [DistContext(r, world).share(n) for r in range(world)]
+        sizes = [s.stop - s.start for s in shares]
+        assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+        assert [s.start for s in shares] == [0, *[s.stop for s in shares[:-1]]]
