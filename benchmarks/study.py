@@ -23,10 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--jobs", type=int, default=2, help="worker processes, one torch thread each (default 2)"
     )
+    parser.add_argument(
+        "--collect-only",
+        action="store_true",
+        help="train nothing: write the tables from the finished runs already in --out (interrupted study)",
+    )
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    res = run_study(args.out, quick=args.quick, jobs=args.jobs)
+    res = run_study(args.out, quick=args.quick, jobs=args.jobs, collect_only=args.collect_only)
     for claim in res["claims"]:
         print(f"- {claim['claim']}: {claim['verdict']}")
     print(f"results: {res['results_md']}")

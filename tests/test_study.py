@@ -100,3 +100,14 @@ def test_cli_study_subcommand_rejects_bad_jobs(tmp_path, capsys) -> None:
     assert "--jobs must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "plan.json").exists()
     assert main(["study", "--quick"]) == 2  # --out is required
+
+
+def test_collect_only_on_empty_dir_writes_partial_tables(tmp_path) -> None:
+    from marginkit.study import run_study
+
+    res = run_study(tmp_path, quick=True, collect_only=True, log=lambda _m: None)
+    md = (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
+    assert "PARTIAL RESULTS" in md and "not measurable" in md
+    assert all((tmp_path / "tables" / f"{name}.md").is_file() for name in TABLES)
+    assert {c["verdict"] for c in res["claims"]} == {"not measured"}
+    assert not (tmp_path / "runs").exists()  # nothing was trained

@@ -38,6 +38,9 @@ def _mep(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
         acc = {o: objs[o]["test_accuracy"]["mean"] for o in objs}
         sd = {o: objs[o]["test_accuracy"]["std"] or 0.0 for o in objs}
         keep = {o: objs[o]["test_margin_fraction"]["mean"] for o in objs}
+        if z is None or acc["mep"] is None or acc["ce"] is None:
+            bits.append(f"{setting}: not run")
+            continue
         brakes += z is not None and z >= 0.5
         acc_ok += acc["mep"] >= acc["ce"] - (sd["mep"] + sd["ce"])
         bits.append(
@@ -46,7 +49,7 @@ def _mep(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
             f"test rows keeping the margin MEP {_pct(keep['mep'])} / CE {_pct(keep['ce'])} "
             f"/ hinge {_pct(keep['hinge'])}"
         )
-    n = len(s["mep"])
+    n = sum(not b.endswith("not run") for b in bits)
     verdict = _grade(brakes + acc_ok, 2 * n)
     return {
         "claim": "MEP targets train a classifier that keeps a margin without over-training (brakes)",
@@ -65,8 +68,10 @@ def _local_triplet(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
         setting = f"{data}-{pc}pc" if pc else f"{data}-full"
         cell = s["knn"][setting]
         lt, head, tri = cell["local_triplet"]["mean"], cell["softmax_head"]["mean"], cell["triplet"]["mean"]
-        wins += (lt > head) + (lt > tri)
-        total += 2
+        for other in (head, tri):
+            if lt is not None and other is not None:
+                wins += lt > other
+                total += 1
         bits.append(
             f"{setting}: local-triplet K-NN {_pct(lt)} vs softmax head {_pct(head)} "
             f"vs triplet K-NN {_pct(tri)}"
@@ -163,6 +168,10 @@ def _transfer(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
         for n in plan.transfer_refs:
             raw = cell["raw"][str(n)]["mean"]
             embs = {loss: cell[loss][str(n)]["mean"] for loss in plan.transfer_losses}
+            embs = {k: v for k, v in embs.items() if v is not None}
+            if raw is None or not embs:
+                bits.append(f"{data}, {n} ref/class: not run")
+                continue
             wins += sum(v > raw for v in embs.values())
             total += len(embs)
             top = max(embs, key=lambda k: embs[k])

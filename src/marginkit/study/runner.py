@@ -372,10 +372,33 @@ def _transfer_table(plan: StudyPlan, results: list[dict[str, Any]]) -> tuple[str
     return markdown_table(header, rows) + note, summary
 
 
+def _collect(jobs: list[dict[str, Any]], out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Finished results of ``jobs`` already in ``out`` (same job dict), and the jobs without one."""
+    done, missing = [], []
+    for job in jobs:
+        path = out / "runs" / job["name"] / "result.json"
+        stored = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        if stored is not None and stored.get("job") == job:
+            stored["reused"] = True
+            done.append(stored)
+        else:
+            missing.append(job)
+    return done, missing
+
+
 def run_study(
-    out: str | Path, *, quick: bool = False, jobs: int = 2, log: Callable[[str], None] | None = None
+    out: str | Path,
+    *,
+    quick: bool = False,
+    jobs: int = 2,
+    log: Callable[[str], None] | None = None,
+    collect_only: bool = False,
 ) -> dict[str, Any]:
-    """Run the study into ``out``; returns ``{"wall_seconds", "tables", "claims", "results_md"}``."""
+    """Run the study into ``out``; returns ``{"wall_seconds", "tables", "claims", "results_md"}``.
+
+    With ``collect_only`` nothing is trained: the tables are written from the finished runs
+    already in ``out`` (an interrupted study), and RESULTS.md lists what is missing.
+    """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     out = Path(out)
@@ -384,12 +407,18 @@ def run_study(
     (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")
     job_list = build_jobs(plan)
     log(f"study ({plan.mode}): {len(job_list)} jobs on {jobs} worker(s)")
-    results = _run_all(job_list, out, jobs, log)
+    missing: list[dict[str, Any]] = []
+    if collect_only:
+        results, missing = _collect(job_list, out)
+        log(f"collected {len(results)} finished jobs, {len(missing)} missing")
+    else:
+        results = _run_all(job_list, out, jobs, log)
 
     tables: dict[str, str] = {}
     tables["knn"], tables["retrieval"], knn_summary = _knn_tables(plan, results)
     tables["verification"], tables["alpha_s"], ver_summary, fig_data = _verification_tables(plan, results)
-    bench = _by(results, "bench")[0]["result"]
+    benches = _by(results, "bench")
+    bench = benches[0]["result"] if benches else {"text": "(the throughput benchmark was not run)\n"}
     tables["throughput"] = (
         f"Output of `python benchmarks/bench_qmargin.py {' '.join(plan.bench_args)}`:\n\n" + bench["text"]
     )
@@ -412,6 +441,7 @@ def run_study(
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     wall = time.perf_counter() - t0
     cost = _cost(results)
+    cost["missing"] = _missing_text(missing)
     (out / "cost.json").write_text(json.dumps(cost, indent=2) + "\n", encoding="utf-8")
     md = _results_md(plan, tables, claims, wall, has_fig, jobs, cost)
     (out / "RESULTS.md").write_text(md, encoding="utf-8")
@@ -422,6 +452,21 @@ def run_study(
         "claims": claims,
         "results_md": str(out / "RESULTS.md"),
     }
+
+
+def _missing_text(missing: list[dict[str, Any]]) -> str:
+    if not missing:
+        return ""
+    groups: dict[str, int] = {}
+    for job in missing:
+        key = job["name"].rsplit("/", 1)[0]
+        groups[key] = groups.get(key, 0) + 1
+    listing = "; ".join(f"{k} ({v} seed(s))" for k, v in sorted(groups.items()))
+    return (
+        f"**PARTIAL RESULTS: {len(missing)} job(s) of this plan did not finish and are absent from the "
+        f"tables below (cells show 'not measurable' or fewer seeds than stated):** {listing}. "
+        "Rerun the command to complete them (finished runs are reused).\n"
+    )
 
 
 def _cost(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -461,6 +506,7 @@ def _results_md(
         "next to its result under `OUT/runs/` (`job.json`, `result.json`, the trainer's `config.yaml`). "
         f"Training budget: about {plan.steps} optimiser steps per run "
         f"({plan.identity_steps} on `identities`), AdamW lr 1e-3, cosine schedule, embedding dim 64.\n",
+        cost["missing"],
         "## Verdicts\n",
         "Rules, fixed before the numbers were seen (`marginkit/study/claims.py`): a comparison is won when "
         "the mean over seeds is higher; a claim is *supported* when it wins ≥ 80 % of its comparisons, "
