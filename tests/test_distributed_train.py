@@ -126,3 +126,19 @@ def test_share_of_a_global_batch_is_balanced_and_contiguous():
         sizes = [s.stop - s.start for s in shares]
         assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
         assert [s.start for s in shares] == [0, *[s.stop for s in shares[:-1]]]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cli_train_nproc_launches_torchrun(tmp_path, capsys):
+    from marginkit.cli import main
+
+    data = "features:" + str(blobs(tmp_path / "blobs.npz"))
+    argv = ["train", "--nproc", "2", "--data", data, "--loss", "cosface", "--model", "mlp", "--epochs", "1"]
+    argv += ["--batch-size", "36", "--embedding-dim", "8", "--num-threads", "1", "--no-report", "-q"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["num_test"] > 0 and (tmp_path / "run" / "best.pt").is_file()
+    bad = ["train", "--nproc", "0", "--data", data, "--loss", "cosface", "--out", str(tmp_path / "x")]
+    assert main(bad) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
