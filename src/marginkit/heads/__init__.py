@@ -7,5 +7,6 @@ __getattr__, __dir__, __all__ = attach(
     {
         "CosineHead": "cosine",
         "ShardedCosineHead": "sharded",
+        "ShardedCosines": "sharded",
     },
 )
