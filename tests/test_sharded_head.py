@@ -166,6 +166,16 @@ def test_gradcheck_of_sharded_losses(gen, loss):
     assert torch.autograd.gradcheck(fn, (e, w))
 
 
+def test_empty_batch_gives_a_connected_zero(gen):
+    head = ShardedCosineHead(9, 4, seed=0)
+    for loss in (CosFaceLoss(), QMarginLoss(), ClassCircleLoss(reduction="sum")):
+        e = torch.zeros(0, 4, requires_grad=True)
+        value = _call(loss, head(e), torch.zeros(0, dtype=torch.long))
+        assert value.shape == () and float(value.detach()) == 0.0
+        value.backward()
+        assert e.grad.shape == (0, 4)
+
+
 def test_second_backward_with_retain_graph(gen):
     head = ShardedCosineHead(9, 4, seed=0, dtype=torch.float64)
     e = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -341,6 +351,7 @@ def _checkpoint_worker(me, world, path_two, path_three, init_weight):
     assert (out.gather_cosines() - full_cos).abs().max() < 1e-12
     if me == 0:
         torch.save(resumed, path_three)
+    _one_class_per_rank(me, world)
     _error_checks(me, world)
     dist.barrier()
 
@@ -349,6 +360,27 @@ def _three_rank_worker(me, world, path_two, path_three, init_weight, loss_weight
     """One spawn serves two test files: the checks here, and the 3-rank loss equalities."""
     _checkpoint_worker(me, world, path_two, path_three, init_weight)
     losses_worker(me, world, loss_weight)
+
+
+def _one_class_per_rank(me, world):
+    """C = world: every slice is one class (the target is often a rank's only column)."""
+    head = ShardedCosineHead(world, D, seed=3, dtype=torch.float64)
+    full = head.full_state_dict()["weight"]
+    g = torch.Generator().manual_seed(8)
+    y_all = torch.randint(0, world, (2 * world,), generator=g)
+    e_all = full[y_all] + 0.8 * torch.randn(2 * world, D, generator=g, dtype=torch.float64)
+    rows = slice(2 * me, 2 * me + 2)
+    for loss in (CosFaceLoss(scale=8.0), QMarginLoss(scale=8.0), SparsemaxLoss(scale=2.0), ClassCircleLoss()):
+        e = e_all[rows].clone().requires_grad_(True)
+        head.zero_grad()
+        value = _call(loss, head(e), y_all[rows])
+        value.backward()
+        e_ref, w_ref = e_all.clone().requires_grad_(True), full.clone().requires_grad_(True)
+        ref = loss(cosine_similarity_matrix(e_ref, w_ref), y_all)
+        ref.backward()
+        torch.testing.assert_close(value, ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(e.grad, world * e_ref.grad[rows], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(head.weight.grad, w_ref.grad[me : me + 1], rtol=1e-10, atol=1e-10)
 
 
 def _error_checks(me, world):
