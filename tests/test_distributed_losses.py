@@ -51,7 +51,7 @@ NUM_CLASSES, DIM, SEED = 23, 8, 11
 
 def _call(loss, out, labels):
     """``loss(out, labels)`` once every class-level loss dispatches a ShardedCosines itself."""
-    if isinstance(loss, ClassCircleLoss):
+    if isinstance(loss, (ClassCircleLoss, QMarginLoss, EntmaxLoss, SparsemaxLoss)):
         return loss(out, labels)
     return sharded_loss(loss, out, labels)
 

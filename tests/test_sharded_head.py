@@ -34,7 +34,7 @@ from test_distributed_losses import DIM, NUM_CLASSES, SEED
 from test_distributed_losses import _worker as losses_worker
 
 # Losses whose forward already dispatches a ShardedCosines to marginkit._sharded.sharded_loss.
-HOOKED = (ClassCircleLoss,)
+HOOKED = (ClassCircleLoss, QMarginLoss, EntmaxLoss, SparsemaxLoss)
 
 
 def _call(loss, out, labels):

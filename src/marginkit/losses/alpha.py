@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from marginkit._sharded import ShardedCosines, sharded_loss
 from marginkit._validation import (
     REDUCTIONS,
     choice,
@@ -110,13 +111,16 @@ class _AlphaCosineLoss(nn.Module):
         margin = positive_float(self.margin, "margin", allow_zero=True)
         return float(alpha), scale, margin
 
-    def forward(self, cosines: Tensor, labels: Tensor) -> Tensor:
+    def forward(self, cosines: Tensor | ShardedCosines, labels: Tensor) -> Tensor:
         """Loss of ``cosines`` ``[..., C]`` (in ``[-1, 1]``) against integer ``labels`` ``[...]``.
 
         Returns the reduced loss (``"none"``: one value per example, float32 or float64) and
         stores the number of active classes per example in ``last_support_size`` (a tensor,
-        no host synchronisation).
+        no host synchronisation). A :class:`~marginkit.heads.ShardedCosineHead`'s output runs the
+        class-sharded version (a global τ; ``docs/distributed.md``).
         """
+        if isinstance(cosines, ShardedCosines):
+            return sharded_loss(self, cosines, labels)
         alpha, scale, margin = self._check_hyper()
         x2d, y, blocks = _checked_cosines(cosines, labels)
         k = _topk_count(self.topk, x2d.shape[1])
