@@ -16,8 +16,8 @@ target cosine uniform in [0.2, 0.8] from their centre (a mid-training state; non
 cosines ≈ N(0, 1/D)). Q-Margin's active-class count, hence its speed, depends on that state.
 
 Timing: one warm-up call per method, then ``--repeats`` rounds (``--large-repeats`` at 10^6);
-each round runs every method once, in the same order, so methods are measured side by side
-under the same machine load.
+each round runs every method once (the order reversed every other round), so methods are
+measured side by side under the same machine load.
 Times are medians over rounds; ratios are medians of the per-round ratios (paired, robust to
 load drifting between rounds). ``torch.set_num_threads(--threads)`` is fixed.
 
@@ -147,8 +147,10 @@ def measure(steps: dict[str, Step], repeats: int, slow: dict[str, int]) -> dict[
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         step()
+    names = list(steps)
     for r in range(repeats):
-        for name, step in steps.items():
+        for name in names if r % 2 == 0 else names[::-1]:  # alternate the order: drift cancels
+            step = steps[name]
             if r >= slow.get(name, repeats):
                 continue
             t0 = time.perf_counter()
