@@ -24,6 +24,7 @@ one-process run; BN-free, dropout-free models are, up to float rounding.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -77,8 +78,18 @@ class DistContext:
         start = self.rank * base + min(self.rank, extra)
         return slice(start, start + base + (self.rank < extra))
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Destroy the group the trainer created. After a clean run, first wait until every rank
+        is done with it (a rank that tears the group down while a peer is still receiving makes
+        gloo abort that peer); after an error, at once (the peers may never reach a barrier)."""
+        if self.active:
+            # Free the DistributedDataParallel wrappers (reference cycles) while the group still
+            # exists: destroying the group first makes their teardown abort the process at exit,
+            # now and then (gloo, torch 2.x).
+            gc.collect()
         if self.created and torch.distributed.is_initialized():
+            if clean:
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             self.created = False
 

@@ -483,12 +483,15 @@ def train(
 
     ctx = init_distributed(config.device if config is not None else "cpu")
     try:
-        return _train(
+        result = _train(
             ctx, config, run_dir, resume=resume, stop_after=stop_after, overwrite=overwrite,
             quiet=quiet, splits=splits, log=log, report=report,
         )  # fmt: skip
-    finally:
-        ctx.close()
+    except BaseException:
+        ctx.close(clean=False)
+        raise
+    ctx.close()
+    return result
 
 
 def _train(
