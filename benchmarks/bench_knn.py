@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hnsw-m", type=int, default=32)
     p.add_argument("--hnsw-ef-construction", type=int, default=200)
-    p.add_argument("--ef-search", type=int, nargs="+", default=[16, 24, 32, 64, 128, 256, 512])
+    p.add_argument("--ef-search", type=int, nargs="+", default=[12, 16, 20, 24, 32, 64, 128, 256, 512])
     p.add_argument("--skip-uniform", action="store_true", help="skip the worst-case HNSW table")
     p.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE"])
     p.add_argument("--json", help="also write the numbers to this file")

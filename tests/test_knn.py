@@ -385,7 +385,12 @@ def test_bad_input_errors(gen):
         clf.fit(ref, lab - 1)
     with pytest.raises(TypeError, match="labels must be an integer"):
         clf.fit(ref, lab.float())
+    with pytest.raises(TypeError, match="model_fingerprint must be a str or an nn.Module"):
+        clf.fit(ref, lab, model_fingerprint=3)
     clf.fit(ref, lab)
+    with pytest.raises(ValueError, match="embeddings contains NaN"):
+        clf.fit(torch.full((3, 12), math.nan), lab[:3])
+    assert clf.num_references == 20 and clf.dimension == 12  # a failed refit changes nothing
     with pytest.raises(ValueError, match="x contains NaN"):
         clf.predict(torch.full((2, 12), math.nan))
     with pytest.raises(ValueError, match="x has dimension 5, but the index holds 12"):

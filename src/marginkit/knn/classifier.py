@@ -171,13 +171,13 @@ class KNNClassifier:
             return FaissFlatIndex(self.metric, dim, self.memory_limit_bytes)
         return HNSWIndex(self.metric, dim, self.hnsw_m, self.hnsw_ef_construction, self._hnsw_ef_search)
 
-    def _check_new(self, embeddings: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_new(self, embeddings: Any, labels: Any, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         check_embeddings(embeddings, "embeddings")
         check_labels(labels, "labels", embeddings.shape[0], "embeddings")
-        if self._dim is not None and embeddings.shape[1] != self._dim:
+        if dim is not None and embeddings.shape[1] != dim:
             raise ValueError(
                 f"embeddings have dimension {embeddings.shape[1]}, but the index holds "
-                f"{self._dim}-dimensional embeddings"
+                f"{dim}-dimensional embeddings"
             )
         if int(labels.min()) < 0:
             raise ValueError(f"labels must be class ids >= 0, got minimum {int(labels.min())}")
@@ -206,8 +206,13 @@ class KNNClassifier:
         :meth:`load` can refuse an index built by another model. Refitting replaces
         everything.
         """
-        self._dim = None
-        embeddings, labels = self._check_new(embeddings, labels)
+        if isinstance(model_fingerprint, nn.Module):
+            model_fingerprint = fingerprint_of(model_fingerprint)
+        if model_fingerprint is not None and not isinstance(model_fingerprint, str):
+            raise TypeError(
+                f"model_fingerprint must be a str or an nn.Module, got {type(model_fingerprint).__name__}"
+            )
+        embeddings, labels = self._check_new(embeddings, labels, None)
         if self.k > embeddings.shape[0]:
             raise ValueError(f"k={self.k} exceeds the number of references ({embeddings.shape[0]})")
         prepared = self._prepare_refs(embeddings)
@@ -217,19 +222,13 @@ class KNNClassifier:
         self._labels = labels.to(prepared.device if self.backend == "exact" else "cpu")
         if not self._fixed_classes:
             self.num_classes = int(labels.max()) + 1
-        if isinstance(model_fingerprint, nn.Module):
-            model_fingerprint = fingerprint_of(model_fingerprint)
-        if model_fingerprint is not None and not isinstance(model_fingerprint, str):
-            raise TypeError(
-                f"model_fingerprint must be a str or an nn.Module, got {type(model_fingerprint).__name__}"
-            )
         self.model_fingerprint = model_fingerprint
         return self
 
     def add(self, embeddings: torch.Tensor, labels: torch.Tensor) -> KNNClassifier:
         """Append references (and possibly new classes) without rebuilding the index."""
         index, old = self._require_fitted()
-        embeddings, labels = self._check_new(embeddings, labels)
+        embeddings, labels = self._check_new(embeddings, labels, self._dim)
         index.add(self._prepare_refs(embeddings))
         self._labels = torch.cat([old, labels.to(old.device)])
         if not self._fixed_classes:
