@@ -64,10 +64,6 @@ class ExactIndex:
     def __len__(self) -> int:
         return self._x.shape[0]
 
-    @property
-    def device(self) -> torch.device:
-        return self._x.device
-
     def add(self, vectors: torch.Tensor) -> None:
         vectors = vectors.to(device=self._x.device, dtype=self.dtype)
         self._x = torch.cat([self._x, vectors]) if len(self) else vectors.clone()
