@@ -24,6 +24,9 @@ export PATH="$PWD/$VENV/bin:$PATH"
 case "$what" in
   demo) exec marginkit demo "$@" ;;
   test)
+    # Idle OpenMP threads sleep instead of spinning: on a small shared machine spinning
+    # workers slow the many small tensor ops of the suite by orders of magnitude.
+    export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
     ruff check src tests benchmarks
     exec python -m pytest "$@" ;;
 esac
