@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from marginkit._sharded import ShardedCosines, sharded_loss
 from marginkit._validation import (
     REDUCTIONS,
     choice,
@@ -262,12 +263,16 @@ class _MarginSoftmaxBase(nn.Module):
         positive_float(self.scale, "scale")
         choice(self.reduction, "reduction", REDUCTIONS)
 
-    def forward(self, cosines: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, cosines: torch.Tensor | ShardedCosines, labels: torch.Tensor) -> torch.Tensor:
         """Loss of cosines ``[B, C]`` (e.g. from :class:`marginkit.heads.CosineHead`) and labels ``[B]``.
 
         Returns a scalar for ``reduction="mean"``/``"sum"``, else ``[B]``; float32 (float64 for
-        float64 input) whatever the input dtype.
+        float64 input) whatever the input dtype. A :class:`~marginkit.heads.ShardedCosineHead`'s
+        output runs the class-sharded version of the same loss (``marginkit._sharded``), so one
+        call site ``loss(head(e), labels)`` serves both heads.
         """
+        if isinstance(cosines, ShardedCosines):
+            return sharded_loss(self, cosines, labels)
         self._check_hyper()
         loss = margin_softmax_loss(cosines, labels, float(self.scale), self.target)
         return reduce(loss, self.reduction)
