@@ -192,7 +192,7 @@ def margin_softmax_loss(
         labels: ``[B]`` integer class ids in ``[0, C)``.
         scale: ``s > 0``.
         target_fn: elementwise ``f`` applied to the target cosines (unscaled), differentiable
-            by autograd; must satisfy ``f(c) ≤ c`` for the shift to bound every logit.
+            by autograd (its derivative is taken on the ``[B]`` target column only).
         name: argument name used in error messages.
 
     Returns:
