@@ -67,15 +67,6 @@ def _reset_peak() -> bool:
         return False
 
 
-def _call(loss_fn, out, labels):
-    from marginkit._sharded import sharded_loss
-
-    try:
-        return loss_fn(out, labels)
-    except TypeError:  # a loss whose forward does not dispatch a ShardedCosines yet
-        return sharded_loss(loss_fn, out, labels)
-
-
 CONFIGS = {
     "CosFace": (lambda: CosFaceLoss(scale=64.0, margin=0.4), 1.0),
     "Q-Margin α=1.25": (lambda: QMarginLoss(alpha=1.25, scale=35.0, margin=0.2), 1.0),
@@ -96,7 +87,7 @@ def _measure(name: str, world: int, num_classes: int, steps: int, gen: torch.Gen
     def step() -> None:
         opt.zero_grad()
         e = emb.clone().requires_grad_(True)
-        _call(loss_fn, head(e), labels).backward()
+        loss_fn(head(e), labels).backward()
         opt.step()
 
     step()  # warm-up: allocates the momentum buffer

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from marginkit._sharded import record_collectives, sharded_loss
+from marginkit._sharded import record_collectives
 from marginkit.distributed import all_gather_no_grad
 from marginkit.heads.cosine import cosine_similarity_matrix
 from marginkit.heads.sharded import ShardedCosineHead
@@ -50,10 +50,8 @@ NUM_CLASSES, DIM, SEED = 23, 8, 11
 
 
 def _call(loss, out, labels):
-    """``loss(out, labels)`` once every class-level loss dispatches a ShardedCosines itself."""
-    if isinstance(loss, (ClassCircleLoss, QMarginLoss, EntmaxLoss, SparsemaxLoss)):
-        return loss(out, labels)
-    return sharded_loss(loss, out, labels)
+    """The public call: every class-level loss accepts a ShardedCosineHead's output."""
+    return loss(out, labels)
 
 
 def class_losses():

@@ -33,14 +33,16 @@ from marginkit.losses import (
 from test_distributed_losses import DIM, NUM_CLASSES, SEED
 from test_distributed_losses import _worker as losses_worker
 
-# Losses whose forward already dispatches a ShardedCosines to marginkit._sharded.sharded_loss.
-HOOKED = (ClassCircleLoss, QMarginLoss, EntmaxLoss, SparsemaxLoss)
+# Every class-level loss dispatches a ShardedCosines to marginkit._sharded.sharded_loss itself.
+HOOKED = (
+    NormSoftmaxLoss, CosFaceLoss, ArcFaceLoss, ClassCircleLoss, QMarginLoss, EntmaxLoss, SparsemaxLoss,
+)  # fmt: skip
 
 
 def _call(loss, out, labels):
     if isinstance(loss, HOOKED):
-        return loss(out, labels)
-    return sharded_loss(loss, out, labels)
+        return loss(out, labels)  # the public call
+    return sharded_loss(loss, out, labels)  # e.g. MEPLoss: the dispatcher's own error
 
 
 @pytest.mark.parametrize("loss_type", HOOKED, ids=lambda t: t.__name__)

@@ -106,7 +106,8 @@ class ShardedCosineHead(nn.Module):
         >>> head = ShardedCosineHead(num_classes=10, embedding_dim=4, seed=0)  # 1 process: all classes
         >>> e = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
         >>> y = torch.arange(8)
-        >>> loss = CosFaceLoss(scale=30.0, margin=0.35)(head(e), y)  # doctest: +SKIP
+        >>> loss = CosFaceLoss(scale=30.0, margin=0.35)(head(e), y)  # as with a CosineHead
+        >>> loss.backward()
         >>> head.full_state_dict()["weight"].shape
         torch.Size([10, 4])
     """

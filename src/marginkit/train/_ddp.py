@@ -146,7 +146,7 @@ def parallelize(
         return Parallel(model, head, False, loss_fn), head
     from torch.nn.parallel import DistributedDataParallel
 
-    from marginkit._sharded import ShardedCosines, sharded_loss, supports_sharding
+    from marginkit._sharded import supports_sharding
     from marginkit.distributed import all_gather_no_grad, all_gather_with_grad
     from marginkit.losses.gathered import GatheredPairLoss
 
@@ -161,10 +161,7 @@ def parallelize(
         sharded = sharded.to(device=device, dtype=head.weight.dtype)
         sharded.load_state_dict(head.state_dict())  # the one-process initialisation, re-sliced
 
-        def sharded_call(out: ShardedCosines, labels: Tensor) -> Tensor:
-            return sharded_loss(loss_fn, out, labels)
-
-        return Parallel(ddp_model, sharded, True, sharded_call), sharded
+        return Parallel(ddp_model, sharded, True, loss_fn), sharded  # loss_fn(head(e), y) as usual
     ddp_head = DistributedDataParallel(head, device_ids=ids)
 
     def replicated(emb: Tensor, labels: Tensor) -> Tensor:  # every rank: the whole loss
