@@ -102,13 +102,8 @@ class Constant(Schedule):
         return self.value
 
 
-class LinearWarmup(Schedule):
-    r"""Linear ramp from ``start`` to ``end`` over ``steps`` steps, then ``end``.
-
-    .. math:: v(t) = \text{start} + (\text{end} - \text{start}) \min(t / \text{steps}, 1)
-
-    ``v(0) = start`` and ``v(t) = end`` exactly for ``t >= steps``; ``end < start`` ramps down.
-    """
+class _Ramp(Schedule):
+    """A move from ``start`` to ``end`` over ``steps`` steps (shape given by ``_ramp``), then ``end``."""
 
     _fields = ("start", "end", "steps")
     start: float
@@ -121,10 +116,25 @@ class LinearWarmup(Schedule):
     def _value(self, step: int) -> float:
         if step >= self.steps:
             return self.end
+        return self._ramp(step)
+
+    def _ramp(self, step: int) -> float:
+        raise NotImplementedError
+
+
+class LinearWarmup(_Ramp):
+    r"""Linear ramp from ``start`` to ``end`` over ``steps`` steps, then ``end``.
+
+    .. math:: v(t) = \text{start} + (\text{end} - \text{start}) \min(t / \text{steps}, 1)
+
+    ``v(0) = start`` and ``v(t) = end`` exactly for ``t >= steps``; ``end < start`` ramps down.
+    """
+
+    def _ramp(self, step: int) -> float:
         return self.start + (self.end - self.start) * (step / self.steps)
 
 
-class CosineDecay(Schedule):
+class CosineDecay(_Ramp):
     r"""Half cosine from ``start`` to ``end`` over ``steps`` steps, then ``end``.
 
     .. math:: v(t) = \text{end} + \tfrac12 (\text{start} - \text{end})
@@ -134,17 +144,7 @@ class CosineDecay(Schedule):
     ``v(t) = end`` exactly for ``t >= steps``; ``end > start`` rises instead.
     """
 
-    _fields = ("start", "end", "steps")
-    start: float
-    end: float
-    steps: int
-
-    def __init__(self, start: float, end: float, steps: int) -> None:
-        self._set(start=_real(start, "start"), end=_real(end, "end"), steps=_count(steps, "steps", 1))
-
-    def _value(self, step: int) -> float:
-        if step >= self.steps:
-            return self.end
+    def _ramp(self, step: int) -> float:
         return self.end + 0.5 * (self.start - self.end) * (1.0 + math.cos(math.pi * step / self.steps))
 
 
