@@ -193,6 +193,45 @@ def test_qmargin_equals_the_loss_with_an_explicit_measure(alpha, gen):
     torch.testing.assert_close(loss.detach(), torch.from_numpy(expected), atol=1e-8, rtol=1e-10)
 
 
+@pytest.mark.parametrize("margin", [0.2, 1.5])
+def test_qmargin_float32_large_rows_against_an_explicit_measure_in_float64(margin, gen):
+    # 20k classes: the block-maxima bound, the candidate gather and the product form of p = q·u^4
+    # with q_y = e^{-s m}; s·m = 96 puts q_y below the product form's headroom in float32 (the log
+    # domain takes over) but not in float64
+    s, n = 64.0, 20_000
+    cos = (torch.randn(16, n, generator=gen, dtype=torch.float64) / 512**0.5).clamp(-1, 1)
+    y = torch.randint(0, n, (16,), generator=gen)
+    cos[torch.arange(16), y] = torch.linspace(-0.2, 0.95, 16, dtype=torch.float64)
+    q = torch.ones(16, n, dtype=torch.float64)
+    q[torch.arange(16), y] = math.exp(-s * margin)
+    ref = alpha_divergence_loss(s * cos, y, 1.25, q=q, candidates=False)
+    ref_p = alpha_softargmax(s * cos, 1.25, q=q, candidates=False)
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-4)):
+        x = cos.to(dtype).requires_grad_()
+        loss = QMarginLoss(alpha=1.25, scale=s, margin=margin, reduction="none")(x, y)
+        (grad,) = torch.autograd.grad(loss.sum(), x)
+        torch.testing.assert_close(loss.double(), ref, rtol=tol, atol=tol)
+        expected_grad = s * (ref_p - F.one_hot(y, n).double())
+        torch.testing.assert_close(grad.double(), expected_grad, rtol=0, atol=tol * s)
+
+
+def test_solver_restores_the_thread_count(gen):
+    # the compact solve runs on one intra-op thread (CPU) and must hand the pool back, also on error
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cos = torch.randn(32, 5000, generator=gen) / 512**0.5
+        y = torch.randint(0, 5000, (32,), generator=gen)
+        QMarginLoss()(cos.requires_grad_(), y).backward()
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="boom"), alpha_impl._serial(10, torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_qmargin_when_label_holds_the_maximum(gen):
     # the lower bound then needs the largest *other* cosine: exercise both branches and ties
     cos = random_cosines(gen, 6, 30)
@@ -337,10 +376,12 @@ def test_qmargin_candidate_paths_with_many_near_equal_cosines(alpha, gen):
     # the block-maxima bound removes most candidates
     blocks, beta = alpha_impl._Blocks(cos), torch.full((16,), alpha - 1)
     scale, log_qy = 8.75 / (alpha - 1), torch.full((16,), -8.75 / (alpha - 1) * 0.2)
-    lo, _ = alpha_impl._row_bounds(cos, blocks, scale, beta, torch.float32, None, y, log_qy)
+    lo, hi = alpha_impl._row_bounds(cos, blocks, scale, beta, torch.float32, None, y, log_qy)
     thr = alpha_impl._threshold(lo, beta, scale)
     assert not blocks.sparse(thr)
-    refined = alpha_impl._block_subset_bound(blocks, scale, beta, alpha - 1, y, log_qy, lo)
+    refined = alpha_impl._block_subset_bound(blocks, cos, scale, beta, alpha - 1, y, log_qy, lo, hi)
+    exact = alpha_impl._solve_dense(cos.double(), scale, beta.double(), alpha - 1, None, y, log_qy.double())
+    assert bool((refined >= lo).all()) and bool((refined.double() <= exact.tau).all())
     thr_refined = alpha_impl._threshold(refined, beta, scale)
     assert int((cos > thr_refined[:, None]).sum()) < 0.5 * int((cos > thr[:, None]).sum())
 

@@ -282,6 +282,34 @@ def test_block_prefilter_and_max_excluding(n, gen):
     blocks = alpha_impl._Blocks(xt)
     masked = xt.scatter(1, label[:, None], -math.inf)
     torch.testing.assert_close(blocks.max_excluding(label), masked.amax(-1), rtol=0, atol=0)
+    # block maxima with the label left out of its block (the subset bound's entries)
+    pad = (-n) % 64
+    masked_blocks = torch.nn.functional.pad(masked, (0, pad), value=-math.inf).view(6, -1, 64).amax(-1)
+    torch.testing.assert_close(blocks.bmax_excluding, masked_blocks, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("alpha", [1.1, 1.25, 1.5, 2.0])
+def test_integer_power_support_equals_the_log_domain(alpha, dtype, gen):
+    # 1/β integer: p = u^(1/β) and w = u^(1/β - 1) by products; the log-domain formula (with its
+    # exponent floor) must give the same values, exact zeros off the support included
+    x = (torch.randn(16, 300, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    x[:, :5] = -math.inf
+    beta = torch.full((16,), alpha - 1, dtype=dtype)
+    fast = alpha_impl._Problem(alpha_impl._Entries(16, 300), x, None, beta, alpha - 1)
+    assert fast.int_power == round(1 / (alpha - 1))
+    slow = alpha_impl._Problem(alpha_impl._Entries(16, 300), x, None, beta, alpha - 1)
+    slow.int_power = None
+    tau = x.amax(-1) - 0.5
+    for a, b in zip(fast.support(tau), slow.support(tau), strict=True):
+        # the log domain rounds log(u)/β: a relative error of a few eps times |log p| (up to ~100);
+        # its exponent floor (~1e-37 in float32) leaves w = p/u up to ~1e-33 where u ~ 1e-4
+        rtol, atol = (1e-5, 1e-30) if dtype == torch.float32 else (1e-12, 1e-300)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    (p, w, u), (_, _, u_slow) = fast.support(tau), slow.support(tau)
+    assert torch.equal(u == 0, u_slow == 0) and bool((u[:, :5] == 0).all())
+    assert bool((p[u == 0] == 0).all()) and bool((w[u == 0] == 0).all())  # exact zeros off the support
+    assert alpha_impl._integer_power(0.3) is None and alpha_impl._integer_power(None) is None
 
 
 @pytest.mark.parametrize("alpha", [1.25, 2.0, 3.0])
@@ -293,8 +321,8 @@ def test_block_subset_bound_is_a_valid_tight_lower_bound(alpha, gen):
     log_qy = torch.full((8,), -3.0, dtype=torch.float64)
     beta = torch.full((8,), alpha - 1, dtype=torch.float64)
     blocks = alpha_impl._Blocks(x)
-    lo, _ = alpha_impl._row_bounds(x, blocks, scale, beta, torch.float64, None, y, log_qy)
-    refined = alpha_impl._block_subset_bound(blocks, scale, beta, alpha - 1, y, log_qy, lo)
+    lo, hi = alpha_impl._row_bounds(x, blocks, scale, beta, torch.float64, None, y, log_qy)
+    refined = alpha_impl._block_subset_bound(blocks, x, scale, beta, alpha - 1, y, log_qy, lo, hi)
     q = torch.ones_like(x).scatter_(1, y[:, None], log_qy.exp()[:, None])
     sol = alpha_impl._solve(scale * x, None, scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log())
     assert bool((refined >= lo).all()) and bool((refined <= sol.tau + 1e-12).all())

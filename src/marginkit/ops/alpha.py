@@ -51,8 +51,10 @@ of the lower bound, then Newton steps whose mass and slope are SUM all-reduced.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -82,11 +84,47 @@ _BLOCK = 64
 _BLOCK_FRACTION = 0.25
 # Newton steps spent on the block-maxima lower bound (see _block_subset_bound).
 _SUBSET_ITERATIONS = 3
+# Compact problems up to this many entries are solved on one intra-op thread (see _serial).
+_SERIAL_MAX = 1 << 19
+
+
+@contextlib.contextmanager
+def _serial(numel: int, device: torch.device) -> Iterator[None]:
+    """Run the enclosed ops on one intra-op CPU thread when they act on at most ``_SERIAL_MAX`` entries.
+
+    The solver issues tens of element-wise ops per Newton step on 10^4–10^5 entries. Above
+    PyTorch's grain size each op opens a parallel region, and its fork/join costs more than the
+    work (measured on 2 cores with ``OMP_WAIT_POLICY=PASSIVE``: 80 µs per op on 40k entries with
+    two threads, 7 µs with one). The thread count is restored on exit; CUDA is unaffected.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or numel > _SERIAL_MAX:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------------------------
 # Block maxima of the full rows
 # --------------------------------------------------------------------------------------------
+
+
+def _sparse_nonzero(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Row and column indices of the true entries of a mostly false ``[k, _BLOCK]`` bool mask.
+
+    ``nonzero`` costs about a nanosecond per element on CPU whatever the output size; read as
+    ``int64`` words of 8 flags it first finds the nonzero words (8× fewer elements), then the
+    flags inside those words only. Same result and order as ``mask.nonzero()``.
+    """
+    words = mask.view(torch.int64)
+    k, word = words.nonzero().unbind(1)
+    at = k * (_BLOCK // 8) + word
+    i, byte = mask.view(-1, 8).index_select(0, at).nonzero().unbind(1)
+    return k.index_select(0, i), (word.index_select(0, i) * 8).add_(byte)
 
 
 class _Blocks:
@@ -125,37 +163,51 @@ class _Blocks:
             return self.tail.index_select(0, bi)
         total = self.x.numel()
         windows = self.x.view(-1).as_strided((total - _BLOCK + 1, _BLOCK), (1, 1))
-        offsets = bi * self.n + bj * _BLOCK
+        with _serial(bi.numel(), bi.device):  # index arithmetic on [k]; the copy below runs parallel
+            offsets = bi * self.n + bj * _BLOCK
+            if self.tail is not None:
+                offsets = offsets.clamp_(max=total - _BLOCK)
+        values = windows.index_select(0, offsets)
         if self.tail is None:
-            return windows.index_select(0, offsets)
-        values = windows.index_select(0, offsets.clamp(max=total - _BLOCK))
-        in_tail = (bj == self.nb).nonzero().squeeze(1)
-        return values.index_copy_(0, in_tail, self.tail.index_select(0, bi.index_select(0, in_tail)))
+            return values
+        with _serial(bi.numel(), bi.device):
+            in_tail = (bj == self.nb).nonzero().squeeze(1)
+            return values.index_copy_(0, in_tail, self.tail.index_select(0, bi.index_select(0, in_tail)))
 
     def max_excluding(self, column: Tensor) -> Tensor:
-        """Per row, the largest value outside ``column[row]`` (``-inf`` if there is none)."""
+        """Per row, the largest value outside ``column[row]`` (``-inf`` if there is none).
+
+        Also keeps ``bmax_excluding``: the block maxima with ``column`` left out of its block.
+        """
         rows = torch.arange(self.x.shape[0], device=column.device)
         bj = column // _BLOCK
-        others = self.bmax.index_put((rows, bj), torch.tensor(-math.inf, dtype=self.bmax.dtype))
-        inside = self._values(rows, bj).index_put(
-            (rows, column - bj * _BLOCK), torch.tensor(-math.inf, dtype=self.bmax.dtype)
-        )
-        return torch.maximum(others.amax(1), inside.amax(1))
+        neg_inf = torch.tensor(-math.inf, dtype=self.bmax.dtype)
+        inside = self._values(rows, bj).index_put((rows, column - bj * _BLOCK), neg_inf).amax(1)
+        self.bmax_excluding = self.bmax.index_put((rows, bj), inside)
+        return self.bmax_excluding.amax(1)
 
     def sparse(self, thr: Tensor) -> bool:
         """Do the blocks that may hold an entry above ``thr`` make a small part of the logits?"""
-        n_selected = int((self.bmax > thr.unsqueeze(1)).sum())
+        with _serial(self.bmax.numel(), self.x.device):
+            n_selected = int((self.bmax > thr.unsqueeze(1)).sum())
         return n_selected * _BLOCK <= _BLOCK_FRACTION * self.x.numel()
 
     def above(self, thr: Tensor) -> Tensor:
         """Sorted row-major flat indices of the entries ``x[i, j] > thr[i]``."""
-        selected = self.bmax > thr.unsqueeze(1)
-        n_selected = int(selected.sum())
-        if n_selected * _BLOCK > _BLOCK_FRACTION * self.x.numel():
+        with _serial(self.bmax.numel(), self.x.device):
+            selected = self.bmax > thr.unsqueeze(1)
+            n_selected = int(selected.sum())
+            if n_selected * _BLOCK > _BLOCK_FRACTION * self.x.numel():
+                selected = None
+            else:
+                bi, bj = selected.nonzero().unbind(1)
+                thr_b = thr.index_select(0, bi).unsqueeze(1)
+        if selected is None:
             return (self.x > thr.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
-        bi, bj = selected.nonzero().unbind(1)
-        k, g = (self._values(bi, bj) > thr[bi].unsqueeze(1)).nonzero().unbind(1)
-        return bi[k] * self.n + bj[k] * _BLOCK + g
+        mask = self._values(bi, bj) > thr_b
+        with _serial(mask.numel() // 8, self.x.device):
+            k, g = _sparse_nonzero(mask)
+            return (bi.index_select(0, k) * self.n + bj.index_select(0, k) * _BLOCK).add_(g)
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,7 +291,8 @@ class _Entries:
             return e.to(dtype)
         out = torch.zeros(self.n_rows, self.n_cols, dtype=dtype, device=e.device)
         if self.flat is not None:
-            out.view(-1).index_copy_(0, self.flat, e.to(dtype))
+            with _serial(e.numel(), e.device):
+                out.view(-1).index_copy_(0, self.flat, e.to(dtype))
             return out
         return out.scatter_(1, self.col, e.to(dtype))
 
@@ -271,11 +324,46 @@ def _offset(logq: Tensor, beta: Tensor | float) -> Tensor:
     return torch.expm1(-beta * logq) / beta
 
 
+# Floor of the exponent in _Problem.support: the log of e x the smallest normal number per
+# compute dtype (exp at exactly log(tiny) can round to a subnormal: the slow path again).
+_LOG_TINY = {dtype: math.log(torch.finfo(dtype).tiny) + 1.0 for dtype in (torch.float32, torch.float64)}
+# q enters the product form of _Problem.support when log q >= _LOG_TINY + this (1/q stays finite
+# with room to spare: 1/q <= e^{77} in float32, whose largest number is e^{88.7}).
+_Q_HEADROOM = 10.0
+# 1/β up to this integer is evaluated by products (square-and-multiply).
+_MAX_INT_POWER = 16
+
+
+def _integer_power(beta: float | None) -> int | None:
+    """``1/beta`` when it is an integer in ``[1, _MAX_INT_POWER]`` (to rounding), else ``None``."""
+    if beta is None or beta <= 0:
+        return None
+    r = 1.0 / beta
+    k = round(r)
+    return k if 1 <= k <= _MAX_INT_POWER and abs(r - k) <= 1e-12 * k else None
+
+
+def _int_pow(u: Tensor, k: int) -> Tensor:
+    """``u ** k`` for an integer ``k >= 1`` by square-and-multiply (a new tensor)."""
+    result: Tensor | None = None
+    base = u
+    while True:
+        if k & 1:
+            result = base.clone() if result is None else result.mul_(base)
+        k >>= 1
+        if not k:
+            assert result is not None
+            return result
+        base = base * base
+
+
 class _Problem:
     r"""A compact problem: logits, ``log q`` (``None``: q ≡ 1) and ``β = α − 1`` of its entries.
 
     ``beta`` is per row ``[N]``; ``beta_scalar`` is its common value when ``α`` is a scalar (the
-    entry-wise arithmetic then uses a Python float).
+    entry-wise arithmetic then uses a Python float). ``logq_min``: a known lower bound of ``logq``
+    (``None``: unknown); when it keeps :math:`1/q` far from overflow, an integer :math:`1/\beta`
+    evaluates :math:`p = q u^{1/\beta}` by products even with a measure (see :meth:`support`).
     """
 
     def __init__(
@@ -285,12 +373,20 @@ class _Problem:
         logq: Tensor | None,
         beta: Tensor,
         beta_scalar: float | None,
+        logq_min: float | None = None,
     ) -> None:
         self.entries, self.theta, self.logq = entries, theta, logq
         self.beta, self.beta_scalar = beta, beta_scalar
         self.beta_e: Tensor | float = beta_scalar if beta_scalar is not None else entries.per_entry(beta)
         self.r_e: Tensor | float = 1.0 / self.beta_e
         self.btheta = theta * self.beta_e
+        self.int_power = _integer_power(beta_scalar)
+        self.q: Tensor | None = None
+        if logq is not None and self.int_power is not None:
+            if logq_min is not None and logq_min >= _LOG_TINY[logq.dtype] + _Q_HEADROOM:
+                self.q = logq.exp()
+            else:
+                self.int_power = None
 
     def _t(self, tau: Tensor) -> Tensor:
         return self.btheta - self.entries.per_entry(self.beta * tau)
@@ -305,12 +401,28 @@ class _Problem:
         :math:`u_j = [1 + \beta(\theta_j - \tau)]_+`, :math:`p_j = q_j u_j^{1/\beta}`,
         :math:`w_j = q_j u_j^{1/\beta - 1} = q_j^{\beta} p_j^{1-\beta} = -\partial p_j/\partial\tau`;
         all three are exactly zero off the support (``-inf`` logits included).
+
+        With an integer :math:`1/\beta` (α = 1.25, 1.5, 2, ...) the powers are products, and
+        :math:`q` a factor when ``logq_min`` guarantees no overflow: every iterate τ lies at or above
+        :math:`\theta_j - E(q_j)` (the lower bound), where :math:`p_j \le 1`, i.e.
+        :math:`u_j^{1/\beta} \le 1/q_j \le e^{-\text{logq\_min}}`.
+        Otherwise :math:`p = \exp(\log q + \log(u)/\beta)` with the exponent floored near the log of
+        the smallest normal number: ``exp`` is several times slower on inputs whose result is
+        subnormal or zero (most entries of a wide problem); the floor changes an active
+        :math:`p_j` by less than that number, and inactive entries are set to exactly 0.
         """
         t = self._t(tau).clamp_min_(-1.0)
+        power = self.int_power
+        if power is not None:
+            u = t.add_(1.0)
+            w = (u > 0).to(u.dtype) if power == 1 else _int_pow(u, power - 1)
+            if self.q is not None:
+                w.mul_(self.q)
+            return w * u, w, u
         e = torch.log1p(t).mul_(self.r_e)
         if self.logq is not None:
             e += self.logq
-        p = e.exp_()
+        p = e.clamp_min_(_LOG_TINY[e.dtype]).exp_().masked_fill_(t == -1.0, 0.0)
         u = t.add_(1.0)
         w = torch.div(p, u).nan_to_num_(nan=0.0, posinf=math.inf)
         return p, w, u
@@ -331,6 +443,8 @@ class _Problem:
         new.theta, new.btheta = self.theta.index_select(0, idx), self.btheta.index_select(0, idx)
         if self.logq is not None:
             new.logq = self.logq.index_select(0, idx)
+        if self.q is not None:
+            new.q = self.q.index_select(0, idx)
         if isinstance(self.beta_e, Tensor) and isinstance(self.r_e, Tensor):
             new.beta_e, new.r_e = self.beta_e.index_select(0, idx), self.r_e.index_select(0, idx)
         return new
@@ -480,10 +594,11 @@ def _solve_problem(problem: _Problem, lo: Tensor | None = None, hi: Tensor | Non
     hi = torch.maximum(_upper_bound(problem) if hi is None else hi, lo)
     scalar = problem.beta_scalar
     hybrid = scalar > 1 if scalar is not None else bool((problem.beta > 1).any())
-    tau, problem, _ = _find_tau(problem, lo, hi, hybrid=hybrid)
-    p, w, u = problem.support(tau)
-    entries = problem.entries
-    p = p / entries.per_entry(entries.rowsum(p))
+    with _serial(problem.theta.numel(), problem.theta.device):
+        tau, problem, _ = _find_tau(problem, lo, hi, hybrid=hybrid)
+        p, w, u = problem.support(tau)
+        entries = problem.entries
+        p = p / entries.per_entry(entries.rowsum(p))
     return _Solution(tau, p, w, u, problem.theta, entries)
 
 
@@ -538,41 +653,60 @@ def _threshold(lo: Tensor, beta: Tensor, scale: float) -> Tensor:
     return thr - 8 * torch.finfo(lo.dtype).eps * (thr.abs() + 1.0 / (beta * scale))
 
 
+class _PlusLabel:
+    """A dense q ≡ 1 problem plus one entry per row with its own ``log q`` (duck-types ``_Problem``)."""
+
+    def __init__(self, base: _Problem, label: _Problem) -> None:
+        self.base, self.label = base, label
+        self.beta, self.entries = base.beta, base.entries
+
+    def mass_slope(self, tau: Tensor) -> tuple[Tensor, Tensor]:
+        mass, slope = self.base.mass_slope(tau)
+        mass_y, slope_y = self.label.mass_slope(tau)
+        return mass + mass_y, slope + slope_y
+
+    def shrunk(self, tau: Tensor) -> tuple[_PlusLabel, None]:
+        return self, None
+
+
 def _block_subset_bound(
     blocks: _Blocks,
+    x: Tensor,
     scale: float,
     beta: Tensor,
     beta_scalar: float | None,
     label: Tensor | None,
     logq_label: Tensor | None,
     lo: Tensor,
+    hi: Tensor | None,
 ) -> Tensor:
-    r"""A tighter lower bound on τ: the root of the problem restricted to the block maxima.
+    r"""A tighter lower bound on τ: a verified Newton iterate of the problem on the block maxima.
 
-    The block maxima are logits of the row; with weights no larger than their q (1, or
-    :math:`\min(1, q_y)` for the label's block when q is 1 off the label) the restricted mass is
-    at most the full mass at every τ, so the restricted root — the lower end of its bracket,
-    where mass ≥ 1 was verified — is a lower bound of the full root. It is close to the root
-    when the support is spread over many blocks (exactly when :math:`\tau_{lo}` is loose). A few
-    Newton steps on the block maxima above ``lo − 1/β`` (flat, shrinking) suffice: any verified
-    lower end of the bracket is a valid bound. (Block maxima below ``lo − 1/β`` are left out:
-    a smaller subset only lowers the bound.)
+    The block maxima are a subset of the row's logits with :math:`q_j = 1`; with the label
+    override, the label is taken out of its block (the block keeps the maximum of its other
+    columns) and added as one more entry with its own :math:`q_y`. The restricted mass is at most
+    the full mass at every τ, so any τ where it is :math:`\ge 1` is a lower bound of the full
+    root; it is close to the root when the support is spread over many blocks (exactly when
+    :math:`\tau_{lo}` is loose). A few Newton steps on the dense ``[N, n/_BLOCK]`` maxima from
+    ``lo`` (which is also the subset's own lower bound) suffice: the lower end of the bracket only
+    moves to iterates whose mass was verified to be :math:`\ge 1`.
     """
-    bmax = blocks.bmax
+    n_rows = x.shape[0]
+    with_label = label is not None and logq_label is not None
+    bmax = blocks.bmax_excluding if with_label else blocks.bmax
     cdt = compute_dtype(bmax.dtype)
-    flat = (bmax > _threshold(lo, beta, scale).unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
-    entries = _Entries(bmax.shape[0], bmax.shape[1], flat=flat)
-    theta = bmax.reshape(-1).index_select(0, flat).to(cdt) * scale
-    logq = None
-    if label is not None and logq_label is not None:
-        at_label = entries.is_column(label // _BLOCK)
-        logq = torch.where(at_label, entries.per_entry(logq_label.to(cdt).clamp_max(0.0)), 0.0)
-    problem = _Problem(entries, theta, logq, beta, beta_scalar)
-    sub_lo = _lower_bound(problem)
-    hi = torch.maximum(_upper_bound(problem), sub_lo)
+    problem: _Problem | _PlusLabel
+    problem = _Problem(_Entries(n_rows, bmax.shape[1]), bmax.to(cdt) * scale, None, beta, beta_scalar)
+    if with_label:
+        assert label is not None and logq_label is not None
+        theta_y = x.gather(1, label.unsqueeze(1)).to(cdt) * scale
+        logq_y = logq_label.to(cdt).unsqueeze(1)
+        problem = _PlusLabel(problem, _Problem(_Entries(n_rows, 1), theta_y, logq_y, beta, beta_scalar))
+    if hi is None:
+        return lo  # a general label weight: no cheap upper bound to safeguard the steps
     hybrid = beta_scalar > 1 if beta_scalar is not None else bool((beta > 1).any())
-    _, _, verified = _find_tau(problem, sub_lo, hi, hybrid=hybrid, max_iter=_SUBSET_ITERATIONS)
-    return torch.maximum(verified, lo)
+    _, _, verified = _find_tau(problem, lo, torch.maximum(hi, lo), hybrid=hybrid, max_iter=_SUBSET_ITERATIONS)
+    return verified
 
 
 def _solve_candidates(
@@ -588,20 +722,27 @@ def _solve_candidates(
     """Exact solve on the candidates ``θ_j > τ_lo − 1/β``, stored flat (no padding)."""
     n_rows, n = x.shape
     cdt = compute_dtype(x.dtype)
-    lo, hi = _row_bounds(x, blocks, scale, beta, cdt, logq, label, logq_label)
-    thr = _threshold(lo, beta, scale)
-    if logq is None and not blocks.sparse(thr):
-        lo = torch.maximum(lo, _block_subset_bound(blocks, scale, beta, beta_scalar, label, logq_label, lo))
+    # without a dense measure everything up to the candidate gather acts on [N] or the block maxima
+    with _serial(blocks.bmax.numel() if logq is None else x.numel(), x.device):
+        lo, hi = _row_bounds(x, blocks, scale, beta, cdt, logq, label, logq_label)
         thr = _threshold(lo, beta, scale)
+        if logq is None and not blocks.sparse(thr):
+            lo = _block_subset_bound(blocks, x, scale, beta, beta_scalar, label, logq_label, lo, hi)
+            thr = _threshold(lo, beta, scale)
     flat = blocks.above(thr)
     if flat.numel() > _DENSE_FRACTION * x.numel():
         return _solve_dense(x, scale, beta, beta_scalar, logq, label, logq_label)
-    entries = _Entries(n_rows, n, flat=flat)
-    theta = x.reshape(-1).index_select(0, flat).to(cdt)
-    if scale != 1.0:
-        theta = theta.mul_(scale)
-    lq = _entry_logq(entries, cdt, logq, label, logq_label)
-    return _solve_problem(_Problem(entries, theta, lq, beta, beta_scalar), lo, hi)
+    with _serial(flat.numel(), x.device):
+        entries = _Entries(n_rows, n, flat=flat)
+        theta = x.reshape(-1).index_select(0, flat).to(cdt)
+        if scale != 1.0:
+            theta = theta.mul_(scale)
+        lq = _entry_logq(entries, cdt, logq, label, logq_label)
+        logq_min = None
+        if logq is None and label is not None and logq_label is not None:
+            logq_min = min(0.0, float(logq_label.min()))
+        problem = _Problem(entries, theta, lq, beta, beta_scalar, logq_min)
+    return _solve_problem(problem, lo, hi)
 
 
 def _solve_dense(
@@ -781,8 +922,9 @@ class _LossFunction(torch.autograd.Function):
             logq_y = logq.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt)
         else:
             logq_y = None if logq_label is None else logq_label.to(cdt)
-        loss = _loss_value(sol, theta_y, logq_y, beta)
-        support = sol.entries.rowsum((sol.p > 0).to(cdt)).long()
+        with _serial(sol.p.numel(), sol.p.device):
+            loss = _loss_value(sol, theta_y, logq_y, beta)
+            support = sol.entries.rowsum((sol.p > 0).to(cdt)).long()
         ctx.mark_non_differentiable(support)
         ctx.shape, ctx.scale = x.shape, scale
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
@@ -799,8 +941,11 @@ class _LossFunction(torch.autograd.Function):
         grad_x = grad_logq = None
         if ctx.needs_input_grad[0]:
             gs = g * ctx.scale
-            grad_x = entries.scatter(p * entries.per_entry(gs), x_dtype)
-            grad_x.scatter_add_(1, y, (-gs).unsqueeze(1).to(x_dtype))
+            with _serial(p.numel(), p.device):
+                values = (p * entries.per_entry(gs)).to(x_dtype)
+            grad_x = entries.scatter(values, x_dtype)
+            with _serial(p.numel(), p.device):
+                grad_x.scatter_add_(1, y, (-gs).unsqueeze(1).to(x_dtype))
         if ctx.needs_input_grad[1]:
             # ∂ℓ/∂log q_k = [p_k u_k − δ_ky q_y^{−β}] / α
             ga = g / (1.0 + beta)
