@@ -111,6 +111,26 @@ def test_candidate_filter_and_topk_equal_full_rows(alpha, gen):
     assert sol.p.numel() < 6 * 3000 // 4
 
 
+def test_topk_is_skipped_when_the_candidates_fit(gen, monkeypatch):
+    # the exact candidates are a subset of every row's top K when no row has more than K of them:
+    # no top-K selection runs; with K below a row's candidate count it does (and stays exact)
+    x = torch.randn(8, 4000, generator=gen, dtype=torch.float64)
+    x[:, :10] += 8.0
+    full = alpha_softargmax(x, 1.5, candidates=False)
+    calls = []
+    original = torch.Tensor.topk
+
+    def counting_topk(self, *args, **kwargs):
+        calls.append(args)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "topk", counting_topk)
+    torch.testing.assert_close(alpha_softargmax(x, 1.5, topk=0.05), full, atol=1e-12, rtol=0)
+    assert calls == []
+    torch.testing.assert_close(alpha_softargmax(x, 1.5, topk=2), full, atol=1e-12, rtol=0)
+    assert len(calls) == 1
+
+
 def test_topk_that_misses_the_support_falls_back_to_exact(gen):
     # Row 0: 50 tied logits, the support holds all 50 > K = 5, so the integrity check fails.
     # Row 1: one dominant logit, the top-5 answer is exact. Rows are merged.

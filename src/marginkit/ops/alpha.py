@@ -81,6 +81,7 @@ _SHRINK_FRACTION = 0.7
 # Columns per block of the block maxima; blocks are compared element-wise only when they may
 # hold a candidate, unless more than this fraction of the logits would be compared anyway.
 _BLOCK = 64
+_BLOCK_BITS = 6  # log2(_BLOCK)
 _BLOCK_FRACTION = 0.25
 # Newton steps spent on the block-maxima lower bound (see _block_subset_bound).
 _SUBSET_ITERATIONS = 3
@@ -113,18 +114,19 @@ def _serial(numel: int, device: torch.device) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 
 
-def _sparse_nonzero(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Row and column indices of the true entries of a mostly false ``[k, _BLOCK]`` bool mask.
+def _sparse_nonzero(mask: Tensor) -> Tensor:
+    """Sorted indices of the true entries of a mostly false 1-D bool tensor (``mask.nonzero()``).
 
     ``nonzero`` costs about a nanosecond per element on CPU whatever the output size; read as
     ``int64`` words of 8 flags it first finds the nonzero words (8× fewer elements), then the
-    flags inside those words only. Same result and order as ``mask.nonzero()``.
+    flags inside those words only.
     """
-    words = mask.view(torch.int64)
-    k, word = words.nonzero().unbind(1)
-    at = k * (_BLOCK // 8) + word
-    i, byte = mask.view(-1, 8).index_select(0, at).nonzero().unbind(1)
-    return k.index_select(0, i), (word.index_select(0, i) * 8).add_(byte)
+    pad = (-mask.numel()) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    word = mask.view(torch.int64).nonzero().squeeze(1)
+    i, byte = mask.view(-1, 8).index_select(0, word).nonzero().unbind(1)
+    return (word.index_select(0, i) * 8).add_(byte)
 
 
 class _Blocks:
@@ -197,16 +199,18 @@ class _Blocks:
         with _serial(self.bmax.numel(), self.x.device):
             selected = self.bmax > thr.unsqueeze(1)
             n_selected = int(selected.sum())
-            if n_selected * _BLOCK > _BLOCK_FRACTION * self.x.numel():
-                selected = None
-            else:
+            dense = n_selected * _BLOCK > _BLOCK_FRACTION * self.x.numel()
+            if not dense:  # (a sixth or so of the blocks: the word trick would not pay here)
                 bi, bj = selected.nonzero().unbind(1)
                 thr_b = thr.index_select(0, bi).unsqueeze(1)
-        if selected is None:
-            return (self.x > thr.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
+        if dense:
+            mask = (self.x > thr.unsqueeze(1)).view(-1)
+            with _serial(mask.numel() // 8, self.x.device):
+                return _sparse_nonzero(mask)
         mask = self._values(bi, bj) > thr_b
         with _serial(mask.numel() // 8, self.x.device):
-            k, g = _sparse_nonzero(mask)
+            f = _sparse_nonzero(mask.view(-1))
+            k, g = f >> _BLOCK_BITS, f & (_BLOCK - 1)
             return (bi.index_select(0, k) * self.n + bj.index_select(0, k) * _BLOCK).add_(g)
 
 
@@ -718,8 +722,14 @@ def _solve_candidates(
     logq: Tensor | None,
     label: Tensor | None,
     logq_label: Tensor | None,
-) -> _Solution:
-    """Exact solve on the candidates ``θ_j > τ_lo − 1/β``, stored flat (no padding)."""
+    k: int | None = None,
+) -> _Solution | None:
+    """Exact solve on the candidates ``θ_j > τ_lo − 1/β``, stored flat (no padding).
+
+    With ``k``: ``None`` (nothing solved) when some row has more than ``k`` candidates, the
+    caller then restricts to the top ``k``; otherwise the candidates are already a subset of each
+    row's top ``k`` and their solution is the top-``k`` one.
+    """
     n_rows, n = x.shape
     cdt = compute_dtype(x.dtype)
     # without a dense measure everything up to the candidate gather acts on [N] or the block maxima
@@ -731,18 +741,26 @@ def _solve_candidates(
             thr = _threshold(lo, beta, scale)
     flat = blocks.above(thr)
     if flat.numel() > _DENSE_FRACTION * x.numel():
+        if k is not None:
+            return None
         return _solve_dense(x, scale, beta, beta_scalar, logq, label, logq_label)
     with _serial(flat.numel(), x.device):
         entries = _Entries(n_rows, n, flat=flat)
+        if k is not None and entries.counts is not None and int(entries.counts.max()) > k:
+            return None
         theta = x.reshape(-1).index_select(0, flat).to(cdt)
         if scale != 1.0:
             theta = theta.mul_(scale)
         lq = _entry_logq(entries, cdt, logq, label, logq_label)
-        logq_min = None
-        if logq is None and label is not None and logq_label is not None:
-            logq_min = min(0.0, float(logq_label.min()))
-        problem = _Problem(entries, theta, lq, beta, beta_scalar, logq_min)
+        problem = _Problem(entries, theta, lq, beta, beta_scalar, _label_logq_min(logq, label, logq_label))
     return _solve_problem(problem, lo, hi)
+
+
+def _label_logq_min(logq: Tensor | None, label: Tensor | None, logq_label: Tensor | None) -> float | None:
+    """The smallest ``log q`` of the label override (q is 1 elsewhere); ``None`` for a dense measure."""
+    if logq is None and label is not None and logq_label is not None:
+        return min(0.0, float(logq_label.min()))
+    return None if logq is not None else 0.0
 
 
 def _solve_dense(
@@ -759,7 +777,9 @@ def _solve_dense(
     theta = x.to(cdt) * scale
     entries = _Entries(x.shape[0], x.shape[1])
     lq = _entry_logq(entries, cdt, logq, label, logq_label)
-    return _solve_problem(_Problem(entries, theta, lq, beta, beta_scalar))
+    return _solve_problem(
+        _Problem(entries, theta, lq, beta, beta_scalar, _label_logq_min(logq, label, logq_label))
+    )
 
 
 def _merge_rows(base: _Solution, rows: Tensor, sub: _Solution) -> _Solution:
@@ -798,13 +818,17 @@ def _solve(
     """Solve every row of ``x`` (``[N, n]``; θ = scale·x; q from ``logq`` or the label override)."""
     n_rows, n = x.shape
     if k is not None and k < n:
+        if candidates:  # the exact candidates, when no row has more than k, are the answer
+            blocks = _Blocks(x) if blocks is None else blocks
+            sol = _solve_candidates(x, blocks, scale, beta, beta_scalar, logq, label, logq_label, k)
+            if sol is not None:
+                return sol
         cdt = compute_dtype(x.dtype)
         vals, idx = x.topk(k, dim=-1)
         theta = vals.to(cdt) * scale
         entries = _Entries(n_rows, n, col=idx)
-        problem = _Problem(
-            entries, theta, _entry_logq(entries, cdt, logq, label, logq_label), beta, beta_scalar
-        )
+        lq = _entry_logq(entries, cdt, logq, label, logq_label)
+        problem = _Problem(entries, theta, lq, beta, beta_scalar, _label_logq_min(logq, label, logq_label))
         sol = _solve_problem(problem)
         # Integrity check: the smallest kept logit must be inactive at the kept-set root.
         exact = problem.btheta[:, -1] - beta * sol.tau <= -1
@@ -824,9 +848,10 @@ def _solve(
         )
         return _merge_rows(sol, bad, sub)
     if candidates:
-        return _solve_candidates(
-            x, _Blocks(x) if blocks is None else blocks, scale, beta, beta_scalar, logq, label, logq_label
-        )
+        blocks = _Blocks(x) if blocks is None else blocks
+        sol = _solve_candidates(x, blocks, scale, beta, beta_scalar, logq, label, logq_label)
+        assert sol is not None
+        return sol
     return _solve_dense(x, scale, beta, beta_scalar, logq, label, logq_label)
 
 
