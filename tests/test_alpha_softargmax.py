@@ -102,12 +102,12 @@ def test_candidate_filter_and_topk_equal_full_rows(alpha, gen):
     assert (full > 0).sum(-1).max() < 3000
     for kwargs in ({}, {"topk": 64}, {"topk": 0.05}, {"topk": 1.0}, {"topk": 3000}):
         torch.testing.assert_close(alpha_softargmax(x, alpha, q=q, **kwargs), full, atol=1e-12, rtol=0)
-    # The candidate path really works on a compact set (flat entries, far fewer than n per row).
+    # The candidate path really works on a compact set (flat or padded rows, far fewer than n).
     beta = torch.full((6,), alpha - 1, dtype=torch.float64)
     sol = alpha_impl._solve(
         x, alpha_impl._Blocks(x), scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log()
     )
-    assert sol.entries.is_flat
+    assert sol.entries.is_flat or sol.entries.col is not None
     assert sol.p.numel() < 6 * 3000 // 4
 
 
