@@ -302,7 +302,8 @@ class _Entries:
                 out.view(-1).index_copy_(0, self.flat, e.to(dtype))
             return out
         # add, not assign: the padding of a padded candidate layout repeats a column with value 0
-        return out.scatter_add_(1, self.col, e.to(dtype))
+        with _serial(e.numel(), e.device):
+            return out.scatter_add_(1, self.col, e.to(dtype))
 
     def gather(self, dense: Tensor) -> Tensor:
         """The entries' values in a dense ``[N, n]`` tensor."""
