@@ -43,3 +43,25 @@ def test_reduce_weighted_mean_ignores_masked_rows():
     assert v.reduce(torch.zeros(0), "mean").item() == 0.0
     with pytest.raises(ValueError, match="reduction"):
         v.reduce(loss, "avg")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_cosine_tensor_one_pass_check(dtype):
+    ok = torch.tensor([[-1.0005, 0.3, 1.0004]], dtype=dtype)  # round-off within atol passes
+    assert v.cosine_tensor(ok, "cos") is ok
+    assert v.cosine_tensor(torch.empty(0, 3, dtype=dtype), "cos").shape == (0, 3)
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="cos contains NaN or infinite values"):
+            v.cosine_tensor(torch.tensor([[0.1, bad, 0.2]], dtype=dtype), "cos")
+    with pytest.raises(ValueError, match=r"cos must be cosines in \[-1, 1\].*up to 1.5"):
+        v.cosine_tensor(torch.tensor([[0.1, -1.5, 0.2]], dtype=dtype), "cos")
+    with pytest.raises(ValueError, match=r"up to 2"):
+        v.cosine_tensor(torch.tensor([0.1, 2.0], dtype=dtype), "cos")
+    with pytest.raises(TypeError, match="cos must be a floating-point"):
+        v.cosine_tensor(torch.ones(3, dtype=torch.int64), "cos")
+
+
+def test_cosine_tensor_accepts_tensors_that_require_grad(recwarn):
+    x = torch.rand(4, 5, requires_grad=True)
+    v.cosine_tensor(x * 2 - 1, "cos")
+    assert not [w for w in recwarn if "requires_grad" in str(w.message)]

@@ -23,13 +23,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def float_tensor(
-    x: Any, name: str, *, min_dim: int = 1, allow_inf: bool = False, allow_empty: bool = False
+    x: Any,
+    name: str,
+    *,
+    min_dim: int = 1,
+    allow_inf: bool = False,
+    allow_empty: bool = False,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Check that ``x`` is a floating tensor with at least ``min_dim`` dims and finite values.
 
     Returns ``x`` unchanged (callers cast with :func:`compute_dtype` themselves so that
     they can return results in the input dtype). ``allow_inf`` admits ``-inf`` only (masked
-    entries), never ``+inf`` or NaN.
+    entries), never ``+inf`` or NaN. ``check_values=False`` checks type and shape only.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -39,6 +45,8 @@ def float_tensor(
         raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
     if not allow_empty and x.dim() > 0 and x.shape[-1] == 0:
         raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if not check_values:
+        return x
     if allow_inf:
         bad = torch.isnan(x) | (x == math.inf)
         if bool(bad.any()):
@@ -126,10 +134,16 @@ def cosine_tensor(x: Any, name: str, *, atol: float = 1e-3) -> torch.Tensor:
     Values within ``atol`` outside the interval (normalisation round-off, half precision) are
     accepted; callers clamp. Anything further out means the input is not a cosine.
     """
-    float_tensor(x, name, min_dim=1)
-    if x.numel() and bool((x.abs() > 1 + atol).any()):
-        worst = float(x.abs().max())
-        raise ValueError(f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {worst:.4g}")
+    float_tensor(x, name, min_dim=1, check_values=False)
+    if x.numel():
+        # one pass, no temporaries: min and max propagate NaN, and ±inf land outside the range
+        lo, hi = (float(v) for v in torch.aminmax(x.detach()))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise ValueError(f"{name} contains NaN or infinite values")
+        if lo < -1 - atol or hi > 1 + atol:
+            raise ValueError(
+                f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {max(-lo, hi):.4g}"
+            )
     return x
 
 
