@@ -171,3 +171,83 @@ def test_bad_arguments(gen):
         head(bad)
     with pytest.raises(ValueError, match="embeddings"):
         head.predict(torch.randn(3, 9, generator=gen))
+
+
+# --- the sparse-gradient handshake with the alpha losses ---------------------------------------
+
+
+def _head_grads(loss_fn, head, e, y, *, detour: bool):
+    """Gradients of e and of the centres; ``detour`` inserts a clone (a dense-gradient producer)."""
+    e = e.detach().clone().requires_grad_(True)
+    head.zero_grad(set_to_none=True)
+    cos = head(e)
+    loss = loss_fn(cos.clone() if detour else cos, y)
+    loss.backward()
+    return loss.detach(), e.grad, head.weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_gradient_path_equals_the_dense_one(gen, dtype, monkeypatch):
+    from marginkit.heads import cosine as cosine_module
+    from marginkit.losses import EntmaxLoss, QMarginLoss, SparsemaxLoss
+
+    calls = []
+    sparse_backward = cosine_module._sparse_backward
+    monkeypatch.setattr(
+        cosine_module, "_sparse_backward", lambda ctx, g: (calls.append(g.layout), sparse_backward(ctx, g))[1]
+    )
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for n_classes in (40, 3000):  # one partial block only; the block pre-filter and padded rows
+        head = CosineHead(n_classes, 24, dtype=dtype)
+        with torch.no_grad():  # non-unit centre norms exercise the 1/‖w‖ factors
+            head.weight.mul_(torch.rand(n_classes, 1, generator=gen, dtype=dtype) + 0.5)
+        e = torch.randn(20, 24, generator=gen, dtype=dtype)
+        y = torch.randint(0, n_classes, (20,), generator=gen)
+        y[:4] = y[4]  # repeated labels
+        losses = (
+            QMarginLoss(),
+            QMarginLoss(alpha=1.5, scale=20.0),
+            EntmaxLoss(),
+            SparsemaxLoss(),
+            QMarginLoss(topk=2),
+        )
+        for loss_fn in losses:
+            calls.clear()
+            sparse = _head_grads(loss_fn, head, e, y, detour=False)
+            assert calls == [torch.sparse_coo]
+            dense = _head_grads(loss_fn, head, e, y, detour=True)
+            assert len(calls) == 1  # the detour got a dense gradient
+            for a, b in zip(sparse, dense, strict=True):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_sparse_gradient_only_reaches_the_head(gen):
+    from marginkit.heads.cosine import accepts_sparse_grad
+    from marginkit.losses import QMarginLoss
+
+    head = CosineHead(500, 8, dtype=torch.float64)
+    e = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 500, (6,), generator=gen)
+    cos = head(e)
+    assert accepts_sparse_grad(cos) and not accepts_sparse_grad(cos.clone()) and not accepts_sparse_grad(e)
+    # a leaf gets a dense .grad
+    leaf = cos.detach().requires_grad_(True)
+    QMarginLoss()(leaf, y).backward()
+    assert leaf.grad is not None and leaf.grad.layout == torch.strided
+    # the head output used twice: the sparse and the dense gradients add up correctly
+    (QMarginLoss()(cos, y) + 0.1 * cos.square().sum()).backward()
+    expected_e, expected_w = torch.autograd.grad(
+        QMarginLoss()(head(e).clone(), y) + 0.1 * head(e).square().sum(), (e, head.weight)
+    )
+    torch.testing.assert_close(e.grad, expected_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(head.weight.grad, expected_w, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_head_and_alpha_loss_sparse_path(gen):
+    from marginkit.losses import QMarginLoss
+
+    w = torch.randn(300, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    e = torch.randn(5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 300, (5,), generator=gen)
+    loss_fn = QMarginLoss(alpha=1.5, scale=10.0, margin=0.1, reduction="sum")
+    assert torch.autograd.gradcheck(lambda e, w: loss_fn(cosine_similarity_matrix(e, w), y), (e, w))

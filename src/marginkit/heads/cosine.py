@@ -34,7 +34,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from marginkit._validation import float_tensor, positive_int
 
-__all__ = ["CosineHead", "cosine_similarity_matrix"]
+__all__ = ["CosineHead", "accepts_sparse_grad", "cosine_similarity_matrix"]
 
 _EPS = 1e-12  # same as torch.nn.functional.normalize
 
@@ -64,6 +64,10 @@ class _CosineFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if grad.is_sparse and grad.dim() == 2:
+            return _sparse_backward(ctx, grad)
+        if grad.is_sparse:
+            grad = grad.to_dense()
         e_hat, e_inv, e_live, w, w_inv, w_live, cos = ctx.saved_tensors
         grad = grad.to(cos.dtype)
         grad_e = grad_w = None
@@ -79,6 +83,48 @@ class _CosineFn(torch.autograd.Function):
             k_scaled = g2.mul_(cos.reshape(-1, cos.shape[-1])).sum(dim=0)
             grad_w.addcmul_(w, (-(w_inv * k_scaled) * w_live).unsqueeze(1))
         return grad_e, grad_w, None
+
+
+def _sparse_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward of :class:`_CosineFn` for a sparse COO gradient ``[B, C]`` (possibly uncoalesced).
+
+    A sparse loss (:class:`marginkit.losses.QMarginLoss` and the other alpha losses, see
+    :func:`accepts_sparse_grad`) sends only its support and the label entries: the embedding
+    gradient is a sparse × dense product (instead of a ``[B, C] × [C, D]`` GEMM) and the centre
+    gradient gathers one embedding row per entry (instead of ``[C, B] × [B, D]``). Same formulas
+    as the dense path.
+    """
+    e_hat, e_inv, e_live, w, w_inv, w_live, cos = ctx.saved_tensors
+    e2, c2 = e_hat.reshape(-1, e_hat.shape[-1]), cos.reshape(-1, w.shape[0])
+    values = grad._values().to(cos.dtype)
+    index = grad._indices()
+    live = (values != 0).nonzero().squeeze(1)  # padding and inactive entries carry exact zeros
+    if live.numel() < values.numel():
+        index, values = index.index_select(1, live), values.index_select(0, live)
+    row, col = index
+    g_scaled = values * w_inv.index_select(0, col)  # g_bj / ‖w_j‖
+    grad_e = grad_w = None
+    if ctx.needs_input_grad[0]:
+        scaled = torch.sparse_coo_tensor(index, g_scaled, c2.shape, check_invariants=False)
+        d_hat = torch.sparse.mm(scaled, w).reshape(e_hat.shape)  # ∂L/∂ê
+        radial = (d_hat * e_hat).sum(dim=-1, keepdim=True) * e_live
+        grad_e = (d_hat - radial * e_hat) * e_inv
+    if ctx.needs_input_grad[1]:
+        k_scaled = torch.zeros_like(w_inv).index_add_(0, col, g_scaled * c2[row, col])
+        # the radial part is the one dense [C, D] pass; the entries are added on top of it
+        grad_w = w * (-(w_inv * k_scaled) * w_live).unsqueeze(1)
+        grad_w.index_add_(0, col, e2.index_select(0, row).mul_(g_scaled.unsqueeze(1)))
+    return grad_e, grad_w, None
+
+
+def accepts_sparse_grad(cosines: torch.Tensor) -> bool:
+    """Is ``cosines`` the direct output of a :class:`CosineHead` (whose backward takes a sparse gradient)?
+
+    A loss with a sparse gradient (few active classes per row) may then return it as a sparse
+    COO tensor and save the head two dense ``[B, C]``-sized products. Any other producer,
+    including a leaf tensor, gets a dense gradient.
+    """
+    return getattr(cosines.grad_fn, "_forward_cls", None) is _CosineFn
 
 
 def cosine_similarity_matrix(

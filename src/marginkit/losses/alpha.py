@@ -38,6 +38,7 @@ from marginkit._validation import (
     reduce,
     same_batch,
 )
+from marginkit.heads.cosine import accepts_sparse_grad
 from marginkit.ops.alpha import _alpha_loss_on_scores, _Blocks, _topk_count
 
 __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
@@ -63,7 +64,9 @@ def _checked_cosines(cosines: Any, labels: Any) -> tuple[Tensor, Tensor, _Blocks
     if cosines.dim() >= 2 and labels.dim() >= 1:
         same_batch(cosines, "cosines", labels, "labels")
     label_tensor(labels, "labels", shape=cosines.shape[:-1], num_classes=cosines.shape[-1])
-    x2d = cosines.reshape(-1, cosines.shape[-1]).contiguous()
+    # a [B, C] contiguous input is used as is (no view node: a sparse gradient reaches its producer)
+    x2d = cosines if cosines.dim() == 2 else cosines.reshape(-1, cosines.shape[-1])
+    x2d = x2d.contiguous()
     blocks = _Blocks(x2d)
     rowmax = blocks.rowmax
     if x2d.shape[0]:
@@ -133,6 +136,7 @@ class _AlphaCosineLoss(nn.Module):
             log_q_label=-scale * margin,
             k=k,
             candidates=bool(self.candidates),
+            sparse_grad=x2d is cosines and accepts_sparse_grad(cosines),
         )
         self.last_support_size = support.reshape(cosines.shape[:-1])
         return reduce(loss.reshape(cosines.shape[:-1]), self.reduction)

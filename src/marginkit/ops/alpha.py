@@ -305,6 +305,20 @@ class _Entries:
         with _serial(e.numel(), e.device):
             return out.scatter_add_(1, self.col, e.to(dtype))
 
+    def sparse(self, e: Tensor, label: Tensor, at_label: Tensor) -> Tensor:
+        """Sparse COO ``[N, n]`` (uncoalesced): the entries' values plus ``at_label`` at ``(i, label[i])``."""
+        assert self.flat is not None or self.col is not None
+        rows = torch.arange(self.n_rows, device=e.device)
+        if self.flat is not None:
+            assert self.row is not None
+            row, col = self.row, self.flat - self.row * self.n_cols
+        else:
+            assert self.col is not None
+            row, col = rows.repeat_interleave(self.col.shape[1]), self.col.reshape(-1)
+        index = torch.stack([torch.cat([row, rows]), torch.cat([col, label])])
+        values = torch.cat([e.reshape(-1), at_label])
+        return torch.sparse_coo_tensor(index, values, (self.n_rows, self.n_cols), check_invariants=False)
+
     def gather(self, dense: Tensor) -> Tensor:
         """The entries' values in a dense ``[N, n]`` tensor."""
         if self.flat is not None:
@@ -965,6 +979,7 @@ class _LossFunction(torch.autograd.Function):
         logq_label: Tensor | None,
         k: int | None,
         candidates: bool,
+        sparse_grad: bool = False,
     ) -> tuple[Tensor, Tensor]:
         sol = _solve(
             x,
@@ -988,7 +1003,7 @@ class _LossFunction(torch.autograd.Function):
             loss = _loss_value(sol, theta_y, logq_y, beta)
             support = sol.entries.rowsum((sol.p > 0).to(cdt)).long()
         ctx.mark_non_differentiable(support)
-        ctx.shape, ctx.scale = x.shape, scale
+        ctx.shape, ctx.scale, ctx.sparse_grad = x.shape, scale, sparse_grad
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
         ctx.save_for_backward(sol.p, sol.u, label, beta, logq_y, *sol.entries.saved())
         return loss, support
@@ -1005,16 +1020,20 @@ class _LossFunction(torch.autograd.Function):
             gs = g * ctx.scale
             with _serial(p.numel(), p.device):
                 values = (p * entries.per_entry(gs)).to(x_dtype)
-            grad_x = entries.scatter(values, x_dtype)
-            with _serial(p.numel(), p.device):
-                grad_x.scatter_add_(1, y, (-gs).unsqueeze(1).to(x_dtype))
+            if ctx.sparse_grad and (entries.is_flat or entries.col is not None):
+                with _serial(p.numel(), p.device):
+                    grad_x = entries.sparse(values, label, (-gs).to(x_dtype))
+            else:
+                grad_x = entries.scatter(values, x_dtype)
+                with _serial(p.numel(), p.device):
+                    grad_x.scatter_add_(1, y, (-gs).unsqueeze(1).to(x_dtype))
         if ctx.needs_input_grad[1]:
             # ∂ℓ/∂log q_k = [p_k u_k − δ_ky q_y^{−β}] / α
             ga = g / (1.0 + beta)
             grad_logq = entries.scatter(p * u * entries.per_entry(ga), q_dtype)
             at_y = -torch.exp(-beta * logq_y) * ga
             grad_logq.scatter_add_(1, y, at_y.unsqueeze(1).to(q_dtype))
-        return grad_x, grad_logq, None, None, None, None, None, None, None, None
+        return grad_x, grad_logq, None, None, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -1301,11 +1320,15 @@ def _alpha_loss_on_scores(
     log_q_label: float,
     k: int | None,
     candidates: bool,
+    sparse_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     r"""Loss on :math:`\theta = s\,x` with :math:`q_j = 1` except :math:`\log q_y` (Q-Margin family).
 
     ``q`` is never materialised: the label override enters the bound, the candidates and the
     value directly. Returns ``(loss [N], support size [N])``. Validation is the caller's.
+    ``sparse_grad``: return the gradient of ``x`` as a sparse COO tensor (support and labels
+    only) when the solution is compact; only for producers that accept one
+    (:func:`marginkit.heads.cosine.accepts_sparse_grad`).
     """
     n_rows, n = x2d.shape
     cdt = compute_dtype(x2d.dtype)
@@ -1321,4 +1344,6 @@ def _alpha_loss_on_scores(
     logq_label = None
     if log_q_label != 0.0:
         logq_label = torch.full((n_rows,), log_q_label, dtype=cdt, device=x2d.device)
-    return _LossFunction.apply(x2d, None, labels, blocks, beta, alpha - 1.0, scale, logq_label, k, candidates)
+    return _LossFunction.apply(
+        x2d, None, labels, blocks, beta, alpha - 1.0, scale, logq_label, k, candidates, sparse_grad
+    )
