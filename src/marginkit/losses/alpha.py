@@ -160,15 +160,18 @@ class QMarginLoss(_AlphaCosineLoss):
     :math:`\alpha = 1` is exactly CosFace :math:`-\log\mathrm{softmax}(s(c - m e_y))_y`. The
     posterior is sparse: only the classes with :math:`\theta_j > \tau - 1/(\alpha - 1)` are active
     (their count per example is ``last_support_size``). ``q`` is never materialised and the root
-    finder only sees the provable candidates, so the cost at large ``C`` is a few bandwidth-bound
-    passes over the cosines plus the gradient write.
+    finder only sees the provable candidates, so the cost at large ``C`` is two bandwidth-bound
+    passes over the cosines plus the gradient write. Fed directly from a
+    :class:`~marginkit.heads.CosineHead`, the gradient goes to the head as a sparse tensor (the
+    support and the labels), and the head skips its two dense gradient products.
 
     Args:
         alpha: ``>= 1`` (paper: 1.25 for faces, 1.5–1.75 for speakers).
         scale: ``s > 0`` (paper: 32–35 for faces at α = 1.25; best s falls as α rises).
         margin: ``m >= 0``.
-        topk: ``None``, an int or a fraction in ``(0, 1]``: exact top-K truncation (rows failing
-            the integrity check are recomputed exactly).
+        topk: ``None``, an int or a fraction in ``(0, 1]``: exact top-K truncation, run only
+            when some row has more than K candidates (rows failing the integrity check are
+            recomputed exactly).
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
         candidates: keyword-only; ``False`` disables the candidate filter (the root finder then
             runs on all ``C`` classes; for benchmarks).

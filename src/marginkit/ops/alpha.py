@@ -1186,8 +1186,10 @@ def alpha_softargmax(
         q: positive reference measure broadcastable to ``logits`` (``None``: all ones). Gradients
             flow to ``q``.
         dim: the class dimension.
-        topk: ``None``, an int K or a fraction in ``(0, 1]`` of the classes: solve on the K
-            largest logits first and keep the answer for rows that pass the integrity check (the
+        topk: ``None``, an int K or a fraction in ``(0, 1]`` of the classes: a cap on the root
+            finder's work per row. When the exact candidates of every row number at most K they
+            are a subset of its top K and are solved directly; otherwise the solve runs on the K
+            largest logits and keeps the answer for rows that pass the integrity check (the
             smallest kept logit is inactive); other rows are recomputed exactly.
         candidates: keyword-only; ``False`` disables the candidate filter and solves on the full
             rows (slower; for benchmarks and cross-checks).
