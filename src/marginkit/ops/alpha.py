@@ -754,7 +754,7 @@ def _solve_candidates(
     logq_label: Tensor | None,
     k: int | None = None,
 ) -> _Solution | None:
-    """Exact solve on the candidates ``θ_j > τ_lo − 1/β``, stored flat (no padding).
+    """Exact solve on the candidates ``θ_j > τ_lo − 1/β`` (flat, or padded rows when compact enough).
 
     With ``k``: ``None`` (nothing solved) when some row has more than ``k`` candidates, the
     caller then restricts to the top ``k``; otherwise the candidates are already a subset of each
