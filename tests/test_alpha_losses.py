@@ -400,3 +400,29 @@ def test_one_class_and_empty_batches():
         out.backward()  # an empty batch still backpropagates (zero gradient)
         assert float(out.detach()) == 0.0 and empty.grad is not None and empty.grad.shape == (0, 5)
     assert alpha_divergence_loss(empty, labels, 1.5).shape == (0,)
+
+
+@pytest.mark.parametrize(("alpha", "scale", "margin"), [(2.0, 64.0, 1.5), (3.0, 64.0, 0.7), (3.0, 64.0, 1.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qmargin_whose_measure_overflows_float32_is_computed_in_float64(alpha, scale, margin, dtype, gen):
+    # E(q_y) = (e^{(α-1)s m} - 1)/(α-1) exceeds float32 here (e^{89.6} and beyond): the loss is
+    # computed in float64 (finite; its value can exceed float32's range) instead of inf / NaN
+    cos = (torch.randn(6, 3000, generator=gen, dtype=torch.float64) / 16).clamp(-1, 1)
+    y = torch.randint(0, 3000, (6,), generator=gen)
+    cos[torch.arange(3), y[:3]] = 0.95  # dominant labels, still inside the margin
+    loss_fn = QMarginLoss(alpha=alpha, scale=scale, margin=margin, reduction="none")
+    ref_x = cos.clone().requires_grad_()
+    ref = loss_fn(ref_x, y)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), ref_x)
+    x = cos.to(dtype).requires_grad_()
+    loss = loss_fn(x, y)
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    assert loss.dtype == torch.float64 and grad.dtype == dtype and bool(torch.isfinite(loss).all())
+    x_rounded = cos.to(dtype).double()  # the float64 computation sees the rounded input
+    expected = loss_fn(x_rounded, y)
+    torch.testing.assert_close(loss, expected, rtol=1e-9, atol=0)
+    torch.testing.assert_close(
+        grad.double(), ref_grad, rtol=0, atol=scale * (1e-2 if dtype == torch.float16 else 1e-4)
+    )
+    one_class = loss_fn(torch.tensor([[0.3]], dtype=dtype), torch.tensor([0]))
+    assert float(one_class) == 0.0

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from alpha_reference import brute_force
 from marginkit.ops import alpha as alpha_impl
-from marginkit.ops import alpha_softargmax
+from marginkit.ops import alpha_divergence_loss, alpha_softargmax
 
 ALPHAS = [1.1, 1.25, 1.5, 2.0, 3.0]
 
@@ -347,3 +347,23 @@ def test_block_subset_bound_is_a_valid_tight_lower_bound(alpha, gen):
     sol = alpha_impl._solve(scale * x, None, scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log())
     assert bool((refined >= lo).all()) and bool((refined <= sol.tau + 1e-12).all())
     assert float((sol.tau - refined).mean()) < 0.5 * float((sol.tau - lo).mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiny_measure_with_large_alpha_is_computed_in_float64(dtype):
+    # α = 3, q = 1e-30: E(q) = (q^-2 - 1)/2 = 5e59 overflows float32; computed in float64 instead
+    x = torch.tensor([[2.0, 1.0, -1.0], [0.5, 0.4, 0.3], [1.0, 1.0, 1.0]], dtype=dtype)
+    q = torch.tensor([[1e-30, 1.0, 1.0], [1e-30, 1e-30, 1e-30], [1e-20, 1.0, 1.0]], dtype=torch.float32)
+    y = torch.tensor([0, 1, 0])
+    p = alpha_softargmax(x, 3.0, q=q)
+    assert p.dtype == dtype and bool(torch.isfinite(p).all())
+    p64 = alpha_softargmax(x.double(), 3.0, q=q.double())
+    # float16 output: entries below its range (1.7e-30 here) round to 0
+    tol = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float16 else {"rtol": 1e-5, "atol": 0.0}
+    torch.testing.assert_close(p.double(), p64, **tol)
+    loss = alpha_divergence_loss(x, y, 3.0, q=q)
+    assert loss.dtype == torch.float64 and bool(torch.isfinite(loss).all())
+    # (log q is taken in float32 here: relative error ~ 2|log q| eps in E(q) = q^-2/2)
+    torch.testing.assert_close(
+        loss, alpha_divergence_loss(x.double(), y, 3.0, q=q.double()), rtol=1e-5, atol=0
+    )

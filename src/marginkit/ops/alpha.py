@@ -353,8 +353,16 @@ _LOG_TINY = {dtype: math.log(torch.finfo(dtype).tiny) + 1.0 for dtype in (torch.
 # q enters the product form of _Problem.support when log q >= _LOG_TINY + this (1/q stays finite
 # with room to spare: 1/q <= e^{77} in float32, whose largest number is e^{88.7}).
 _Q_HEADROOM = 10.0
+# E(q) = (q^{-β} − 1)/β overflows float32 once β·(−log q) passes ~88.7: beyond this exponent the
+# solver computes in float64 (the loss itself can then exceed float32's range).
+_F32_MAX_OFFSET_EXPONENT = 80.0
 # 1/β up to this integer is evaluated by products (square-and-multiply).
 _MAX_INT_POWER = 16
+
+
+def _offset_overflows(cdt: torch.dtype, beta_max: float, logq_min: float) -> bool:
+    """Would ``E(q) = (q^{-β} − 1)/β`` overflow float32 for the largest β and the smallest q?"""
+    return cdt == torch.float32 and beta_max * -min(0.0, logq_min) > _F32_MAX_OFFSET_EXPONENT
 
 
 def _integer_power(beta: float | None) -> int | None:
@@ -1232,9 +1240,12 @@ def alpha_softargmax(
     elif x2d.shape[0] == 0:
         p2d = x2d.clone()
     else:
+        if lq2d is not None and _offset_overflows(cdt, float(beta.max()), float(lq2d.detach().min())):
+            x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()
+            blocks = _Blocks(x2d)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         p2d = _SoftargmaxFunction.apply(x2d, lq2d, blocks, beta, beta_scalar, k, bool(candidates))
-    return p2d.reshape(x.shape).movedim(-1, dim)
+    return p2d.reshape(x.shape).movedim(-1, dim).to(logits.dtype)
 
 
 def alpha_divergence_loss(
@@ -1271,7 +1282,8 @@ def alpha_divergence_loss(
         candidates: keyword-only; ``False`` solves on the full rows.
 
     Returns:
-        Loss per example, shape ``logits.shape[:-1]``, float32 (float64 for float64 logits).
+        Loss per example, shape ``logits.shape[:-1]``, float32 (float64 for float64 logits, and
+        when :math:`(\alpha-1)\log(1/q_{min}) > 80`: the divergence terms then overflow float32).
 
     Example:
         >>> import torch
@@ -1307,6 +1319,9 @@ def alpha_divergence_loss(
     elif x2d.shape[0] == 0:
         loss = x2d.to(cdt).sum(-1)  # empty, but connected to the graph
     else:
+        if lq2d is not None and _offset_overflows(cdt, float(beta.max()), float(lq2d.detach().min())):
+            x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()
+            blocks = _Blocks(x2d)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
     return loss.reshape(logits.shape[:-1])
@@ -1342,6 +1357,9 @@ def _alpha_loss_on_scores(
             theta[torch.arange(n_rows, device=x2d.device), labels] += log_q_label
         loss = F.cross_entropy(theta, labels, reduction="none")
         return loss, torch.full((n_rows,), n, dtype=torch.long, device=x2d.device)
+    if _offset_overflows(cdt, alpha - 1.0, log_q_label):  # e.g. α = 3, s·m ≥ 40: loss beyond float32
+        x2d, cdt, sparse_grad = x2d.double(), torch.float64, False
+        blocks = _Blocks(x2d)
     beta = torch.full((n_rows,), alpha - 1.0, dtype=cdt, device=x2d.device)
     logq_label = None
     if log_q_label != 0.0:
