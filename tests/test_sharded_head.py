@@ -63,6 +63,25 @@ def test_one_call_site_serves_both_heads(gen, loss_type):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(("alpha", "scale", "margin"), [(3.0, 64.0, 0.7), (2.0, 64.0, 1.5)])
+def test_sharded_qmargin_whose_measure_overflows_float32(gen, alpha, scale, margin):
+    """Like the one-process loss, the sharded Q-Margin computes in float64 there (no inf)."""
+    sharded = ShardedCosineHead(40, 6, seed=3)
+    plain = CosineHead(40, 6)
+    plain.load_state_dict(sharded.full_state_dict())
+    e = torch.randn(9, 6, generator=gen)
+    y = torch.randint(0, 40, (9,), generator=gen)
+    results = []
+    for head in (plain, sharded):
+        x = e.clone().requires_grad_(True)
+        value = QMarginLoss(alpha=alpha, scale=scale, margin=margin, reduction="none")(head(x), y)
+        value.sum().backward()
+        assert value.dtype == torch.float64 and bool(torch.isfinite(value).all())
+        results.append((value.detach(), x.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-3)
+
+
 def as_rank(monkeypatch, r, world):
     """Make the head believe it is rank ``r`` of ``world`` (no process group: no collectives)."""
     monkeypatch.setattr(sharded_mod, "rank", lambda group=None: r)

@@ -681,6 +681,10 @@ def _alpha_type(
             cos, owned, col, _Logits("scaled", scale), lambda c: scale * c - scale * margin, flags, sc
         )
         return loss, torch.full_like(y, sc.num_classes)
+    from marginkit.ops.alpha import _offset_overflows
+
+    if _offset_overflows(cos.dtype, alpha - 1.0, -scale * margin):  # as the single-process loss
+        cos = cos.double()  # the same decision on every rank (it depends on hyper-parameters only)
     return _ShardedAlphaFY.apply(cos, owned, col, float(alpha), scale, -scale * margin, flags, sc)
 
 
