@@ -122,9 +122,12 @@ def accepts_sparse_grad(cosines: torch.Tensor) -> bool:
 
     A loss with a sparse gradient (few active classes per row) may then return it as a sparse
     COO tensor and save the head two dense ``[B, C]``-sized products. Any other producer,
-    including a leaf tensor, gets a dense gradient.
+    including a leaf tensor, gets a dense gradient; so do devices other than CPU and CUDA (sparse
+    COO support elsewhere is partial).
     """
-    return getattr(cosines.grad_fn, "_forward_cls", None) is _CosineFn
+    return (
+        cosines.device.type in ("cpu", "cuda") and getattr(cosines.grad_fn, "_forward_cls", None) is _CosineFn
+    )
 
 
 def cosine_similarity_matrix(
