@@ -26,9 +26,10 @@ Implementation outline (every step batched over rows, no Python loop over rows o
 2. One bandwidth-bound pass computes maxima of 64-column blocks: the row maxima (and the input
    check), the largest logit off the label (for Q-Margin's :math:`q_y`), and a block pre-filter.
 3. Exact candidate filter: only :math:`\theta_j > \tau_{lo} - 1/\beta` can be active (no sort).
-   When that still leaves most blocks, the root of the problem restricted to the block maxima
-   (a subset, so its root is a lower bound) tightens :math:`\tau_{lo}` first. Candidates are
-   stored flat (row-sorted, no padding); row sums are segment sums.
+   When that still leaves most blocks, a few verified Newton steps on the problem restricted to
+   the block maxima plus the label (a subset, so they stay below its root) tighten
+   :math:`\tau_{lo}` first. Candidates are padded rows when that at most doubles them (plain
+   row reductions), else flat (row-sorted; row sums are segment sums).
 4. Newton's method on :math:`h(\tau) = (M(\tau)^\beta - 1)/\beta` (:math:`M` the mass) from
    :math:`\tau_{lo}`, safeguarded by the bracket :math:`[\tau_{lo}, \tau_{hi}]`. For
    :math:`1 < \alpha \le 2`, :math:`M^{\beta} = \|(q_j^{\beta}[1+\beta(\theta_j-\tau)]_+)_j\|_{1/\beta}`
@@ -38,11 +39,13 @@ Implementation outline (every step batched over rows, no Python loop over rows o
    step for softmax). Each iterate with mass :math:`\ge 1` is a lower bound: the candidate set
    shrinks to the entries active there. For :math:`\alpha > 2` a bisection replaces the Newton
    point when it leaves the bracket or the step does not halve in two iterations (``rtsafe``).
-5. Optional top-K restriction with the integrity check: the answer from the K largest logits is
-   exact iff the smallest kept logit is inactive at the :math:`\tau` found from the kept set;
-   rows that fail are recomputed exactly.
+5. Optional top-K restriction with the integrity check, when some row has more than K
+   candidates: the answer from the K largest logits is exact iff the smallest kept logit is
+   inactive at the :math:`\tau` found from the kept set; rows that fail are recomputed exactly.
 6. Backward from the closed form: with :math:`w_j = q_j^{\beta} p_j^{1-\beta}` on the support,
    :math:`J = \mathrm{diag}(w) - w w^\top / \sum w`; no differentiation through the solver.
+   The loss's gradient :math:`p - e_y` can be handed over as a sparse COO tensor (to a
+   :class:`~marginkit.heads.CosineHead`, see ``accepts_sparse_grad``).
 
 The private pieces ``_lower_bound``, ``_upper_bound``, ``_Problem.mass_slope`` /
 ``_Problem.support`` and ``_find_tau`` are what a class-sharded version reuses: MAX all-reduce
