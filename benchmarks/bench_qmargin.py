@@ -9,7 +9,8 @@ Forward + backward, batch B = 128, C classes, side by side in one run (issue 3):
     margin-modified logits, and ``_validation.cosine_tensor`` alone (a full input check).
 (b) with a CosineHead (D = 512; D = 128 at C = 10^6; gradients w.r.t. embeddings and centres):
     QMarginLoss (auto and topk=0.05), our CosFaceLoss/ArcFaceLoss, and pytorch-metric-learning's
-    CosFaceLoss/ArcFaceLoss (which own the centres; set to the same values).
+    CosFaceLoss/ArcFaceLoss (which own the centres; set to the same values). Q-Margin hands the
+    head a sparse gradient (its support and the labels), the others a dense one.
 
 Inputs are built once per C and shared by every method: unit class centres, embeddings at a
 target cosine uniform in [0.2, 0.8] from their centre (a mid-training state; non-target
