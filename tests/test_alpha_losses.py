@@ -426,3 +426,27 @@ def test_qmargin_whose_measure_overflows_float32_is_computed_in_float64(alpha, s
     )
     one_class = loss_fn(torch.tensor([[0.3]], dtype=dtype), torch.tensor([0]))
     assert float(one_class) == 0.0
+
+
+def test_large_gradient_comes_from_calloc_and_is_an_ordinary_tensor(gen):
+    # ≥ 32 MiB: the dense gradient is allocated zeroed by calloc (numpy) and written sparsely;
+    # it must behave as any gradient (values, in-place accumulation, dtype, device)
+    n = (32 << 20) // (4 * 8) + 64  # 8 rows of float32 just above the threshold
+    cos = (torch.randn(8, n, generator=gen) / 22.6).clamp_(-1, 1)
+    y = torch.randint(0, n, (8,), generator=gen)
+    x = cos.clone().requires_grad_()
+    loss_fn = QMarginLoss(reduction="sum")
+    loss_fn(x, y).backward()
+    grad = x.grad.clone()
+    assert x.grad.dtype == torch.float32 and x.grad.is_contiguous()
+    p = alpha_softargmax(
+        35.0 * cos.double(),
+        1.25,
+        q=torch.ones(8, n, dtype=torch.float64).scatter_(1, y[:, None], math.exp(-35.0 * 0.2)),
+    )
+    expected = 35.0 * (p - F.one_hot(y, n).double())
+    torch.testing.assert_close(grad.double(), expected, rtol=0, atol=1e-4)
+    loss_fn(x, y).backward()  # accumulates in place into the calloc-backed .grad
+    torch.testing.assert_close(x.grad, 2 * grad, rtol=0, atol=1e-6)
+    x.grad.zero_()
+    assert float(x.grad.abs().max()) == 0.0

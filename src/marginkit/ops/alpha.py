@@ -60,6 +60,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -132,6 +133,28 @@ def _sparse_nonzero(mask: Tensor) -> Tensor:
     word = mask.view(torch.int64).nonzero().squeeze(1)
     i, byte = mask.view(-1, 8).index_select(0, word).nonzero().unbind(1)
     return (word.index_select(0, i) * 8).add_(byte)
+
+
+# Zero tensors of at least this many bytes come from calloc (see _sparse_target_zeros): glibc
+# maps them fresh (above its largest mmap threshold, 32 MiB on 64-bit), so they are zero pages.
+_CALLOC_MIN_BYTES = 32 << 20
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+
+def _sparse_target_zeros(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor that a sparse gradient is about to be written into.
+
+    ``torch.zeros`` writes every byte; for a large CPU tensor the pages are fresh from the kernel
+    (already zero) and the write faults them all in. ``calloc`` (through ``numpy.zeros``) skips
+    that: only the pages the support writes to, or that a consumer later reads, get mapped.
+    Measured at [128, 10⁵] float32 with 36k entries written: 2.4 ms instead of 15 ms (8 ms instead
+    of 17 ms including a full read afterwards).
+    """
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and np_dtype is not None and shape[0] * shape[1] * itemsize >= _CALLOC_MIN_BYTES:
+        return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class _Blocks:
@@ -299,7 +322,7 @@ class _Entries:
         """Dense ``[N, n]`` tensor of ``dtype`` with the entries' values, zeros elsewhere."""
         if self.flat is None and self.col is None:
             return e.to(dtype)
-        out = torch.zeros(self.n_rows, self.n_cols, dtype=dtype, device=e.device)
+        out = _sparse_target_zeros((self.n_rows, self.n_cols), dtype, e.device)
         if self.flat is not None:
             with _serial(e.numel(), e.device):
                 out.view(-1).index_copy_(0, self.flat, e.to(dtype))
