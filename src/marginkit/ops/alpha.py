@@ -318,11 +318,21 @@ class _Entries:
         col = torch.arange(self.n_cols, device=device).repeat(self.n_rows) if self.col is None else self.col
         return _Entries(self.n_rows, self.n_cols, flat=row * self.n_cols + col.reshape(-1), row=row)
 
-    def scatter(self, e: Tensor, dtype: torch.dtype) -> Tensor:
-        """Dense ``[N, n]`` tensor of ``dtype`` with the entries' values, zeros elsewhere."""
+    def scatter(self, e: Tensor, dtype: torch.dtype, *, gradient: bool = False) -> Tensor:
+        """Dense ``[N, n]`` tensor of ``dtype`` with the entries' values, zeros elsewhere.
+
+        ``gradient``: the result is a gradient handed to autograd; a large one starts from calloc'd
+        zeros (:func:`_sparse_target_zeros`). User-facing outputs use ``torch.zeros`` (a numpy-backed
+        tensor cannot be resized).
+        """
         if self.flat is None and self.col is None:
             return e.to(dtype)
-        out = _sparse_target_zeros((self.n_rows, self.n_cols), dtype, e.device)
+        shape = (self.n_rows, self.n_cols)
+        out = (
+            _sparse_target_zeros(shape, dtype, e.device)
+            if gradient
+            else torch.zeros(shape, dtype=dtype, device=e.device)
+        )
         if self.flat is not None:
             with _serial(e.numel(), e.device):
                 out.view(-1).index_copy_(0, self.flat, e.to(dtype))
@@ -976,9 +986,9 @@ class _SoftargmaxFunction(torch.autograd.Function):
         x_dtype, q_dtype = ctx.dtypes
         grad_x = grad_logq = None
         if ctx.needs_input_grad[0]:
-            grad_x = entries.scatter((w * centred).masked_fill_(~on, 0.0), x_dtype)
+            grad_x = entries.scatter((w * centred).masked_fill_(~on, 0.0), x_dtype, gradient=True)
         if ctx.needs_input_grad[1]:
-            grad_logq = entries.scatter((p * centred).masked_fill_(~on, 0.0), q_dtype)
+            grad_logq = entries.scatter((p * centred).masked_fill_(~on, 0.0), q_dtype, gradient=True)
         return grad_x, grad_logq, None, None, None, None, None
 
 
@@ -1058,13 +1068,13 @@ class _LossFunction(torch.autograd.Function):
                 with _serial(p.numel(), p.device):
                     grad_x = entries.sparse(values, label, (-gs).to(x_dtype))
             else:
-                grad_x = entries.scatter(values, x_dtype)
+                grad_x = entries.scatter(values, x_dtype, gradient=True)
                 with _serial(p.numel(), p.device):
                     grad_x.scatter_add_(1, y, (-gs).unsqueeze(1).to(x_dtype))
         if ctx.needs_input_grad[1]:
             # ∂ℓ/∂log q_k = [p_k u_k − δ_ky q_y^{−β}] / α
             ga = g / (1.0 + beta)
-            grad_logq = entries.scatter(p * u * entries.per_entry(ga), q_dtype)
+            grad_logq = entries.scatter(p * u * entries.per_entry(ga), q_dtype, gradient=True)
             at_y = -torch.exp(-beta * logq_y) * ga
             grad_logq.scatter_add_(1, y, at_y.unsqueeze(1).to(q_dtype))
         return grad_x, grad_logq, None, None, None, None, None, None, None, None, None
