@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from marginkit._validation import positive_float, reduce
+from marginkit._validation import COSINE_ATOL, positive_float, reduce
 
 if TYPE_CHECKING:  # pragma: no cover
     from marginkit.heads.sharded import ShardedCosineHead
@@ -67,7 +67,6 @@ __all__ = [
 
 Group = Any
 
-_COSINE_ATOL = 1e-3  # same tolerance as marginkit._validation.cosine_tensor
 # Newton on the global τ: the convergence rule of marginkit.ops.alpha (|step| ≤ 4 ulp·(1 + |τ|)),
 # its iteration caps, and its schedule of convergence checks (one host read every 2 iterations
 # from the 4th: the flag travels inside the SUM all-reduce, so the check costs no extra collective).
@@ -384,9 +383,7 @@ def _flags_buffer(cos: Tensor, me: int, world: int) -> Tensor:
     flags = cos.new_zeros(world)
     if cos.numel():
         lo, hi = cos.amin(), cos.amax()
-        bad = ~(
-            torch.isfinite(lo) & torch.isfinite(hi) & (lo >= -1 - _COSINE_ATOL) & (hi <= 1 + _COSINE_ATOL)
-        )
+        bad = ~(torch.isfinite(lo) & torch.isfinite(hi) & (lo >= -1 - COSINE_ATOL) & (hi <= 1 + COSINE_ATOL))
         flags[me] = bad.to(cos.dtype)
     return flags
 

@@ -128,22 +128,34 @@ def reduce(loss: torch.Tensor, reduction: Reduction, weight: torch.Tensor | None
     raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def cosine_tensor(x: Any, name: str, *, atol: float = 1e-3) -> torch.Tensor:
+# Cosines may leave [-1, 1] by this much (normalisation round-off, half precision).
+COSINE_ATOL = 1e-3
+
+
+def cosine_range(lo: Any, hi: Any, name: str, *, atol: float = COSINE_ATOL) -> None:
+    """Raise unless ``lo``/``hi`` (the min/max of some cosines) lie in ``[-1 - atol, 1 + atol]``.
+
+    NaN and ±inf fail. For callers that already have the extremes from reductions they need
+    anyway (one pass instead of a full check).
+    """
+    lo_f, hi_f = (float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for v in (lo, hi))
+    if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    if lo_f < -1 - atol or hi_f > 1 + atol:
+        raise ValueError(
+            f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {max(-lo_f, hi_f):.4g}"
+        )
+
+
+def cosine_tensor(x: Any, name: str, *, atol: float = COSINE_ATOL) -> torch.Tensor:
     """Check a floating tensor of cosines: finite and inside ``[-1, 1]`` up to rounding ``atol``.
 
     Values within ``atol`` outside the interval (normalisation round-off, half precision) are
     accepted; callers clamp. Anything further out means the input is not a cosine.
     """
     float_tensor(x, name, min_dim=1, check_values=False)
-    if x.numel():
-        # one pass, no temporaries: min and max propagate NaN, and ±inf land outside the range
-        lo, hi = (float(v) for v in torch.aminmax(x.detach()))
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise ValueError(f"{name} contains NaN or infinite values")
-        if lo < -1 - atol or hi > 1 + atol:
-            raise ValueError(
-                f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {max(-lo, hi):.4g}"
-            )
+    if x.numel():  # one pass, no temporaries: min and max propagate NaN
+        cosine_range(*torch.aminmax(x), name, atol=atol)
     return x
 
 

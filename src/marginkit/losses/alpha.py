@@ -32,6 +32,7 @@ from marginkit._sharded import ShardedCosines, sharded_loss
 from marginkit._validation import (
     REDUCTIONS,
     choice,
+    cosine_range,
     cosine_tensor,
     label_tensor,
     positive_float,
@@ -43,20 +44,15 @@ from marginkit.ops.alpha import _alpha_loss_on_scores, _Blocks, _topk_count
 
 __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
 
-# Cosines may exceed [-1, 1] by this much (normalisation round-off); same as cosine_tensor's default.
-_COSINE_ATOL = 1e-3
-
 
 def _checked_cosines(cosines: Any, labels: Any) -> tuple[Tensor, Tensor, _Blocks]:
     """Validate ``cosines [..., C]`` and ``labels [...]``; return 2-D cosines, flat labels, block maxima.
 
-    The check is :func:`cosine_tensor`'s, decided from the row minima and maxima (NaN and inf
-    propagate through them): two bandwidth-bound reductions instead of two full-size temporaries
-    (the maxima are needed anyway). :func:`cosine_tensor` itself runs (and raises its message)
-    only when they show a problem.
+    The value check is :func:`cosine_range` on the minimum and the largest row maximum (NaN and
+    inf propagate through them): the maxima are needed anyway, the minimum costs one pass.
     """
     if not isinstance(cosines, Tensor) or not torch.is_floating_point(cosines) or cosines.dim() < 1:
-        cosine_tensor(cosines, "cosines", atol=_COSINE_ATOL)
+        cosine_tensor(cosines, "cosines")  # raises the type/shape error
     if cosines.shape[-1] == 0:
         raise ValueError(f"cosines must have a non-empty last dimension, got shape {tuple(cosines.shape)}")
     if not isinstance(labels, Tensor):
@@ -68,12 +64,8 @@ def _checked_cosines(cosines: Any, labels: Any) -> tuple[Tensor, Tensor, _Blocks
     x2d = cosines if cosines.dim() == 2 else cosines.reshape(-1, cosines.shape[-1])
     x2d = x2d.contiguous()
     blocks = _Blocks(x2d)
-    rowmax = blocks.rowmax
     if x2d.shape[0]:
-        rowmin = x2d.amin(-1)
-        ok = (rowmax <= 1 + _COSINE_ATOL) & (rowmin >= -1 - _COSINE_ATOL)
-        if not bool(ok.all()):
-            cosine_tensor(cosines, "cosines", atol=_COSINE_ATOL)
+        cosine_range(x2d.amin(), blocks.rowmax.amax(), "cosines")
     y = labels.reshape(-1).to(device=cosines.device, dtype=torch.long)
     return x2d, y, blocks
 

@@ -45,6 +45,7 @@ from marginkit._validation import (
     REDUCTIONS,
     choice,
     compute_dtype,
+    cosine_range,
     label_tensor,
     positive_float,
     reduce,
@@ -54,8 +55,6 @@ from marginkit._validation import (
 __all__ = ["ArcFaceLoss", "CosFaceLoss", "NormSoftmaxLoss", "margin_softmax_loss"]
 
 TargetFn = Callable[[torch.Tensor], torch.Tensor]
-
-_COSINE_ATOL = 1e-3  # same tolerance as marginkit._validation.cosine_tensor
 
 
 # ----------------------------------------------------------------------------------------
@@ -71,22 +70,6 @@ def _check_cosine_layout(cosines: Any, name: str) -> None:
         raise ValueError(f"{name} must have shape [batch, num_classes], got shape {tuple(cosines.shape)}")
     if cosines.shape[1] == 0:
         raise ValueError(f"{name} must have a non-empty class dimension, got shape {tuple(cosines.shape)}")
-
-
-def _check_cosine_range(lo: torch.Tensor, hi: torch.Tensor, name: str, atol: float = _COSINE_ATOL) -> None:
-    """Raise unless ``-1 - atol ≤ lo`` and ``hi ≤ 1 + atol`` (NaN/inf fail), like ``cosine_tensor``.
-
-    ``lo``/``hi`` are the global min/max of the cosines, obtained from reductions the loss does
-    anyway plus one ``amin`` pass: :func:`marginkit._validation.cosine_tensor` would add three
-    ``[B, C]`` passes and two ``[B, C]`` temporaries (``isfinite``, ``abs``, compare) per call,
-    more than the loss itself costs (measured: docs/throughput.md).
-    """
-    lo_f, hi_f = float(lo), float(hi)
-    if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
-        raise ValueError(f"{name} contains NaN or infinite values")
-    if lo_f < -1 - atol or hi_f > 1 + atol:
-        worst = max(-lo_f, hi_f)
-        raise ValueError(f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {worst:.4g}")
 
 
 def _target_gather(cos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -144,7 +127,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         target = scale * f_y.detach()
         lo = cos.amin()
         buf, shift = _shifted_exp(cos, index, scale, target)
-        _check_cosine_range(lo, torch.maximum(shift.max() / scale, cos_y.max()), name)
+        # the extremes from reductions done anyway plus one amin pass (no full check)
+        cosine_range(lo, torch.maximum(shift.max() / scale, cos_y.max()), name)
         rest = _rest_sum(buf)
         inv_total = (rest + torch.exp(target - shift)).reciprocal()  # total ∈ [1, C]
         z = rest.log() + shift - target  # log Σ_{j≠y} e^{logit_j} - t  (-inf if C = 1)
