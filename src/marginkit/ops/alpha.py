@@ -151,8 +151,8 @@ def _sparse_target_zeros(shape: tuple[int, int], dtype: torch.dtype, device: tor
     of 17 ms including a full read afterwards).
     """
     np_dtype = _NUMPY_DTYPES.get(dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and np_dtype is not None and shape[0] * shape[1] * itemsize >= _CALLOC_MIN_BYTES:
+    large = shape[0] * shape[1] * dtype.itemsize >= _CALLOC_MIN_BYTES
+    if device.type == "cpu" and np_dtype is not None and large:
         return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -399,6 +399,16 @@ _MAX_INT_POWER = 16
 def _offset_overflows(cdt: torch.dtype, beta_max: float, logq_min: float) -> bool:
     """Would ``E(q) = (q^{-β} − 1)/β`` overflow float32 for the largest β and the smallest q?"""
     return cdt == torch.float32 and beta_max * -min(0.0, logq_min) > _F32_MAX_OFFSET_EXPONENT
+
+
+def _widened_for_measure(
+    cdt: torch.dtype, x2d: Tensor, lq2d: Tensor | None, beta: Tensor, blocks: _Blocks
+) -> tuple[Tensor, Tensor | None, Tensor, _Blocks]:
+    """The op's inputs in float64 when a general measure's offsets would overflow float32, else as given."""
+    if lq2d is None or not _offset_overflows(cdt, float(beta.max()), float(lq2d.detach().min())):
+        return x2d, lq2d, beta, blocks
+    x64 = x2d.double()
+    return x64, lq2d.double(), beta.double(), _Blocks(x64)
 
 
 def _integer_power(beta: float | None) -> int | None:
@@ -769,6 +779,8 @@ def _block_subset_bound(
     ``lo`` (which is also the subset's own lower bound) suffice: the lower end of the bracket only
     moves to iterates whose mass was verified to be :math:`\ge 1`.
     """
+    if hi is None:
+        return lo  # a general label weight: no cheap upper bound to safeguard the steps
     n_rows = x.shape[0]
     with_label = label is not None and logq_label is not None
     bmax = blocks.bmax_excluding if with_label else blocks.bmax
@@ -780,8 +792,6 @@ def _block_subset_bound(
         theta_y = x.gather(1, label.unsqueeze(1)).to(cdt) * scale
         logq_y = logq_label.to(cdt).unsqueeze(1)
         problem = _PlusLabel(problem, _Problem(_Entries(n_rows, 1), theta_y, logq_y, beta, beta_scalar))
-    if hi is None:
-        return lo  # a general label weight: no cheap upper bound to safeguard the steps
     hybrid = beta_scalar > 1 if beta_scalar is not None else bool((beta > 1).any())
     _, _, verified = _find_tau(problem, lo, torch.maximum(hi, lo), hybrid=hybrid, max_iter=_SUBSET_ITERATIONS)
     return verified
@@ -1276,9 +1286,7 @@ def alpha_softargmax(
     elif x2d.shape[0] == 0:
         p2d = x2d.clone()
     else:
-        if lq2d is not None and _offset_overflows(cdt, float(beta.max()), float(lq2d.detach().min())):
-            x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()
-            blocks = _Blocks(x2d)
+        x2d, lq2d, beta, blocks = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         p2d = _SoftargmaxFunction.apply(x2d, lq2d, blocks, beta, beta_scalar, k, bool(candidates))
     return p2d.reshape(x.shape).movedim(-1, dim).to(logits.dtype)
@@ -1355,9 +1363,7 @@ def alpha_divergence_loss(
     elif x2d.shape[0] == 0:
         loss = x2d.to(cdt).sum(-1)  # empty, but connected to the graph
     else:
-        if lq2d is not None and _offset_overflows(cdt, float(beta.max()), float(lq2d.detach().min())):
-            x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()
-            blocks = _Blocks(x2d)
+        x2d, lq2d, beta, blocks = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
     return loss.reshape(logits.shape[:-1])
