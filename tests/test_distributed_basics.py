@@ -1,3 +1,5 @@
+import os
+import pathlib
 import socket
 
 import pytest
@@ -196,6 +198,34 @@ def test_spawn_reports_the_failing_rank_without_hanging():
     with pytest.raises(SpawnedRankError, match=r"(?s)rank 1 of 2 failed first.*boom from rank 1") as info:
         run_distributed(_worker_fails, 2, timeout_s=30.0)
     assert info.value.rank == 1
+
+
+def _worker_group_is_freed(me, world):
+    import sys
+
+    def gloo_threads():
+        tasks = pathlib.Path("/proc/self/task")
+        names = ((task / "comm").read_text().strip() for task in tasks.iterdir())
+        return sorted(n for n in names if "gloo" in n)
+
+    assert "torch.distributed.nn" in sys.modules  # imported by the helper before the group
+    # The first optimizer imports torch.distributed.nn.functional (via torch._dynamo), whose
+    # defaults are group.WORLD at import time: None here, not this group (which it would pin).
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert torch.distributed.nn.functional.all_reduce.__defaults__[-1] is None
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    assert x.tolist() == [float(world)] * 3 and gloo_threads()
+    dist.barrier()
+    dist.destroy_process_group()
+    # Freed: its worker threads are joined now, not racing the interpreter's shutdown (SIGABRT).
+    assert gloo_threads() == []
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_destroyed_group_is_freed_after_an_optimizer_was_built():
+    run_distributed(_worker_group_is_freed, 2)
 
 
 def test_single_process_fallbacks(gen):

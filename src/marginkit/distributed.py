@@ -230,6 +230,19 @@ class SpawnedRankError(RuntimeError):
         self.rank = rank
 
 
+def _prepare_process_group_init() -> None:
+    """Call before ``torch.distributed.init_process_group`` so that tearing the group down works.
+
+    ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument of ten
+    functions when it is first imported, and the first ``torch.optim`` optimizer imports it. If
+    that happens after the default group exists, the group outlives ``destroy_process_group``
+    (torch 2.13) and so do its gloo worker threads; a worker still releasing its last collective
+    while the interpreter shuts down aborts the process ("terminate called without an active
+    exception", SIGABRT after a successful run). Imported first, the defaults bind ``None``.
+    """
+    import torch.distributed.nn  # noqa: F401
+
+
 def _loopback_interface() -> str:
     return "lo0" if sys.platform == "darwin" else "lo"
 
@@ -246,6 +259,7 @@ def _spawn_worker(
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
         torch.set_num_threads(1)
+        _prepare_process_group_init()
         torch.distributed.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",

@@ -115,6 +115,9 @@ def init_distributed(device_name: str) -> DistContext:
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from marginkit.distributed import _prepare_process_group_init
+
+    _prepare_process_group_init()
     torch.distributed.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     return DistContext(torch.distributed.get_rank(), torch.distributed.get_world_size(), True)
 
