@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 from entmax import entmax_bisect
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from alpha_reference import brute_force
+from alpha_reference import brute_force, rounding_tolerance
 from marginkit.ops import alpha as alpha_impl
 from marginkit.ops import alpha_divergence_loss, alpha_softargmax
 
@@ -52,6 +52,7 @@ def test_alpha_one_is_softmax_of_logits_plus_log_q(gen):
     spread=st.floats(0.01, 30.0),
     seed=st.integers(0, 2**31 - 1),
 )
+@example(alpha=4.0, n=28, rows=4, spread=6.0, seed=4)
 def test_property_simplex_sparsity_and_bruteforce(alpha, n, rows, spread, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=gen, dtype=torch.float64) * spread
@@ -59,8 +60,12 @@ def test_property_simplex_sparsity_and_bruteforce(alpha, n, rows, spread, seed):
     p = alpha_softargmax(x, alpha, q=q)
     assert bool((p >= 0).all())
     torch.testing.assert_close(p.sum(-1), torch.ones(rows, dtype=torch.float64), atol=1e-12, rtol=0)
-    expected = torch.from_numpy(brute_force(x.numpy(), alpha, q.numpy()))
-    torch.testing.assert_close(p, expected, atol=1e-9, rtol=0)
+    expected = brute_force(x.numpy(), alpha, q.numpy())
+    # α > 2 is ill-conditioned at the support edge (found by hypothesis: α = 4 off by 1.5e-9 where
+    # u = 2e-7; the float64 reference itself was 6.5e-10 from a 50-digit solution there).
+    slack = torch.from_numpy(1e-10 + rounding_tolerance(expected, x.numpy(), alpha, q.numpy()))
+    excess = (p - torch.from_numpy(expected)).abs() - slack
+    assert bool((excess <= 0).all()), f"max excess {float(excess.max()):.3g} (alpha={alpha})"
     # Zero exactly off the support: θ_j ≤ τ − 1/β, τ recovered from any active entry.
     b = alpha - 1
     j = p.argmax(-1, keepdim=True)
