@@ -370,19 +370,9 @@ def test_property_matches_float64_reference(b, c, scale, margin, seed):
 def test_one_call_site_serves_plain_and_sharded_heads(gen, loss_cls):
     # one process: the sharded head owns every class; loss(head(e), y) must agree in value and
     # gradient with the plain head (the sharded path itself is tested in test_sharded_head.py)
-    from marginkit.heads import ShardedCosineHead
+    from test_sharded_head import through_both_heads
 
-    sharded = ShardedCosineHead(15, 6, seed=3, dtype=torch.float64)
-    plain = CosineHead(15, 6, dtype=torch.float64)
-    plain.load_state_dict(sharded.full_state_dict())
-    e = torch.randn(9, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 15, (9,), generator=gen)
-    results = []
-    for head in (plain, sharded):
-        x = e.clone().requires_grad_(True)
-        value = loss_cls(scale=8.0)(head(x), y)
-        value.backward()
-        results.append((value.detach(), x.grad, head.weight.grad))
+    results = through_both_heads(gen, loss_cls(scale=8.0))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 

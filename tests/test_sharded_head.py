@@ -45,20 +45,27 @@ def _call(loss, out, labels):
     return sharded_loss(loss, out, labels)  # e.g. MEPLoss: the dispatcher's own error
 
 
-@pytest.mark.parametrize("loss_type", HOOKED, ids=lambda t: t.__name__)
-def test_one_call_site_serves_both_heads(gen, loss_type):
-    """``loss(head(e), labels)`` with a CosineHead and a (one-process) ShardedCosineHead."""
-    sharded = ShardedCosineHead(15, 6, seed=3, dtype=torch.float64)
-    plain = CosineHead(15, 6, dtype=torch.float64)
+def through_both_heads(gen, loss, num_classes=15, dtype=torch.float64):
+    """``loss(head(e), labels)`` with a CosineHead and a one-process ShardedCosineHead holding the
+    same weights: ``[(value, embedding grad, weight grad)]`` for the plain head, then the sharded."""
+    sharded = ShardedCosineHead(num_classes, 6, seed=3, dtype=dtype)
+    plain = CosineHead(num_classes, 6, dtype=dtype)
     plain.load_state_dict(sharded.full_state_dict())
-    e = torch.randn(9, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 15, (9,), generator=gen)
+    e = torch.randn(9, 6, generator=gen, dtype=dtype)
+    y = torch.randint(0, num_classes, (9,), generator=gen)
     results = []
     for head in (plain, sharded):
         x = e.clone().requires_grad_(True)
-        value = loss_type()(head(x), y)
-        value.backward()
+        value = loss(head(x), y)
+        value.sum().backward()
         results.append((value.detach(), x.grad, head.weight.grad))
+    return results
+
+
+@pytest.mark.parametrize("loss_type", HOOKED, ids=lambda t: t.__name__)
+def test_one_call_site_serves_both_heads(gen, loss_type):
+    """``loss(head(e), labels)`` with a CosineHead and a (one-process) ShardedCosineHead."""
+    results = through_both_heads(gen, loss_type())
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -66,18 +73,10 @@ def test_one_call_site_serves_both_heads(gen, loss_type):
 @pytest.mark.parametrize(("alpha", "scale", "margin"), [(3.0, 64.0, 0.7), (2.0, 64.0, 1.5)])
 def test_sharded_qmargin_whose_measure_overflows_float32(gen, alpha, scale, margin):
     """Like the one-process loss, the sharded Q-Margin computes in float64 there (no inf)."""
-    sharded = ShardedCosineHead(40, 6, seed=3)
-    plain = CosineHead(40, 6)
-    plain.load_state_dict(sharded.full_state_dict())
-    e = torch.randn(9, 6, generator=gen)
-    y = torch.randint(0, 40, (9,), generator=gen)
-    results = []
-    for head in (plain, sharded):
-        x = e.clone().requires_grad_(True)
-        value = QMarginLoss(alpha=alpha, scale=scale, margin=margin, reduction="none")(head(x), y)
-        value.sum().backward()
+    loss = QMarginLoss(alpha=alpha, scale=scale, margin=margin, reduction="none")
+    results = through_both_heads(gen, loss, num_classes=40, dtype=torch.float32)
+    for value, _, _ in results:
         assert value.dtype == torch.float64 and bool(torch.isfinite(value).all())
-        results.append((value.detach(), x.grad))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=0)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-3)
 
