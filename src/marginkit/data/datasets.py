@@ -26,6 +26,7 @@ different seeds are evaluated on the same test set. No augmentation is applied a
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import random
 import tempfile
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from marginkit._files import read_npz_arrays
 from marginkit._validation import positive_float, positive_int
 from marginkit.data.loaders import RawSplits, image_array
 from marginkit.data.splits import _seed, _split_indices, _subset_indices, stratified_split, stratified_subset
@@ -169,7 +171,57 @@ def _atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
         raise
 
 
-_MNIST1D_VERSION = 1  # bump when the cached content changes
+_CHECKSUM_KEY = "sha256"  # the cache member holding the digest of all the others
+
+
+def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over every array's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def cached_arrays(
+    path: Path,
+    generate: Callable[[], dict[str, np.ndarray]],
+    valid: Callable[[dict[str, np.ndarray]], bool],
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Arrays of a generated built-in data set, from its cache file or freshly ``generate``-d.
+
+    The cache holds the arrays and their :func:`arrays_digest`, recorded when it was written. A
+    cache that is unreadable, lacks the digest, no longer matches it (altered or corrupt) or
+    fails ``valid`` is never used: a warning names it and the arrays are generated again (and
+    the cache rewritten). Returns ``(arrays, cached)``, ``cached`` telling whether the file on
+    disk now holds them.
+    """
+    problem = None
+    if path.is_file():
+        try:
+            arrays = read_npz_arrays(path)
+        except ValueError as exc:
+            problem = f"unreadable ({exc})"
+        else:
+            stored = arrays.pop(_CHECKSUM_KEY, None)
+            if stored is None or stored.shape != () or str(stored) != arrays_digest(arrays):
+                problem = "does not match the checksum recorded when it was made (altered or corrupt)"
+            elif not valid(arrays):
+                problem = "does not hold the expected arrays"
+            else:
+                return arrays, True
+        warnings.warn(f"cached data {path} {problem}; regenerating it", UserWarning, stacklevel=4)
+    arrays = generate()
+    try:
+        _atomic_savez(path, {**arrays, _CHECKSUM_KEY: np.array(arrays_digest(arrays))})
+    except OSError as exc:
+        warnings.warn(f"could not write the cache {path} ({exc}); regenerating next time", stacklevel=4)
+        return arrays, False
+    return arrays, True
+
+
+_MNIST1D_VERSION = 2  # bump when the cached content changes (2: checksummed)
 
 
 def _generate_mnist1d() -> dict[str, np.ndarray]:
@@ -205,35 +257,19 @@ def _valid_mnist1d(arrays: dict[str, np.ndarray]) -> bool:
             and arrays["x_test"].shape == (1000, 40)
             and arrays["y"].shape == (4000,)
             and arrays["y_test"].shape == (1000,)
-            and arrays["x"].dtype == np.float32
-            and bool(np.isfinite(arrays["x"]).all())
+            and arrays["x"].dtype == arrays["x_test"].dtype == np.float32
+            and arrays["y"].dtype == arrays["y_test"].dtype == np.int64
+            and bool(np.isfinite(arrays["x"]).all() and np.isfinite(arrays["x_test"]).all())
             and set(np.unique(arrays["y"]).tolist()) == set(range(10))
+            and set(np.unique(arrays["y_test"]).tolist()) <= set(range(10))
         )
-    except (KeyError, AttributeError):
+    except KeyError:
         return False
 
 
 def _mnist1d(*, cache_dir: str | None = None) -> RawSplits:
     path = resolve_cache_dir(cache_dir) / f"mnist1d-v{_MNIST1D_VERSION}.npz"
-    arrays: dict[str, np.ndarray] | None = None
-    if path.is_file():
-        try:
-            with np.load(path, allow_pickle=False) as archive:
-                arrays = {key: archive[key] for key in archive.files}
-        except Exception:  # a corrupt cache is regenerated, never trusted
-            arrays = None
-        if arrays is not None and not _valid_mnist1d(arrays):
-            arrays = None
-    cached = arrays is not None
-    if arrays is None:
-        arrays = _generate_mnist1d()
-        try:
-            _atomic_savez(path, arrays)
-            cached = True
-        except OSError as exc:
-            warnings.warn(
-                f"mnist1d: could not write the cache {path} ({exc}); regenerating next time", stacklevel=3
-            )
+    arrays, cached = cached_arrays(path, _generate_mnist1d, _valid_mnist1d)
     return RawSplits(
         arrays["x"], arrays["y"], arrays["x_test"], arrays["y_test"], kind="vector",
         class_names=[str(i) for i in range(10)],
