@@ -184,6 +184,116 @@ def test_hnsw_recall_helper(gen):
     assert KNNClassifier(10, "l2").fit(ref, lab).recall_at_k(q) == 1.0
 
 
+# ---------------------------------------------------------------- exact distances, duplicates, ties
+def _lexsort_brute(queries, refs, k):
+    """Exact squared distances (float64 of the stored vectors), ties to the lower index."""
+    sq = ((queries.double()[:, None, :] - refs.double()[None, :, :]) ** 2).sum(-1).numpy()
+    cols = np.arange(refs.shape[0])
+    idx = np.stack([np.lexsort((cols, row))[:k] for row in sq])
+    return np.take_along_axis(sq, idx, 1), idx
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("limit_mb", [0.05, 512])
+def test_integer_grid_duplicates_and_ties(gen, backend, dtype, limit_mb):
+    # Small integers: every distance is exact, so ties are true ties (600 neighbour slots).
+    if backend == "faiss" and dtype == torch.float64:
+        pytest.skip("FAISS works in float32")
+    ref = torch.randint(-3, 4, (200, 5), generator=gen).to(dtype)
+    q = torch.randint(-3, 4, (120, 5), generator=gen).to(dtype)
+    q[:20] = ref[:20]  # exact duplicates of references
+    lab = torch.randint(0, 4, (200,), generator=gen)
+    clf = KNNClassifier(5, "l2", "distance", backend, memory_limit_mb=limit_mb).fit(ref, lab)
+    values, idx = clf.kneighbors(q)
+    sq, brute = _lexsort_brute(q, ref, 5)
+    np.testing.assert_array_equal(idx.numpy(), brute)  # the lowest-index rule, slot by slot
+    np.testing.assert_allclose(values.double().numpy(), np.sqrt(sq), rtol=torch.finfo(dtype).eps, atol=0)
+    assert (values[:20, 0] == 0).all()
+    # An exact match takes all the weight (shared among the references at distance 0).
+    proba = clf.predict_proba(q[:20])
+    zero = (ref[None, :, :] == q[:20, None, :]).all(-1)
+    expected = torch.zeros(20, 4, dtype=proba.dtype)
+    for row in range(20):
+        at_zero = idx[row][values[row] == 0]
+        expected[row] = torch.bincount(lab[at_zero], minlength=4).to(proba.dtype) / len(at_zero)
+        assert zero[row, at_zero].all()
+    assert torch.equal(proba, expected)
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw"])
+@pytest.mark.parametrize("scale", [12.0, 1e3])
+def test_float32_self_distance_is_zero_at_large_norms(gen, backend, scale):
+    # Key-based distances cancel: at |x| ~ 12 a reference's distance to itself was 1e-2.
+    ref = scale * torch.randn(300, 16, generator=gen)
+    q = ref + 0.05 * scale * torch.randn(300, 16, generator=gen)
+    clf = KNNClassifier(3, "l2", "distance", backend, hnsw_ef_search=300).fit(ref, torch.arange(300) % 7)
+    values, idx = clf.kneighbors(ref)
+    assert (values[:, 0] == 0).all() and torch.equal(idx[:, 0], torch.arange(300))
+    sq, brute = _lexsort_brute(q, ref, 3)
+    values, idx = clf.kneighbors(q)
+    np.testing.assert_array_equal(idx.numpy(), brute)
+    np.testing.assert_allclose(values.double().numpy(), np.sqrt(sq), rtol=2e-6)
+    cos = KNNClassifier(3, "cosine", "distance", backend, hnsw_ef_search=300).fit(ref, torch.arange(300) % 7)
+    sims, idx = cos.kneighbors(ref)
+    assert (sims[:, 0] == 1).all() and torch.equal(idx[:, 0], torch.arange(300))
+
+
+def _near_ties(gen, n_near=40, dim=8):
+    """A query at |x| = 100·sqrt(D) with 40 references at distances 1 + j·1e-3 (shuffled), 500 far ones.
+
+    The keys' rounding (~0.1 in squared distance) is far above the gaps (~2e-3): the candidates
+    by key are wrong, and only the recomputed, certified search gets the order right.
+    """
+    centre = torch.full((1, dim), 100.0, dtype=torch.float64)
+    u = torch.nn.functional.normalize(torch.randn(n_near, dim, generator=gen, dtype=torch.float64), dim=1)
+    radius = 1 + 1e-3 * torch.randperm(n_near, generator=gen, dtype=torch.float64)
+    far = centre + 3 + torch.rand(500, dim, generator=gen, dtype=torch.float64)
+    ref = torch.cat([far[:250], centre + u * radius[:, None], far[250:]]).float()
+    return ref, centre.float()
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss"])
+@pytest.mark.parametrize("exhaustive_fallback", [False, True])
+def test_near_ties_beyond_the_keys_precision_are_resolved(gen, monkeypatch, backend, exhaustive_fallback):
+    from marginkit.knn import _search
+
+    if exhaustive_fallback:  # as if the budget could not hold more candidates
+        monkeypatch.setattr(_search, "_fits", lambda *a: False)
+    ref, q = _near_ties(gen)
+    clf = KNNClassifier(5, "l2", backend=backend).fit(ref, torch.arange(ref.shape[0]) % 3)
+    values, idx = clf.kneighbors(q, k=12)
+    sq, brute = _lexsort_brute(q, ref, 12)
+    np.testing.assert_array_equal(idx.numpy(), brute)
+    np.testing.assert_allclose(values.double().numpy(), np.sqrt(sq), rtol=1e-5)
+
+
+def test_exhaustive_search_matches_brute_force_with_exclusion(gen):
+    from marginkit.knn._search import exhaustive_search
+
+    ref = torch.randint(-2, 3, (90, 3), generator=gen).float()
+    for limit in (2**10, 2**20):  # one reference column at a time, and whole rows
+        values, idx = exhaustive_search(
+            ref, ref, 7, metric="l2", memory_limit_bytes=limit, exclude=torch.arange(90)
+        )
+        sq = ((ref[:, None].double() - ref[None].double()) ** 2).sum(-1)
+        sq.fill_diagonal_(math.inf)
+        cols = np.arange(90)
+        brute = np.stack([np.lexsort((cols, row))[:7] for row in sq.numpy()])
+        np.testing.assert_array_equal(idx.numpy(), brute)
+        expected = np.sqrt(np.take_along_axis(sq.numpy(), brute, 1)).astype(np.float32)
+        np.testing.assert_array_equal(values.numpy(), expected)
+
+
+def test_overflowing_squared_norms_are_an_error():
+    ref = torch.tensor([[3e19, 0.0], [0.0, 1.0]])
+    with pytest.raises(ValueError, match="squared norm overflows float32"):
+        KNNClassifier(1, "l2").fit(ref, torch.tensor([0, 1]))
+    clf = KNNClassifier(1, "l2").fit(ref[1:], torch.tensor([1]))
+    with pytest.raises(ValueError, match="queries has rows whose squared norm overflows"):
+        clf.kneighbors(ref[:1])
+
+
 # ---------------------------------------------------------------- growing, saving, fingerprints
 def _seeded(module, gen):
     """Overwrite a module's parameters from the seeded generator (no global RNG)."""
