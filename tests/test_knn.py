@@ -364,6 +364,126 @@ def test_load_refuses_another_model(gen, tmp_path):
         KNNClassifier.load(tmp_path / "other.npz")
 
 
+def _saved(gen, tmp_path, metric="cosine", backend="exact", **kw):
+    ref, lab, _ = _data(gen, n=60, dtype=torch.float32)
+    path = tmp_path / f"{backend}-{metric}.npz"
+    KNNClassifier(3, metric, backend=backend, **kw).fit(ref, lab).save(path)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    return path, json.loads(str(arrays.pop("metadata"))), arrays
+
+
+def _rewrite(path, meta, arrays):
+    text = meta if isinstance(meta, str) else json.dumps(meta)
+    np.savez(path, **arrays, metadata=np.array(text))
+    return path
+
+
+def _bad_index_cases(meta, arrays):
+    """(name, metadata, arrays) of damaged variants of a valid cosine 'exact' index."""
+    labels, x = arrays["labels"], arrays["embeddings"]
+    return [
+        ("not json", "{'k': 3", arrays, "not valid JSON"),
+        ("a list", [1, 2], arrays, "must be a JSON object, got list"),
+        ("missing key", {k: v for k, v in meta.items() if k != "k"}, arrays, "metadata lacks 'k'"),
+        ("k too big", {**meta, "k": 61}, arrays, r"'k' must be an integer in \[1, 60\]"),
+        ("bad metric", {**meta, "metric": "dot"}, arrays, "'metric' must be"),
+        ("bad limit", {**meta, "memory_limit_mb": -1}, arrays, "invalid setting: memory_limit_mb"),
+        ("bool dim", {**meta, "dimension": True}, arrays, "'dimension' must be an integer"),
+        ("int dtype", meta, {**arrays, "embeddings": x.astype(np.int32)}, "'embeddings' must be float32"),
+        ("few classes", {**meta, "num_classes": 2}, arrays, r"must lie in \[0, num_classes=2\)"),
+        ("negative", meta, {**arrays, "labels": labels - 1}, r"got values in \[-1, "),
+        ("fractional", meta, {**arrays, "labels": labels + 0.5}, "'labels' must be 60 integers"),
+        ("nan", meta, {**arrays, "embeddings": np.where(x > 0.5, np.nan, x)}, "NaN, infinite"),
+        ("not unit", meta, {**arrays, "embeddings": 2 * x}, "must be unit-norm"),
+        ("rows", {**meta, "num_references": 59}, arrays, r"'labels' must be 59 integers"),
+        ("extra", meta, {**arrays, "faiss_index": np.zeros(3, np.uint8)}, "holds arrays"),
+        ("objects", meta, {**arrays, "labels": labels.astype(object)}, "holds Python objects"),
+        ("version", {**meta, "version": 7}, arrays, "version 7"),
+        ("fingerprint", {**meta, "model_fingerprint": 3}, arrays, "'model_fingerprint' must be a string"),
+    ]
+
+
+def test_load_refuses_damaged_files_with_one_error(gen, tmp_path):
+    from marginkit.knn import IndexFileError
+
+    path, meta, arrays = _saved(gen, tmp_path, num_classes=None)
+    meta["fixed_num_classes"] = True
+    for name, bad_meta, bad_arrays, message in _bad_index_cases(meta, arrays):
+        bad = _rewrite(tmp_path / f"{name}.npz", bad_meta, bad_arrays)
+        with pytest.raises(IndexFileError, match=message) as info:
+            KNNClassifier.load(bad)
+        assert str(bad) in str(info.value), name
+    data = path.read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(IndexFileError, match="truncated.npz: not a readable .npz"):
+        KNNClassifier.load(tmp_path / "truncated.npz")
+    meta["fixed_num_classes"] = False  # then num_classes is max(label) + 1 exactly
+    _rewrite(tmp_path / "classes.npz", {**meta, "num_classes": 9}, arrays)
+    with pytest.raises(IndexFileError, match="'num_classes' is 9 but the largest label is 4"):
+        KNNClassifier.load(tmp_path / "classes.npz")
+    with pytest.raises(FileNotFoundError, match="no such K-NN index"):
+        KNNClassifier.load(tmp_path / "nowhere.npz")
+    assert issubclass(IndexFileError, ValueError)  # the CLI reports it as a user error
+
+
+def test_load_checks_headers_before_reading(gen, tmp_path, monkeypatch):
+    import zipfile
+
+    from marginkit.knn import IndexFileError
+
+    path, meta, arrays = _saved(gen, tmp_path)
+    claims = tmp_path / "claims.npz"
+    np.savez(claims, labels=arrays["labels"], metadata=np.array(json.dumps(meta)))
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000, 128), }".ljust(118) + "\n"
+    with zipfile.ZipFile(claims, "a") as z:  # 512 GB claimed in a few bytes
+        z.writestr(
+            "embeddings.npy", b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
+        )
+    with pytest.raises(IndexFileError, match=r"'embeddings' declares shape \[1000000000, 128\]"):
+        KNNClassifier.load(claims)
+    monkeypatch.setenv("MARGINKIT_MAX_INPUT_MB", "0.001")
+    with pytest.raises(IndexFileError, match="above the input memory limit"):
+        KNNClassifier.load(path)
+
+
+def test_load_refuses_a_damaged_hnsw_graph(gen, tmp_path):
+    from marginkit.knn import IndexFileError
+
+    path, meta, arrays = _saved(gen, tmp_path, backend="hnsw")
+    KNNClassifier.load(path)
+    neighbors, offsets, levels = arrays["hnsw_neighbors"], arrays["hnsw_offsets"], arrays["hnsw_levels"]
+    top = int(np.flatnonzero(levels == levels.max())[0])
+    low = int(np.flatnonzero(levels == levels.min())[0])
+    cases = [
+        (
+            {**arrays, "hnsw_neighbors": np.where(neighbors == neighbors.max(), 60, neighbors)},
+            meta,
+            "node ids",
+        ),
+        ({**arrays, "hnsw_neighbors": neighbors[:-1]}, meta, "'hnsw_neighbors' must be int32"),
+        ({**arrays, "hnsw_offsets": offsets + np.uint64(1)}, meta, "do not match the nodes' levels"),
+        ({**arrays, "hnsw_levels": levels * 0}, meta, r"must lie in \[1, "),
+        ({**arrays, "hnsw_levels": levels.astype(np.int64)}, meta, "'hnsw_levels' must be int32"),
+        (arrays, {**meta, "hnsw": {**meta["hnsw"], "entry_point": low}}, "entry point"),
+        (arrays, {**meta, "hnsw": {**meta["hnsw"], "entry_point": 60}}, "'entry_point' must be"),
+        ({k: v for k, v in arrays.items() if k != "hnsw_offsets"}, meta, "holds arrays"),
+        (arrays, {**meta, "version": 1}, "version-1 HNSW index"),
+    ]
+    assert top != low
+    for i, (bad_arrays, bad_meta, message) in enumerate(cases):
+        bad = _rewrite(tmp_path / f"hnsw{i}.npz", bad_meta, bad_arrays)
+        with pytest.raises(IndexFileError, match=message):
+            KNNClassifier.load(bad)
+
+
+def test_version_1_exact_files_still_load(gen, tmp_path):
+    path, meta, arrays = _saved(gen, tmp_path, metric="l2")
+    old = _rewrite(tmp_path / "v1.npz", {**meta, "version": 1}, arrays)
+    q = _data(gen, n=60, dtype=torch.float32)[2]
+    assert torch.equal(KNNClassifier.load(old).predict(q), KNNClassifier.load(path).predict(q))
+
+
 def test_model_fingerprint_sees_weights_buffers_architecture(gen):
     model = _seeded(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), gen)
     fp = model_fingerprint(model)

@@ -147,23 +147,40 @@ class HNSWIndex:
     is not bit-for-bit reproducible; save the index to keep a graph.
     """
 
-    def __init__(
-        self,
-        metric: str,
-        dim: int,
-        m: int,
-        ef_construction: int,
-        ef_search: int,
-        index: Any | None = None,
-    ):
+    def __init__(self, metric: str, dim: int, m: int, ef_construction: int, ef_search: int):
         faiss = import_faiss()
         self.metric, self.dtype = metric, torch.float32
-        if index is None:
-            index = faiss.IndexHNSWFlat(dim, m, faiss.METRIC_L2)
-            index.hnsw.efConstruction = ef_construction
-        self.index = index
+        self.index = faiss.IndexHNSWFlat(dim, m, faiss.METRIC_L2)
+        self.index.hnsw.efConstruction = ef_construction
         self.index.hnsw.efSearch = ef_search
         self._faiss = faiss
+
+    def level_sizes(self) -> np.ndarray:
+        """Neighbour slots of a node per level (FAISS's ``cum_nneighbor_per_level`` for ``M``)."""
+        return self._faiss.vector_to_array(self.index.hnsw.cum_nneighbor_per_level)
+
+    def graph(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """The graph as arrays (levels, offsets, neighbours) and its entry point and top level."""
+        h, to_array = self.index.hnsw, self._faiss.vector_to_array
+        arrays = {
+            "hnsw_levels": to_array(h.levels),
+            "hnsw_offsets": to_array(h.offsets),
+            "hnsw_neighbors": to_array(h.neighbors),
+        }
+        return arrays, {"entry_point": int(h.entry_point), "max_level": int(h.max_level)}
+
+    def set_graph(
+        self, vectors: np.ndarray, arrays: dict[str, np.ndarray], entry_point: int, max_level: int
+    ) -> None:
+        """Install a saved graph over ``vectors`` (checked by ``index_file.check_hnsw_graph``)."""
+        h = self.index.hnsw
+        for name in ("levels", "offsets", "neighbors"):
+            target = getattr(h, name)
+            target.resize(0)
+            self._faiss.copy_array_to_vector(np.ascontiguousarray(arrays[f"hnsw_{name}"]), target)
+        h.entry_point, h.max_level = entry_point, max_level
+        self.index.storage.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        self.index.ntotal = len(vectors)
 
     def __len__(self) -> int:
         return int(self.index.ntotal)
@@ -208,4 +225,4 @@ class HNSWIndex:
         return values, indices
 
     def state(self) -> dict[str, np.ndarray]:
-        return {"faiss_index": self._faiss.serialize_index(self.index)}
+        return {"embeddings": self.vectors().numpy().copy(), **self.graph()[0]}
