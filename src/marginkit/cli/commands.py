@@ -343,6 +343,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         )
     facts = run["facts"]
     x_raw, y = _read_inputs(args.input)
+    if len(x_raw) == 0:
+        raise UserError(f"{args.input}: 'x' holds no samples (shape {list(x_raw.shape)}); nothing to predict")
     empty = Split(torch.empty(0), torch.empty(0, dtype=torch.long))
     space = DatasetSplits(
         train=empty, val=empty, test=empty, num_classes=facts["num_classes"],

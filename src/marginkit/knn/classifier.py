@@ -214,7 +214,10 @@ class KNNClassifier:
             )
         embeddings, labels = self._check_new(embeddings, labels, None)
         if self.k > embeddings.shape[0]:
-            raise ValueError(f"k={self.k} exceeds the number of references ({embeddings.shape[0]})")
+            raise ValueError(
+                f"k={self.k} exceeds the number of references ({embeddings.shape[0]}): lower k or fit on "
+                "more references"
+            )
         prepared = self._prepare_refs(embeddings)
         index = self._new_index(prepared.shape[1], prepared.dtype, prepared.device)
         index.add(prepared)
@@ -245,7 +248,7 @@ class KNNClassifier:
             )
         k = self.k if k is None else positive_int(k, "k")
         if k > len(index):
-            raise ValueError(f"k={k} exceeds the number of references ({len(index)})")
+            raise ValueError(f"k={k} exceeds the number of references ({len(index)}): lower k, or add some")
         return x, k
 
     def kneighbors(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

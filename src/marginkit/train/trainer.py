@@ -102,6 +102,11 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available; use device=cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} requested but there are {torch.cuda.device_count()} CUDA devices")
+    mps = getattr(torch.backends, "mps", None)
+    if dev.type == "mps" and not (mps is not None and mps.is_available()):
+        raise ConfigError(f"device {name!r} requested but MPS (Apple GPU) is not available; use device=cpu")
     return dev
 
 
@@ -547,6 +552,9 @@ def _train(
         if splits is None:
             splits = load_splits(config)
         facts = data_facts(splits)
+        from marginkit.train.evaluate import check_k_fits
+
+        check_k_fits(config, splits)
         model, head, loss_fn = build_components(config, facts, device)
         par, head = _ddp.parallelize(ctx, model, head, loss_fn, device)
         optimizer = _optimizer(config, model, head)
