@@ -552,3 +552,23 @@ def test_restricted_unpickler_accepts_numpy1_module_names(tmp_path):
     assert legacy != data
     (tmp_path / "legacy.pkl").write_bytes(legacy)
     np.testing.assert_array_equal(restricted_load(tmp_path / "legacy.pkl")[b"data"], array)
+
+
+def test_loaders_do_not_import_datasets():
+    """No import cycle data.datasets <-> data.loaders, counting imports inside functions."""
+    import ast
+    import inspect
+
+    from marginkit.data import datasets, loaders, splits
+
+    def imported(module):
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    assert "marginkit.data.datasets" not in imported(loaders) | imported(splits)
+    assert "marginkit.data.loaders" in imported(datasets)
