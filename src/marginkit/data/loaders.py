@@ -4,7 +4,9 @@ Each reader returns a :class:`RawSplits` (numpy arrays, labels not yet checked a
 other); :func:`marginkit.data.load_dataset` turns it into tensors, carves the validation split,
 applies ``train_per_class`` and standardisation. The readers only *parse and validate*:
 every problem with a file is a :class:`ValueError` (or :class:`FileNotFoundError`) whose message
-names the path and what was expected.
+names the path and what was expected. What a file claims (npz member headers, IDX headers,
+image sizes) is checked against the file and against the input memory limit
+(:mod:`marginkit._files`, ``$MARGINKIT_MAX_INPUT_MB``) before anything is allocated.
 
 Nothing here executes code from a data file: ``.npz`` archives are opened with
 ``allow_pickle=False`` and CIFAR-10's pickled batches go through :class:`RestrictedUnpickler`,
@@ -127,10 +129,6 @@ def same_length(x: np.ndarray, y: np.ndarray, where: str) -> None:
         raise ValueError(f"{where}: {len(x)} samples but {len(y)} labels; they must match")
 
 
-def _npz_arrays(path: Path) -> dict[str, np.ndarray]:
-    return read_npz_arrays(path)
-
-
 # --------------------------------------------------------------------------------------------
 # npz: MedMNIST schema
 
@@ -143,7 +141,7 @@ def read_npz(path: str | os.PathLike[str]) -> RawSplits:
     ``uint8`` (or floating in [0, 1]); labels ``[N]`` or ``[N, 1]`` integers.
     """
     path = Path(path)
-    arrays = _npz_arrays(path)
+    arrays = read_npz_arrays(path)
     required = ("train_images", "train_labels", "test_images", "test_labels")
     missing = [key for key in required if key not in arrays]
     if missing:
@@ -674,7 +672,7 @@ def read_features(
     with the mean and standard deviation of the final training split only.
     """
     path = Path(path)
-    arrays = _npz_arrays(path)
+    arrays = read_npz_arrays(path)
     if "x" not in arrays or "y" not in arrays:
         raise ValueError(
             f"{path}: expected arrays 'x' (features [N, D]) and 'y' (integer labels [N]); "

@@ -371,9 +371,10 @@ def rerank(
         certified = torch.ones(nq, dtype=torch.bool, device=device)
     else:
         scale = 2.0 if metric == "cosine" or q_sqnorms is None else q_sqnorms.to(device) + max_ref_sqnorm
+        wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
         bound = key_error_bound(dim, dtype, device) * scale
-        left_out = approx_sq.to(device=device, dtype=torch.float64).amax(dim=1) - bound
-        certified = sq[:, -1].double() * (1 + (dim + 4) * torch.finfo(dtype).eps) < left_out
+        left_out = approx_sq.to(device=device, dtype=wide).amax(dim=1) - bound
+        certified = sq[:, -1].to(wide) * (1 + (dim + 4) * torch.finfo(dtype).eps) < left_out
     return sqdist_to_values(sq, metric), indices, certified
 
 
@@ -410,6 +411,8 @@ def exact_search(
     indices = torch.empty(nq, k, dtype=torch.long, device=device)
     todo: torch.Tensor | None = None  # rows still to answer; None: all of them
     width = min(available, k + candidate_margin(k))
+    if not _fits(nq, references, width, memory_limit_bytes):
+        width = k  # no margin within the budget: rows that cannot be certified are retried
     while True:
         sub = queries if todo is None else queries[todo.to(queries.device)]
         sub_exclude = None if exclude is None else (exclude if todo is None else exclude.to(device)[todo])
