@@ -7,7 +7,8 @@ input ``x`` ``[batch, *input_shape]`` (float32) and one output ``embedding``
 ``[batch, dim]``; the batch axis is dynamic.
 
 TorchScript is written by ``torch.jit.trace`` (batch axis free, since the backbones have no
-shape-dependent control flow). Loading TorchScript deserialises code that PyTorch runs:
+shape-dependent control flow); torch 2.13 deprecates ``torch.jit.load`` in favour of
+``torch.export``, so prefer ONNX. Loading TorchScript deserialises code that PyTorch runs:
 load only bundles you trust. ONNX files hold a graph of standard operators, no code.
 """
 
@@ -109,7 +110,9 @@ def load_model_file(path: str | os.PathLike[str], fmt: str, *, threads: int = 0)
 
         return run_onnx
     if fmt == "torchscript":
-        scripted = torch.jit.load(os.fspath(path), map_location="cpu").eval()
+        with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript (docs/deploy.md)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = torch.jit.load(os.fspath(path), map_location="cpu").eval()
 
         def run_torchscript(x: np.ndarray) -> np.ndarray:
             with torch.no_grad():
