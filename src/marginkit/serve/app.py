@@ -206,7 +206,7 @@ def create_app(
     guarded = [Depends(authorize)]
 
     @app.get("/health", summary="liveness, model and gallery facts")
-    async def health() -> dict[str, Any]:
+    def health() -> dict[str, Any]:  # sync: FastAPI runs it in the thread pool (the gallery lock)
         return {
             "status": "ok",
             "model": {
@@ -219,7 +219,7 @@ def create_app(
         }  # fmt: skip
 
     @app.get("/metrics", summary="request counts and latencies per route", dependencies=guarded)
-    async def metrics() -> dict[str, Any]:
+    def metrics() -> dict[str, Any]:
         return recorder.snapshot()
 
     @app.post(
