@@ -222,92 +222,89 @@ def create_app(
     def metrics() -> dict[str, Any]:
         return recorder.snapshot()
 
-    @app.post(
-        "/embed",
-        summary="embeddings of raw inputs",
-        dependencies=guarded,
-        openapi_extra=_body_doc(EmbedRequest, "file"),
-    )
-    async def embed(request: Request) -> dict[str, Any]:
-        data, _ = await payload(request, EmbedRequest)
+    def post(path: str, model: type[BaseModel], summary: str, form_fields: str) -> Any:
+        """Register ``work(data, fields) -> dict`` as ``POST path``; it runs in the thread pool,
+        and a ``ValueError``/``TypeError`` it raises (a library input check) is a 422."""
+
+        def register(work: Any) -> Any:
+            def guarded_work(data: Payload, fields: BaseModel) -> dict[str, Any]:
+                try:
+                    return work(data, fields)
+                except (BadInput, GalleryError):  # their own status codes
+                    raise
+                except (ValueError, TypeError) as exc:
+                    raise BadInput(str(exc)) from None
+
+            async def endpoint(request: Request) -> dict[str, Any]:
+                data, fields = await payload(request, model)
+                return await run_in_threadpool(guarded_work, data, fields)
+
+            app.post(
+                path, summary=summary, dependencies=guarded, openapi_extra=_body_doc(model, form_fields),
+                name=work.__name__,
+            )(endpoint)  # fmt: skip
+            return work
+
+        return register
+
+    @post("/embed", EmbedRequest, "embeddings of raw inputs", "file")
+    def embed(data: Payload, fields: Any) -> dict[str, Any]:
         if data.array is None:
             raise BadInput("no samples: give 'inputs' (JSON) or a file (form upload)")
-        emb = await run_in_threadpool(embed_inputs, data.array)
+        emb = embed_inputs(data.array)
         return {
             "embeddings": emb.tolist(),
             "dim": bundle.embedding_dim,
             "model_fingerprint": bundle.model_fingerprint,
         }
 
-    @app.post(
-        "/classify",
-        summary="K-NN class of each sample",
-        dependencies=guarded,
-        openapi_extra=_body_doc(ClassifyRequest, "index, file"),
-    )
-    async def classify(request: Request) -> dict[str, Any]:
-        data, fields = await payload(request, ClassifyRequest)
+    @post("/classify", ClassifyRequest, "K-NN class of each sample", "index, file")
+    def classify(data: Payload, fields: Any) -> dict[str, Any]:
+        emb = probes(data)
+        if fields.index == "gallery":
+            found = gallery.classify(emb, kind="embeddings")
+            return {"results": [{"label": None, "name": c.identity, "share": c.share} for c in found]}
+        share, label = bundle.knn().predict_proba(emb).max(dim=1)
+        names = bundle.class_names
+        results = [
+            {
+                "label": int(c),
+                "name": names[int(c)] if int(c) < len(names) else str(int(c)),
+                "share": float(v),
+            }
+            for c, v in zip(label, share, strict=True)
+        ]
+        return {"results": results}
 
-        def work() -> list[dict[str, Any]]:
-            emb = probes(data)
-            if fields.index == "gallery":  # type: ignore[attr-defined]
-                return [
-                    {"label": None, "name": c.identity, "share": c.share}
-                    for c in gallery.classify(emb, kind="embeddings")
-                ]
-            knn = bundle.knn()
-            proba = knn.predict_proba(emb)
-            share, label = proba.max(dim=1)
-            names = bundle.class_names
-            return [
-                {
-                    "label": int(c),
-                    "name": names[int(c)] if int(c) < len(names) else str(int(c)),
-                    "share": float(s),
-                }
-                for c, s in zip(label, share, strict=True)
-            ]
-
-        return {"results": await run_in_threadpool(work)}
-
-    @app.post(
+    @post(
         "/verify",
-        summary="score and decision of probes against claimed identities",
-        dependencies=guarded,
-        openapi_extra=_body_doc(VerifyRequest, "identity or identities, file"),
+        VerifyRequest,
+        "score and decision of probes against claimed identities",
+        "identity or identities, file",
     )
-    async def verify(request: Request) -> dict[str, Any]:
-        data, fields = await payload(request, VerifyRequest)
-        claims = fields.identities if fields.identities is not None else fields.identity  # type: ignore[attr-defined]
-        if claims is None or (fields.identities is not None and fields.identity is not None):  # type: ignore[attr-defined]
+    def verify(data: Payload, fields: Any) -> dict[str, Any]:
+        if (fields.identity is None) == (fields.identities is None):
             raise BadInput("give exactly one of 'identity' (all probes) or 'identities' (one per probe)")
-
-        def work() -> list[dict[str, Any]]:
-            emb = probes(data)
-            try:
-                res = gallery.verify(emb, claims, kind="embeddings")
-            except (ValueError, TypeError) as exc:
-                raise BadInput(str(exc)) from None
-            res = res if isinstance(res, list) else [res]
-            return [
+        claims = fields.identity if fields.identities is None else fields.identities
+        res = gallery.verify(probes(data), claims, kind="embeddings")
+        res = res if isinstance(res, list) else [res]
+        return {
+            "results": [
                 {"identity": v.identity, "score": v.score, "match": v.match, "threshold": v.threshold}
                 for v in res
             ]
+        }
 
-        return {"results": await run_in_threadpool(work)}
-
-    @app.post(
+    @post(
         "/identify",
-        summary="ranked identities of each probe, 'unknown' below the threshold",
-        dependencies=guarded,
-        openapi_extra=_body_doc(IdentifyRequest, "k, file"),
+        IdentifyRequest,
+        "ranked identities of each probe, 'unknown' below the threshold",
+        "k, file",
     )
-    async def identify(request: Request) -> dict[str, Any]:
-        data, fields = await payload(request, IdentifyRequest)
-
-        def work() -> list[dict[str, Any]]:
-            res = gallery.identify(probes(data), k=fields.k, kind="embeddings")  # type: ignore[attr-defined]
-            return [
+    def identify(data: Payload, fields: Any) -> dict[str, Any]:
+        res = gallery.identify(probes(data), k=fields.k, kind="embeddings")
+        return {
+            "results": [
                 {
                     "identity": r.identity,
                     "decision": "unknown" if r.unknown else "match",
@@ -317,35 +314,28 @@ def create_app(
                 }
                 for r in res
             ]
+        }
 
-        return {"results": await run_in_threadpool(work)}
-
-    @app.post(
+    @post(
         "/enroll",
-        summary="add samples as templates of an identity (or of one identity per sample)",
-        dependencies=guarded,
-        openapi_extra=_body_doc(EnrollRequest, "identity or identities, metadata, file"),
+        EnrollRequest,
+        "add samples as templates of an identity (or one identity per sample)",
+        "identity or identities, metadata, file",
     )
-    async def enroll(request: Request) -> dict[str, Any]:
-        data, fields = await payload(request, EnrollRequest)
-        one, many = fields.identity, fields.identities  # type: ignore[attr-defined]
+    def enroll(data: Payload, fields: Any) -> dict[str, Any]:
+        one, many = fields.identity, fields.identities
         if (one is None) == (many is None):
             raise BadInput("give exactly one of 'identity' (all samples) or 'identities' (one per sample)")
-        if many is not None and fields.metadata is not None:  # type: ignore[attr-defined]
+        if many is not None and fields.metadata is not None:
             raise BadInput("'metadata' goes with a single 'identity'")
-
-        def work() -> list[dict[str, Any]]:
-            emb = probes(data)
-            try:
-                if one is not None:
-                    done = [gallery.enroll(one, emb, fields.metadata, kind="embeddings")]  # type: ignore[attr-defined]
-                else:
-                    done = gallery.enroll_many(many, emb, kind="embeddings")
-            except (ValueError, TypeError) as exc:
-                raise BadInput(str(exc)) from None
-            return [{"identity": e.identity, "added": e.added, "templates": e.templates} for e in done]
-
-        return {"enrolled": await run_in_threadpool(work)}
+        emb = probes(data)
+        if one is not None:
+            done = [gallery.enroll(one, emb, fields.metadata, kind="embeddings")]
+        else:
+            done = gallery.enroll_many(many, emb, kind="embeddings")
+        return {
+            "enrolled": [{"identity": e.identity, "added": e.added, "templates": e.templates} for e in done]
+        }
 
     @app.delete(
         "/identities/{identity}", summary="remove an identity and its templates", dependencies=guarded
