@@ -119,6 +119,24 @@ def test_bundle_holds_index_classes_calibration_and_fingerprint(tiny_run, onnx_b
     assert [row["far"] for row in cal["rows"]] == [1e-2, 1e-3, 1e-4]
 
 
+def test_calibration_table_without_pairs_says_why():
+    from marginkit.export import calibration_table
+    from marginkit.export.calibration import threshold_at
+
+    e = torch.nn.functional.normalize(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+    for labels, why in [
+        (torch.tensor([0]), "no pair"),
+        (torch.tensor([1, 1, 1, 1]), "no impostor"),
+        (torch.tensor([0, 1, 2, 3]), "no genuine"),
+    ]:
+        table = calibration_table(e[: len(labels)], labels)
+        assert why in table["unavailable"] and all(r["threshold"] is None for r in table["rows"])
+        with pytest.raises(ValueError, match=why):
+            threshold_at(table, 1e-2)
+    with pytest.raises(ValueError, match="has FARs 0.01, 0.001, 0.0001"):
+        threshold_at(table, 0.05)
+
+
 def test_standardised_vectors_round_trip(tmp_path):
     from marginkit.train.config import TrainConfig
     from marginkit.train.trainer import train

@@ -162,6 +162,8 @@ def test_bad_inputs_are_clear_errors(tmp_path, gen):
             g.enroll("b", bad)
         with pytest.raises(ValueError, match=match):
             g.identify(bad)
+    with pytest.raises(TypeError, match="must hold numbers"):
+        g.enroll("b", ["x"] * DIM)
     with pytest.raises(TypeError, match="identity must be a str"):
         g.enroll(3, torch.ones(DIM))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="control characters"):

@@ -232,7 +232,14 @@ class Gallery:
         from marginkit._validation import choice
 
         kind = choice(kind, "kind", ("auto", "embeddings", "inputs"))
-        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        if not isinstance(x, torch.Tensor):
+            array = np.asarray(x)
+            if array.dtype.kind not in "biuf":
+                raise TypeError(f"{name} must hold numbers (a tensor or array), got dtype {array.dtype}")
+            x = torch.from_numpy(np.ascontiguousarray(array))
+        if x.is_complex():
+            raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+        t = x
         shape = tuple(t.shape)
         d = self.embedding_dim
         as_emb = len(shape) in (1, 2) and len(shape) > 0 and shape[-1] == d

@@ -22,15 +22,29 @@ async def _reply(send: Any, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _drain(receive: Any, budget: int) -> None:
+    """Read and discard the rest of a refused body, up to ``budget`` bytes, so that a client
+    still sending it reads the 413 instead of a broken pipe (beyond that the connection closes)."""
+    seen = 0
+    while seen <= budget:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 class BodyLimit:
     """Refuse bodies over ``max_bytes`` with 413 before the application reads them.
 
-    A declared ``Content-Length`` over the limit is refused at once; otherwise the body is
-    read (at most ``max_bytes + 1`` bytes are held) and handed on whole.
+    A declared ``Content-Length`` over the limit is refused without holding the body;
+    otherwise the body is read (at most ``max_bytes + 1`` bytes are held) and handed on
+    whole. A refused body is discarded as it arrives, up to ``drain_bytes``, before the reply.
     """
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, int(max_bytes)
+    def __init__(self, app: Any, max_bytes: int, drain_bytes: int = 64 * 2**20) -> None:
+        self.app, self.max_bytes, self.drain_bytes = app, int(max_bytes), int(drain_bytes)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -43,6 +57,7 @@ class BodyLimit:
                     await _reply(send, 400, "malformed Content-Length header")
                     return
                 if int(value) > self.max_bytes:
+                    await _drain(receive, self.drain_bytes)
                     await _reply(send, 413, too_big)
                     return
         body = bytearray()
@@ -54,6 +69,8 @@ class BodyLimit:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
+                if more:
+                    await _drain(receive, self.drain_bytes)
                 await _reply(send, 413, too_big)
                 return
         delivered = False
