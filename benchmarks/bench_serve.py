@@ -268,7 +268,7 @@ def main() -> int:
         f"\nembedding throughput, batch {model['batch']}: ONNX (onnxruntime) {model['onnx_per_s']:.0f}/s, "
         f"PyTorch eager {model['eager_per_s']:.0f}/s, ratio {model['ratio']:.2f}"
     )
-    print("\n| endpoint | gallery | threads | server req/s | p50 / p99 ms | library req/s | p50 ms | ratio |")
+    print("\n| endpoint | gallery | clients | server req/s | p50 / p99 ms | library req/s | p50 ms | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         s, lib = r["server"], r["library"]
