@@ -1,4 +1,4 @@
-"""Reading users' files without trusting them: one input memory limit and bounded ``.npz`` reads.
+"""Reading users' files without trusting them: one input memory limit, and ``.npz`` reads under it.
 
 Every reader of data from a file (data sets, K-NN indices, cached built-ins) checks what a file
 *claims* — array shapes in ``.npy`` headers, IDX dimensions, image sizes — against what the file
@@ -13,27 +13,14 @@ from __future__ import annotations
 
 import math
 import os
-import zipfile
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = [
-    "DEFAULT_INPUT_LIMIT_MB",
-    "INPUT_LIMIT_ENV",
-    "InputBudget",
-    "NpyMember",
-    "input_limit_bytes",
-    "npz_members",
-    "read_npz_arrays",
-]
+__all__ = ["DEFAULT_INPUT_LIMIT_MB", "INPUT_LIMIT_ENV", "InputBudget", "input_limit_bytes", "read_npz_arrays"]
 
 INPUT_LIMIT_ENV = "MARGINKIT_MAX_INPUT_MB"
 DEFAULT_INPUT_LIMIT_MB = 4096
-# Errors a damaged archive raises inside numpy / zipfile while it is read.
-_READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError, NotImplementedError)
 
 
 def input_limit_bytes() -> int:
@@ -66,69 +53,32 @@ class InputBudget:
         if self.used > self.limit:
             raise ValueError(
                 f"{self.where}: {what} needs {_mb(self.used)} in all, above the input memory limit "
-                f"of {_mb(self.limit)}; set ${INPUT_LIMIT_ENV} to raise it if the file is genuine"
+                f"of {_mb(self.limit)}; {self.advice}"
             )
 
-
-@dataclass(frozen=True)
-class NpyMember:
-    """One array of an ``.npz`` as its header declares it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    nbytes: int
-
-
-_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-
-
-def npz_members(path: str | os.PathLike[str], budget: InputBudget | None = None) -> dict[str, NpyMember]:
-    """Read and check every member header of the ``.npz`` at ``path`` without reading data.
-
-    Each member must be a ``.npy`` array without Python objects whose header's shape and dtype
-    account exactly for the member's size; the total is charged to ``budget`` (a fresh one for
-    ``path`` by default). Raises :class:`ValueError` naming ``path`` and the problem.
-    """
-    path = Path(path)
-    budget = budget or InputBudget(path)
-    members: dict[str, NpyMember] = {}
-    try:
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                if not info.filename.endswith(".npy"):
-                    raise ValueError(f"member {info.filename!r} is not a .npy array")
-                name = info.filename[: -len(".npy")]
-                with archive.open(info) as handle:
-                    version = np.lib.format.read_magic(handle)
-                    if version not in _HEADER_READERS:
-                        raise ValueError(f"array {name!r} has unsupported .npy format version {version}")
-                    shape, _, dtype = _HEADER_READERS[version](handle)
-                    header = handle.tell()
-                if dtype.hasobject:
-                    raise ValueError(f"array {name!r} holds Python objects (refused: it would need pickle)")
-                nbytes = math.prod(shape) * dtype.itemsize
-                if nbytes != info.file_size - header:
-                    raise ValueError(
-                        f"array {name!r} declares shape {list(shape)} {dtype} ({nbytes:,} bytes) but holds "
-                        f"{max(0, info.file_size - header):,} bytes (truncated or corrupt)"
-                    )
-                members[name] = NpyMember(name, tuple(shape), dtype, nbytes)
-    except _READ_ERRORS as exc:
-        raise ValueError(f"{path}: not a readable .npz archive of plain arrays ({exc})") from exc
-    for member in members.values():
-        budget.take(member.nbytes, f"array {member.name!r} {list(member.shape)} {member.dtype}")
-    return members
+    @property
+    def advice(self) -> str:
+        return f"set ${INPUT_LIMIT_ENV} (now {_mb(self.limit)}) to raise it if the file is genuine"
 
 
 def read_npz_arrays(path: str | os.PathLike[str], budget: InputBudget | None = None) -> dict[str, np.ndarray]:
-    """All arrays of the ``.npz`` at ``path``, after :func:`npz_members` accepted its headers."""
+    """All arrays of the ``.npz`` at ``path``, within what is left of ``budget``.
+
+    The archive is read by :func:`marginkit.export.read_npz` (every member's ``.npy`` header
+    checked against the budget before its data is read, no pickle, no object or structured
+    dtypes), with the budget (a fresh one for ``path`` by default) as its bound.
+    """
+    from marginkit.export.npz import NpzError, read_npz
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (expected a .npz archive)")
-    npz_members(path, budget)
+    budget = budget or InputBudget(path)
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
-    except _READ_ERRORS as exc:
-        raise ValueError(f"{path}: not a readable .npz archive of plain arrays ({exc})") from exc
+        arrays = read_npz(path, where=str(path), max_bytes=max(0, budget.limit - budget.used))
+    except NpzError as exc:
+        if "exceeds the limit" in str(exc):
+            raise NpzError(f"{exc}: above the input memory limit; {budget.advice}") from None
+        raise
+    budget.take(sum(a.nbytes for a in arrays.values()), "its arrays")
+    return arrays

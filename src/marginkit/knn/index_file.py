@@ -9,10 +9,11 @@ One ``.npz`` (no pickle) with arrays
 - ``hnsw_levels``, ``hnsw_offsets``, ``hnsw_neighbors`` — the HNSW graph as plain arrays
   (``hnsw`` backend only), so that it is checked here instead of deserialised by FAISS.
 
-A file is user input: :func:`read_index` checks every member's header against the file
-before reading it (:func:`marginkit._files.npz_members`), then every value of the metadata and
-every array against what :meth:`KNNClassifier.fit` would have stored. Each problem raises
-:class:`IndexFileError` naming the file; nothing damaged reaches FAISS or a prediction.
+A file is user input: :func:`read_index` checks every member's header against the input
+memory limit before reading it (:func:`marginkit._files.read_npz_arrays`), then every value
+of the metadata and every array against what :meth:`KNNClassifier.fit` would have stored.
+Each problem raises :class:`IndexFileError` naming the file; nothing damaged reaches FAISS
+or a prediction.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from marginkit._files import InputBudget, npz_members, read_npz_arrays
+from marginkit._files import read_npz_arrays
 
 __all__ = ["FORMAT", "VERSION", "IndexFileError", "check_hnsw_graph", "fail", "read_index", "write_index"]
 
@@ -174,14 +175,12 @@ def read_index(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such K-NN index file")
     try:
-        budget = InputBudget(path)
-        members = npz_members(path, budget)
-        if "metadata" not in members or "labels" not in members:
+        arrays = read_npz_arrays(path)
+        if "metadata" not in arrays or "labels" not in arrays:
             raise ValueError("is not a saved KNNClassifier (no metadata/labels)")
-        info = members["metadata"]
+        info = arrays["metadata"]
         if info.dtype.kind != "U" or info.shape != () or info.dtype.itemsize > 4 * _METADATA_MAX_CHARS:
             raise ValueError(f"'metadata' must be one JSON string, got {info.dtype} {list(info.shape)}")
-        arrays = read_npz_arrays(path, InputBudget(path))
         try:
             meta = json.loads(str(arrays.pop("metadata")))
         except (json.JSONDecodeError, RecursionError) as exc:
