@@ -1,4 +1,4 @@
-"""Retrieval, verification and K-NN classification metrics."""
+"""Retrieval, verification, identification and calibration metrics, and the field's protocols."""
 
 from marginkit._lazy import attach
 
@@ -8,6 +8,8 @@ __getattr__, __dir__, __all__ = attach(
         "retrieval_metrics": "retrieval",
         "verification_metrics": "verification",
         "pair_scores": "verification",
+        "eer": "verification",
+        "min_dcf": "verification",
         "knn_accuracy": "classification",
         "per_class_recall": "classification",
     },

@@ -1,0 +1,130 @@
+r"""Percentile bootstrap over subjects for TAR@FAR and EER.
+
+Pairs sharing a subject are dependent, so resampling pairs understates the uncertainty; the
+unit of resampling is the subject (Bolle, Ratha, Pankanti, "Error analysis of pattern
+recognition systems: the subsets bootstrap", CVIU 2004). One replicate draws the ``G``
+subjects ``G`` times with replacement; subject ``s`` drawn ``m_s`` times enters ``m_s`` times.
+The replicate's pairs are the original pairs rebuilt on the drawn subjects, each copy a
+distinct subject:
+
+- a pair within one subject ``a`` (every genuine pair) enters once per copy: weight ``m_a``;
+- a pair of two subjects ``a != b`` enters once per pair of copies: weight ``m_a m_b``;
+- pairs between two copies of the same subject are *not* created (they would be images of
+  one person labelled as different people).
+
+So a pair is kept iff both its subjects are drawn, with that multiplicity. TAR@FAR and EER are
+computed on the weighted pairs exactly as on unweighted ones (a pair of weight ``w`` counts as
+``w`` pairs), and the interval is the ``(1 - level)/2`` and ``(1 + level)/2`` percentiles
+(linear interpolation) of the replicates' values. The scores are sorted once; each replicate
+costs one pass over the pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from marginkit.metrics import _roc
+
+
+def check_groups(groups: object, num_pairs: int) -> torch.Tensor:
+    """``groups`` as a ``[P, 2]`` int64 tensor: the subjects of each pair's two sides (``[P]``: one each)."""
+    if not isinstance(groups, torch.Tensor):
+        raise TypeError(f"groups must be a torch.Tensor of subject ids, got {type(groups).__name__}")
+    if groups.dtype == torch.bool or torch.is_floating_point(groups) or torch.is_complex(groups):
+        raise TypeError(f"groups must be an integer tensor of subject ids, got dtype {groups.dtype}")
+    if groups.dim() == 1:
+        groups = groups[:, None].expand(-1, 2)
+    if groups.dim() != 2 or groups.shape != (num_pairs, 2):
+        raise ValueError(
+            f"groups must have shape ({num_pairs}, 2) (the two subjects of each pair) or ({num_pairs},); "
+            f"got {tuple(groups.shape)}"
+        )
+    return groups.long()
+
+
+def subject_multiplicities(num_subjects: int, replicates: int, seed: int) -> Iterator[torch.Tensor]:
+    """Per replicate, how often each of ``num_subjects`` subjects is drawn (``[G]`` int64, sum ``G``).
+
+    Drawn with a CPU ``torch.Generator`` seeded by ``seed``: ``randint(0, G, (G,))`` per replicate.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(replicates):
+        draw = torch.randint(0, num_subjects, (num_subjects,), generator=gen)
+        yield torch.bincount(draw, minlength=num_subjects)
+
+
+def pair_weights(codes: torch.Tensor, multiplicity: torch.Tensor) -> torch.Tensor:
+    """Weight of each pair ``(a, b)`` (``[P, 2]`` subject codes): ``m_a`` if ``a == b``, else ``m_a m_b``."""
+    ma, mb = multiplicity[codes[:, 0]], multiplicity[codes[:, 1]]
+    return torch.where(codes[:, 0] == codes[:, 1], ma, ma * mb)
+
+
+def _sorted_with_codes(scores: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values, order = torch.sort(scores.detach().to(torch.float64))
+    return values, codes[order]
+
+
+def _side(values: torch.Tensor, codes: torch.Tensor, multiplicity: torch.Tensor) -> _roc.Side:
+    w = pair_weights(codes, multiplicity)
+    return _roc.Side(values, torch.cat([w.new_zeros(1), torch.cumsum(w, 0)]))
+
+
+def _interval(values: list[float], level: float) -> tuple[float, float]:
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(torch.tensor(values, dtype=torch.float64), q).tolist()
+    return lo, hi
+
+
+def subject_bootstrap(
+    scores: torch.Tensor,
+    is_genuine: torch.Tensor,
+    groups: torch.Tensor,
+    fars: Sequence[float],
+    replicates: int,
+    *,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, object]:
+    """Percentile intervals of TAR@FAR and EER over ``replicates`` subject-bootstrap replicates.
+
+    ``scores``/``is_genuine`` are validated pairs, ``groups`` their ``[P, 2]`` subjects. A
+    replicate without a genuine or without an impostor pair (possible with few subjects) is
+    left out and not counted in ``valid_replicates``. A FAR that some valid replicate cannot
+    resolve (below one pair of its impostor weight) gets ``None`` instead of an interval.
+    """
+    subjects, codes = torch.unique(groups, return_inverse=True)
+    device = scores.device
+    gen_values, gen_codes = _sorted_with_codes(scores[is_genuine], codes[is_genuine])
+    imp_values, imp_codes = _sorted_with_codes(scores[~is_genuine], codes[~is_genuine])
+    tars: dict[float, list[float] | None] = {far: [] for far in fars}
+    eers: list[float] = []
+    for m in subject_multiplicities(subjects.numel(), replicates, seed):
+        m = m.to(device)
+        genuine, impostor = _side(gen_values, gen_codes, m), _side(imp_values, imp_codes, m)
+        if genuine.total == 0 or impostor.total == 0:
+            continue
+        eers.append(_roc.eer(genuine, impostor))
+        for far, column in tars.items():
+            if column is None:
+                continue
+            t = _roc.threshold_at_rate(impostor, far)
+            if t is None:
+                tars[far] = None
+                continue
+            tt = torch.tensor([t], dtype=gen_values.dtype, device=device)
+            column.append(1 - float(_roc.rates_at(genuine, impostor, tt)[1][0]))
+    intervals: dict[float, tuple[float, float] | None] = {
+        far: _interval(column, level) if column else None for far, column in tars.items()
+    }
+    return {
+        "level": level,
+        "method": "percentile bootstrap over subjects (pairs kept iff both subjects drawn, with multiplicity)",
+        "replicates": replicates,
+        "valid_replicates": len(eers),
+        "num_subjects": subjects.numel(),
+        "seed": seed,
+        "tar_at_far": intervals,
+        "eer": _interval(eers, level) if eers else None,
+    }
