@@ -120,7 +120,7 @@ def subject_bootstrap(
     }
     return {
         "level": level,
-        "method": "percentile bootstrap over subjects (pairs kept iff both subjects drawn, with multiplicity)",
+        "method": "percentile bootstrap over subjects (a pair kept iff both subjects drawn)",
         "replicates": replicates,
         "valid_replicates": len(eers),
         "num_subjects": subjects.numel(),
