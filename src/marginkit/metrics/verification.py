@@ -7,40 +7,13 @@ from collections.abc import Sequence
 
 import torch
 
-from marginkit._validation import compute_dtype, float_tensor, positive_float, positive_int
+from marginkit._validation import compute_dtype, positive_float, positive_int
 from marginkit.knn._search import check_embeddings, check_labels, prepare
 from marginkit.metrics import _roc
+from marginkit.metrics._roc import check_pairs
 from marginkit.metrics.bootstrap import check_groups, subject_bootstrap
 
 DEFAULT_FARS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
-
-
-def _check_pairs(scores: object, is_genuine: object) -> tuple[torch.Tensor, torch.Tensor]:
-    float_tensor(scores, "scores")
-    assert isinstance(scores, torch.Tensor)
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be a 1-D tensor of pair scores, got shape {tuple(scores.shape)}")
-    if not isinstance(is_genuine, torch.Tensor):
-        raise TypeError(f"is_genuine must be a torch.Tensor of bools, got {type(is_genuine).__name__}")
-    if is_genuine.dtype != torch.bool:
-        if torch.is_floating_point(is_genuine) or torch.is_complex(is_genuine):
-            raise TypeError(
-                f"is_genuine must be a bool (or 0/1 integer) tensor, got dtype {is_genuine.dtype}"
-            )
-        if bool(((is_genuine != 0) & (is_genuine != 1)).any()):
-            raise ValueError("is_genuine must contain only 0/1 (or bool) values")
-        is_genuine = is_genuine.to(torch.bool)
-    if is_genuine.shape != scores.shape:
-        raise ValueError(
-            f"is_genuine must have one entry per score: got scores of shape {tuple(scores.shape)} "
-            f"and is_genuine of shape {tuple(is_genuine.shape)}"
-        )
-    n_gen = int(is_genuine.sum())
-    if n_gen == 0:
-        raise ValueError("is_genuine has no genuine pair (no True): TAR, EER and AUC are undefined")
-    if n_gen == is_genuine.numel():
-        raise ValueError("is_genuine has no impostor pair (all True): FAR, EER and AUC are undefined")
-    return scores, is_genuine
 
 
 def _check_dcf(p_target: float, c_miss: float, c_fa: float) -> tuple[float, float, float]:
@@ -61,7 +34,7 @@ def eer(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
         >>> eer(torch.tensor([0.6, 0.8, 0.2, 0.7]), torch.tensor([True, True, False, False]))
         0.5
     """
-    return _roc.eer(*_roc.sides(*_check_pairs(scores, is_genuine)))
+    return _roc.eer(*_roc.sides(*check_pairs(scores, is_genuine)))
 
 
 def min_dcf(
@@ -87,7 +60,7 @@ def min_dcf(
         >>> min_dcf(torch.tensor([0.9, 0.8, 0.1]), torch.tensor([True, True, False]), p_target=0.5)
         (0.0, 0.10000000149011612)
     """
-    scores, is_genuine = _check_pairs(scores, is_genuine)
+    scores, is_genuine = check_pairs(scores, is_genuine)
     p_target, c_miss, c_fa = _check_dcf(p_target, c_miss, c_fa)
     return _roc.min_dcf(*_roc.sides(scores, is_genuine), p_target, c_miss, c_fa)
 
@@ -156,7 +129,7 @@ def verification_metrics(
         >>> m["tar_at_far"], m["thresholds"][0.5]
         ({0.5: 1.0, 0.1: None}, 0.30000001192092896)
     """
-    scores, is_genuine = _check_pairs(scores, is_genuine)
+    scores, is_genuine = check_pairs(scores, is_genuine)
     fars = tuple(float(f) for f in fars)
     for far in fars:
         if not 0 < far < 1:
