@@ -24,32 +24,33 @@ _BLOCK = 1 << 20  # candidate thresholds evaluated per step (bounds the float64 
 _PROBES = 256  # evaluations per round of the k-ary search
 
 
-def check_pairs(scores: object, is_genuine: object) -> tuple[torch.Tensor, torch.Tensor]:
+def check_pairs(
+    scores: object, is_genuine: object, names: tuple[str, str] = ("scores", "is_genuine")
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``[P]`` pair scores and their genuine flags (both kinds present); flags as bool."""
-    float_tensor(scores, "scores")
+    sn, gn = names
+    float_tensor(scores, sn)
     assert isinstance(scores, torch.Tensor)
     if scores.dim() != 1:
-        raise ValueError(f"scores must be a 1-D tensor of pair scores, got shape {tuple(scores.shape)}")
+        raise ValueError(f"{sn} must be a 1-D tensor of pair scores, got shape {tuple(scores.shape)}")
     if not isinstance(is_genuine, torch.Tensor):
-        raise TypeError(f"is_genuine must be a torch.Tensor of bools, got {type(is_genuine).__name__}")
+        raise TypeError(f"{gn} must be a torch.Tensor of bools, got {type(is_genuine).__name__}")
     if is_genuine.dtype != torch.bool:
         if torch.is_floating_point(is_genuine) or torch.is_complex(is_genuine):
-            raise TypeError(
-                f"is_genuine must be a bool (or 0/1 integer) tensor, got dtype {is_genuine.dtype}"
-            )
+            raise TypeError(f"{gn} must be a bool (or 0/1 integer) tensor, got dtype {is_genuine.dtype}")
         if bool(((is_genuine != 0) & (is_genuine != 1)).any()):
-            raise ValueError("is_genuine must contain only 0/1 (or bool) values")
+            raise ValueError(f"{gn} must contain only 0/1 (or bool) values")
         is_genuine = is_genuine.to(torch.bool)
     if is_genuine.shape != scores.shape:
         raise ValueError(
-            f"is_genuine must have one entry per score: got scores of shape {tuple(scores.shape)} "
-            f"and is_genuine of shape {tuple(is_genuine.shape)}"
+            f"{gn} must have one entry per score: got {sn} of shape {tuple(scores.shape)} "
+            f"and {gn} of shape {tuple(is_genuine.shape)}"
         )
     n_gen = int(is_genuine.sum())
     if n_gen == 0:
-        raise ValueError("is_genuine has no genuine pair (no True): TAR, EER and AUC are undefined")
+        raise ValueError(f"{gn} has no genuine pair (no True): TAR, EER and AUC are undefined")
     if n_gen == is_genuine.numel():
-        raise ValueError("is_genuine has no impostor pair (all True): FAR, EER and AUC are undefined")
+        raise ValueError(f"{gn} has no impostor pair (all True): FAR, EER and AUC are undefined")
     return scores, is_genuine
 
 
