@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from marginkit._validation import compute_dtype, positive_float, positive_int
-from marginkit.knn._search import check_embeddings, check_labels, check_metric, neg_sqnorms, prepare
+from marginkit.knn._search import check_embeddings, check_labels, check_metric, prepare
 from marginkit.metrics._roc import Side, sort_values, threshold_at_rate
 from marginkit.metrics.curves import det_points
 
@@ -167,7 +167,7 @@ def search_gallery(
     order = torch.argsort(label_index, stable=True)  # one entry per label: the label scores are the scores
     g = prepare(gallery_emb.detach()[order], metric, "gallery_emb", dtype)
     label_index = label_index[order]
-    bias = neg_sqnorms(g) if metric == "l2" else None
+    bias = -torch.einsum("ij,ij->i", g, g) if metric == "l2" else None  # -|g|², summed products
     n_labels, n_gallery = labels.numel(), g.shape[0]
     one_each = n_labels == n_gallery
 
@@ -192,7 +192,7 @@ def search_gallery(
         rank[s : s + rows] = (keys >= own_key).sum(1)
         top_key = keys.amax(1)
         if metric == "l2":  # key = |q|² - d², so d = sqrt(|q|² - key)
-            sq = (q * q).sum(1, keepdim=True)
+            sq = torch.einsum("ij,ij->i", q, q)[:, None]
             own_key = -(sq - own_key).clamp_min(0).sqrt()
             top_key = -(sq[:, 0] - top_key).clamp_min(0).sqrt()
         own[s : s + rows] = own_key[:, 0].to(torch.float64)
