@@ -25,6 +25,7 @@ scores; 16 bytes per row of ``CohortStats``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,12 +97,17 @@ def _rows_per_chunk(per_row: int, fixed: int, budget: int, what: str) -> int:
     return int(rows)
 
 
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    # min and max propagate NaN and show infinities: one pass, no full-size temporary
+    if x.numel() and not all(map(math.isfinite, (float(v) for v in torch.aminmax(x)))):
+        raise ValueError(f"{name} contains NaN or infinite values")
+
+
 def _reduce(
     block: torch.Tensor, top_k: int | None, name: str, offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, std)`` in float64 of each row of ``block`` (its ``top_k`` largest entries)."""
-    if not bool(torch.isfinite(block).all()):
-        raise ValueError(f"{name} contains NaN or infinite values")
+    _check_finite(block, name)
     kept = block if top_k is None else torch.topk(block, top_k, dim=1, sorted=False).values
     kept = kept.to(torch.float64)
     mean = kept.mean(1)
@@ -274,8 +280,9 @@ def normalize_scores(
         >>> normalize_scores(torch.tensor([1.5, 1.5]), e, e.flip(1), method="s-norm").tolist()
         [4.0, 2.0]
     """
-    float_tensor(scores, "scores")
+    float_tensor(scores, "scores", check_values=False)
     assert isinstance(scores, torch.Tensor)
+    _check_finite(scores, "scores")
     if scores.dim() != 1:
         raise ValueError(f"scores must be a 1-D tensor of trial scores, got shape {tuple(scores.shape)}")
     method = choice(method, "method", METHODS)
@@ -293,10 +300,12 @@ def normalize_scores(
         ks = {s.top_k if isinstance(s, CohortStats) else top_k for s in side.values()}
         if len(ks) > 1:
             raise ValueError(f"enroll_cohort and test_cohort keep different top_k: {sorted(ks, key=str)}")
+    if trials is not None and num:
+        lows, highs = torch.aminmax(trials, dim=0)  # along the trials: no copy of a column
     for column, name in enumerate(("enroll_cohort", "test_cohort")):
         c = side.get(name)
         if trials is not None and isinstance(c, CohortStats) and num:
-            lo, hi = int(trials[:, column].min()), int(trials[:, column].max())
+            lo, hi = int(lows[column]), int(highs[column])
             if lo < 0 or hi >= len(c):
                 raise ValueError(
                     f"trials[:, {column}] must index rows of {name} in [0, {len(c)}), "
