@@ -122,8 +122,8 @@ def _newton_sums(
 def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5) -> Calibration:
     r"""Fit ``llr = a s + b`` by prior-weighted logistic regression (see the module docstring).
 
-    Solved by Newton's method with backtracking on standardised scores, in float64, to a
-    relative Newton decrement below 1e-20. Perfectly separated scores (every genuine score
+    Solved by Newton's method with backtracking on standardised scores, in float64, until a
+    Newton step changes the parameters by less than 1e-13 (relative). Perfectly separated scores (every genuine score
     on one side of every impostor score) have no finite solution: that is an error.
 
     Args:
@@ -157,19 +157,16 @@ def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5
         assert grad is not None and hess is not None
         step = torch.linalg.solve(hess, grad)
         decrement = float(grad @ step)
-        if decrement <= 1e-20 * loss:
-            break
+        if decrement <= 0 or float(step.abs().max()) <= 1e-13 * (1 + float(params.abs().max())):
+            break  # the step no longer changes the parameters
         t = 1.0
-        while True:
-            trial = params - t * step
-            if _newton_sums(s, genuine, w, trial, False)[0] <= loss - 0.25 * t * decrement:
+        # Backtracking while the predicted decrease (decrement / 2) is resolvable in the loss;
+        # below that, Newton's full steps converge quadratically and the loss cannot judge them.
+        while decrement > 1e-12 * loss:
+            if _newton_sums(s, genuine, w, params - t * step, False)[0] <= loss - 0.25 * t * decrement:
                 break
             t /= 2
-            if t < 1e-10:
-                break
-        if t < 1e-10:  # no descent left at this precision: converged
-            break
-        params = trial
+        params = params - t * step
         loss, grad, hess = _newton_sums(s, genuine, w, params, True)
     else:
         raise RuntimeError("calibrate: Newton's method did not converge (scores nearly separated?)")
@@ -205,7 +202,11 @@ def _lower_hull(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """
     n = x.numel()
     hull = torch.tensor([0, n - 1], device=x.device)
-    cand = torch.arange(1, n - 1, device=x.device)
+    k = torch.arange(1, n - 1, device=x.device)
+    # A vertex lies strictly below the chord of its neighbours: one vectorised pass keeps only those.
+    local = (x[k + 1] - x[k - 1]) * (y[k] - y[k - 1]) - (y[k + 1] - y[k - 1]) * (x[k] - x[k - 1])
+    cand = k[local < 0]
+    del k, local
     while cand.numel():
         seg = torch.searchsorted(hull, cand) - 1
         a, b = hull[seg], hull[seg + 1]
