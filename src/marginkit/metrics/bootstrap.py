@@ -55,20 +55,21 @@ def subject_multiplicities(num_subjects: int, replicates: int, seed: int) -> Ite
         yield torch.bincount(draw, minlength=num_subjects)
 
 
-def pair_weights(codes: torch.Tensor, multiplicity: torch.Tensor) -> torch.Tensor:
-    """Weight of each pair ``(a, b)`` (``[P, 2]`` subject codes): ``m_a`` if ``a == b``, else ``m_a m_b``."""
-    ma, mb = multiplicity[codes[:, 0]], multiplicity[codes[:, 1]]
-    return torch.where(codes[:, 0] == codes[:, 1], ma, ma * mb)
+class _WeightedSide:
+    """One class of pairs sorted by score; a replicate weighs pair ``(a, b)`` by ``m_a m_b``, or ``m_a``
+    when ``a == b`` (``second`` then points at an extra multiplicity of 1: two gathers, one product).
+    """
 
+    def __init__(self, scores: torch.Tensor, codes: torch.Tensor, num_subjects: int) -> None:
+        self.values, order = torch.sort(scores.detach().to(torch.float64))
+        codes = codes[order]
+        self.first = codes[:, 0].contiguous()
+        self.second = torch.where(codes[:, 0] == codes[:, 1], num_subjects, codes[:, 1])
 
-def _sorted_with_codes(scores: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    values, order = torch.sort(scores.detach().to(torch.float64))
-    return values, codes[order]
-
-
-def _side(values: torch.Tensor, codes: torch.Tensor, multiplicity: torch.Tensor) -> _roc.Side:
-    w = pair_weights(codes, multiplicity)
-    return _roc.Side(values, torch.cat([w.new_zeros(1), torch.cumsum(w, 0)]))
+    def side(self, multiplicity: torch.Tensor) -> _roc.Side:
+        m = torch.cat([multiplicity, multiplicity.new_ones(1)])
+        w = m.index_select(0, self.first) * m.index_select(0, self.second)
+        return _roc.Side(self.values, torch.cat([w.new_zeros(1), torch.cumsum(w, 0)]))
 
 
 def _interval(values: list[float], level: float) -> tuple[float, float]:
@@ -96,13 +97,14 @@ def subject_bootstrap(
     """
     subjects, codes = torch.unique(groups, return_inverse=True)
     device = scores.device
-    gen_values, gen_codes = _sorted_with_codes(scores[is_genuine], codes[is_genuine])
-    imp_values, imp_codes = _sorted_with_codes(scores[~is_genuine], codes[~is_genuine])
+    g = subjects.numel()
+    gen_pairs = _WeightedSide(scores[is_genuine], codes[is_genuine], g)
+    imp_pairs = _WeightedSide(scores[~is_genuine], codes[~is_genuine], g)
     tars: dict[float, list[float] | None] = {far: [] for far in fars}
     eers: list[float] = []
-    for m in subject_multiplicities(subjects.numel(), replicates, seed):
+    for m in subject_multiplicities(g, replicates, seed):
         m = m.to(device)
-        genuine, impostor = _side(gen_values, gen_codes, m), _side(imp_values, imp_codes, m)
+        genuine, impostor = gen_pairs.side(m), imp_pairs.side(m)
         if genuine.total == 0 or impostor.total == 0:
             continue
         eers.append(_roc.eer(genuine, impostor))
@@ -113,7 +115,7 @@ def subject_bootstrap(
             if t is None:
                 tars[far] = None
                 continue
-            tt = torch.tensor([t], dtype=gen_values.dtype, device=device)
+            tt = torch.tensor([t], dtype=torch.float64, device=device)
             column.append(1 - float(_roc.rates_at(genuine, impostor, tt)[1][0]))
     intervals: dict[float, tuple[float, float] | None] = {
         far: _interval(column, level) if column else None for far, column in tars.items()
