@@ -167,7 +167,9 @@ def test_errors():
     with pytest.raises(ValueError, match="separate genuine from impostor trials perfectly"):
         calibrate(torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([0, 0, 1, 1]))
     with pytest.raises(ValueError, match="separate genuine from impostor trials perfectly"):
-        calibrate(torch.tensor([0.9, 0.8, 0.2, 0.1]), torch.tensor([0, 0, 1, 1]))  # reversed, also no finite optimum
+        calibrate(
+            torch.tensor([0.9, 0.8, 0.2, 0.1]), torch.tensor([0, 0, 1, 1])
+        )  # reversed, also no finite optimum
     with pytest.raises(ValueError, match="scores contains NaN"):
         calibrate(torch.tensor([0.1, math.nan, 0.4, 0.9]), y)
     with pytest.raises(ValueError, match="genuine must have one entry per score"):

@@ -22,6 +22,7 @@ from marginkit._validation import compute_dtype, float_tensor
 
 _BLOCK = 1 << 20  # candidate thresholds evaluated per step (bounds the float64 temporaries)
 _PROBES = 256  # evaluations per round of the k-ary search
+_COST_TIES = 1e-12  # relative: detection costs this close are equal (they differ by rounding only)
 
 
 def check_pairs(
@@ -188,7 +189,9 @@ def min_dcf(
     genuine: Side, impostor: Side, p_target: float, c_miss: float, c_fa: float
 ) -> tuple[float, float]:
     r"""``(minDCF, threshold)``: the minimum over ``t`` of ``c_miss p FRR(t) + c_fa (1 - p) FAR(t)``,
-    normalised by ``min(c_miss p, c_fa (1 - p))``; the smallest minimising ``t``.
+    normalised by ``min(c_miss p, c_fa (1 - p))``; the smallest minimising ``t`` (costs equal up
+    to a relative 1e-12 count as equal: crossing a tie of both classes can leave the cost
+    unchanged mathematically, and rounding must not pick the threshold).
 
     Only ``t = -inf`` and, for every genuine score ``g``, the largest impostor score below
     ``g`` (and the largest impostor score) can minimise it: raising ``t`` through impostor
@@ -207,8 +210,9 @@ def min_dcf(
             t = torch.cat([heads, t])
         far, frr = rates_at(genuine, impostor, t)
         dcf = c_miss * p_target * frr + c_fa * (1 - p_target) * far
-        i = int(torch.argmin(dcf))
-        if float(dcf[i]) < best:
+        low = float(dcf.min())
+        if low < best * (1 - _COST_TIES):  # costs within rounding of each other count as equal
+            i = int(torch.nonzero(dcf <= low + _COST_TIES * low)[0, 0])
             best, best_t = float(dcf[i]), float(t[i])
     return best / min(c_miss * p_target, c_fa * (1 - p_target)), best_t
 

@@ -50,9 +50,10 @@ def det_points(genuine: Side, impostor: Side, num_points: int | None) -> dict[st
     else:
         half = max(1, num_points // 2)
         r_fa = _rate_grid(impostor.count, half, iv.device)
-        j_fa = torch.ceil(impostor.count * (1 - r_fa)).long().clamp(1, impostor.count) - 1
+        # (counts within 1e-6 of an integer are that integer: the grid's ends are exactly 1/n, 1 - 1/n)
+        j_fa = torch.ceil(impostor.count * (1 - r_fa) - 1e-6).long().clamp(1, impostor.count) - 1
         r_miss = _rate_grid(genuine.count, half, gv.device)
-        j_miss = torch.ceil(genuine.count * r_miss).long().clamp(1, genuine.count) - 1
+        j_miss = torch.ceil(genuine.count * r_miss - 1e-6).long().clamp(1, genuine.count) - 1
         t = torch.unique(torch.cat([ninf, iv[j_fa], gv[j_miss], top]))
     far, frr = rates_at(genuine, impostor, t)
     return {"threshold": t.to(torch.float64), "p_fa": far, "p_miss": frr}

@@ -1,0 +1,193 @@
+"""EER, minDCF, DET points on sorted copies: brute force over every threshold, scikit-learn, memory."""
+
+import doctest
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import norm
+from sklearn.metrics import roc_curve
+
+from marginkit.metrics import det_curve, eer, min_dcf, normal_deviate, verification_metrics
+from marginkit.metrics._roc import _first_true
+
+
+def _scores(seed, n_gen, n_imp, round_to=None):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.cat(
+        [0.5 + 0.3 * torch.randn(n_gen, generator=g), 0.3 * torch.randn(n_imp, generator=g)]
+    ).double()
+    if round_to:
+        s = torch.round(s * round_to) / round_to  # ties, also across the classes
+    y = torch.arange(n_gen + n_imp) < n_gen
+    perm = torch.randperm(n_gen + n_imp, generator=g)
+    return s[perm], y[perm]
+
+
+def _all_operating_points(s, y):
+    """(t, FAR, FRR) for t in -inf and every distinct score, by counting (accept iff score > t)."""
+    s, y = s.numpy(), y.numpy()
+    ts = np.concatenate([[-np.inf], np.unique(s)])
+    far = np.array([(s[~y] > t).mean() for t in ts])
+    frr = np.array([(s[y] <= t).mean() for t in ts])
+    return ts, far, frr
+
+
+@settings(max_examples=40)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n_gen=st.integers(1, 100),
+    n_imp=st.integers(1, 300),
+    round_to=st.sampled_from([None, 2, 5, 20]),
+)
+def test_eer_and_min_dcf_equal_the_brute_force_over_every_threshold(seed, n_gen, n_imp, round_to):
+    s, y = _scores(seed, n_gen, n_imp, round_to)
+    ts, far, frr = _all_operating_points(s, y)
+    d = far - frr
+    j = int(np.nonzero(d <= 0)[0][0])
+    expected = far[j] if d[j] == 0 else far[j - 1] + d[j - 1] / (d[j - 1] - d[j]) * (far[j] - far[j - 1])
+    assert eer(s, y) == pytest.approx(expected, abs=1e-12)
+    for p, cm, cf in ((0.01, 1.0, 1.0), (0.5, 1.0, 1.0), (0.1, 5.0, 1.0)):
+        dcf = (cm * p * frr + cf * (1 - p) * far) / min(cm * p, cf * (1 - p))
+        value, threshold = min_dcf(s, y, p, cm, cf)
+        assert value == pytest.approx(dcf.min(), abs=1e-12)
+        best = ts[np.isclose(dcf, dcf.min(), rtol=1e-12, atol=0)]
+        assert threshold == best[0]  # the smallest minimising threshold (equal up to rounding)
+    m = verification_metrics(s, y, p_target=0.1, c_miss=5.0)
+    assert (m["min_dcf"], m["min_dcf_threshold"]) == min_dcf(s, y, 0.1, 5.0, 1.0)
+    assert m["eer"] == eer(s, y)
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 3000), cut=st.floats(0, 1))
+def test_first_true_is_the_first_index_of_a_monotone_predicate(seed, n, cut):
+    values = torch.sort(torch.rand(n, generator=torch.Generator().manual_seed(seed))).values
+    expected = int((values < cut).sum())
+    assert _first_true(values, lambda v: v >= cut) == expected
+
+
+@settings(max_examples=30)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n_gen=st.integers(1, 80),
+    n_imp=st.integers(1, 200),
+    round_to=st.sampled_from([None, 3]),
+)
+def test_det_points_are_the_sklearn_roc_points(seed, n_gen, n_imp, round_to):
+    s, y = _scores(seed, n_gen, n_imp, round_to)
+    d = det_curve(s, y, num_points=None)
+    ts, far, frr = _all_operating_points(s, y)
+    assert d["threshold"].tolist() == ts.tolist()
+    assert d["p_fa"].tolist() == pytest.approx(far.tolist(), abs=1e-15)
+    assert d["p_miss"].tolist() == pytest.approx(frr.tolist(), abs=1e-15)
+    fpr, tpr, _ = roc_curve(y.numpy(), s.numpy(), drop_intermediate=False)  # accept iff score >= t
+    ours = {
+        (round(a, 12), round(b, 12)) for a, b in zip(d["p_fa"].tolist(), d["p_miss"].tolist(), strict=True)
+    }
+    theirs = {(round(a, 12), round(1 - b, 12)) for a, b in zip(fpr.tolist(), tpr.tolist(), strict=True)}
+    assert ours == theirs | {(1.0, 0.0)}  # the same operating points; sklearn's start (0, 1) is ours too
+
+
+def test_thinned_det_curve_spreads_its_points_on_the_deviate_axes(gen):
+    s, y = _scores(0, 20_000, 200_000)
+    full = det_curve(s, y, num_points=None)
+    few = det_curve(s, y, num_points=100)
+    assert len(few["threshold"]) <= 102
+    assert set(few["threshold"].tolist()) <= set(full["threshold"].tolist())  # exact operating points
+    assert bool(
+        (few["p_fa"][1:] <= few["p_fa"][:-1]).all() and (few["p_miss"][1:] >= few["p_miss"][:-1]).all()
+    )
+    for rate, n in (("p_fa", 200_000), ("p_miss", 20_000)):
+        z = normal_deviate(few[rate])
+        z = z[torch.isfinite(z)]
+        # 50 target rates evenly spaced in deviate between 1/n and 1 - 1/n: the points span that
+        # range with gaps of at most two grid steps (one score's share quantises the tails).
+        span = 2 * abs(float(norm.ppf(1 / n)))
+        assert float(z.max() - z.min()) == pytest.approx(span, rel=0.01)
+        assert float(z.diff().abs().max()) <= 2 * span / 49
+
+
+def test_normal_deviate_equals_scipy():
+    p = torch.tensor([1e-12, 1e-4, 0.1, 0.5, 0.77, 1 - 1e-9])
+    np.testing.assert_allclose(normal_deviate(p).numpy(), norm.ppf(p.double().numpy()), rtol=1e-12)
+    assert normal_deviate(torch.tensor([0.0, 1.0])).tolist() == [-math.inf, math.inf]
+
+
+def test_errors():
+    s, y = torch.tensor([0.1, 0.5, 0.6]), torch.tensor([0, 1, 1])
+    with pytest.raises(ValueError, match="num_points must be >= 2"):
+        det_curve(s, y, num_points=1)
+    with pytest.raises(ValueError, match="is_genuine must have one entry per score"):
+        eer(s, y[:2])
+    with pytest.raises(ValueError, match="scores contains NaN"):
+        min_dcf(torch.tensor([0.1, math.nan, 0.3]), y)
+    with pytest.raises(ValueError, match="p_target must lie in"):
+        min_dcf(s, y, p_target=1.5)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "verification",
+        "identification",
+        "templates",
+        "protocols",
+        "normalization",
+        "calibration",
+        "curves",
+    ],
+)
+def test_docstring_examples_run(module):
+    mod = importlib.import_module(f"marginkit.metrics.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import gc, json, torch
+    from marginkit.metrics import verification_metrics
+    torch.set_num_threads(2)
+
+    def kib(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+    g = torch.Generator().manual_seed(0)
+    n, n_gen = 10_000_000, 100_000
+    gen_scores = 0.5 + 0.2 * torch.randn(n_gen, generator=g)
+    scores = torch.cat([gen_scores, 0.2 * torch.randn(n - n_gen, generator=g)])
+    is_genuine = torch.arange(n) < n_gen
+    verification_metrics(scores[n_gen - 500 : n_gen + 500], is_genuine[n_gen - 500 : n_gen + 500])  # warm-up
+    gc.collect()
+    base = kib("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    m = verification_metrics(scores, is_genuine)
+    print(json.dumps({"growth": (kib("VmHWM:") - base) / 1024, "eer": m["eer"]}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")
+def test_verification_of_ten_million_scores_needs_two_copies_of_them():
+    # The sorted copies of the two classes (4 bytes a score in float32) are the only full-size
+    # temporaries; blocks of 2^20 candidate thresholds add a bounded amount.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, env=env, check=True, timeout=600
+    )
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    scores_mb = 10_000_000 * 4 / 2**20
+    assert out["growth"] <= 2 * scores_mb + 64, out
+    assert 0.05 < out["eer"] < 0.2
