@@ -20,7 +20,7 @@ import torch
 
 from marginkit._validation import compute_dtype, float_tensor
 
-_BLOCK = 1 << 20  # candidate thresholds evaluated per step (bounds the float64 temporaries)
+_BLOCK = 1 << 18  # candidate thresholds evaluated per step (bounds their temporaries to ~12 MB)
 _PROBES = 256  # evaluations per round of the k-ary search
 _COST_TIES = 1e-12  # relative: detection costs this close are equal (they differ by rounding only)
 
@@ -30,8 +30,10 @@ def check_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``[P]`` pair scores and their genuine flags (both kinds present); flags as bool."""
     sn, gn = names
-    float_tensor(scores, sn)
+    float_tensor(scores, sn, check_values=False)
     assert isinstance(scores, torch.Tensor)
+    if scores.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(scores)):
+        raise ValueError(f"{sn} contains NaN or infinite values")  # min/max propagate NaN: no temporary
     if scores.dim() != 1:
         raise ValueError(f"{sn} must be a 1-D tensor of pair scores, got shape {tuple(scores.shape)}")
     if not isinstance(is_genuine, torch.Tensor):
@@ -39,7 +41,7 @@ def check_pairs(
     if is_genuine.dtype != torch.bool:
         if torch.is_floating_point(is_genuine) or torch.is_complex(is_genuine):
             raise TypeError(f"{gn} must be a bool (or 0/1 integer) tensor, got dtype {is_genuine.dtype}")
-        if bool(((is_genuine != 0) & (is_genuine != 1)).any()):
+        if is_genuine.numel() and not 0 <= int(is_genuine.min()) <= int(is_genuine.max()) <= 1:
             raise ValueError(f"{gn} must contain only 0/1 (or bool) values")
         is_genuine = is_genuine.to(torch.bool)
     if is_genuine.shape != scores.shape:
@@ -47,7 +49,7 @@ def check_pairs(
             f"{gn} must have one entry per score: got {sn} of shape {tuple(scores.shape)} "
             f"and {gn} of shape {tuple(is_genuine.shape)}"
         )
-    n_gen = int(is_genuine.sum())
+    n_gen = int(torch.count_nonzero(is_genuine))  # (a bool sum would widen to int64 first)
     if n_gen == 0:
         raise ValueError(f"{gn} has no genuine pair (no True): TAR, EER and AUC are undefined")
     if n_gen == is_genuine.numel():
@@ -100,9 +102,19 @@ class Side:
         return int(torch.searchsorted(self.cum, torch.tensor([target], device=self.cum.device))[0])
 
 
+def _sorted_selection(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sort_values(x[mask])`` with one copy: the selection is fresh, so it is sorted in place."""
+    x = x.detach().to(compute_dtype(x.dtype))
+    if x.device.type == "cpu":  # numpy selects without materialising indices (torch: 8 bytes each)
+        picked = x.numpy()[mask.numpy()]
+        picked.sort()
+        return torch.from_numpy(picked)
+    return torch.sort(x[mask]).values
+
+
 def sides(scores: torch.Tensor, is_genuine: torch.Tensor) -> tuple[Side, Side]:
     """Genuine and impostor :class:`Side` of validated pair scores."""
-    return Side(sort_values(scores[is_genuine])), Side(sort_values(scores[~is_genuine]))
+    return Side(_sorted_selection(scores, is_genuine)), Side(_sorted_selection(scores, ~is_genuine))
 
 
 def threshold_at_rate(side: Side, rate: float) -> float | None:

@@ -123,8 +123,9 @@ def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5
     r"""Fit ``llr = a s + b`` by prior-weighted logistic regression (see the module docstring).
 
     Solved by Newton's method with backtracking on standardised scores, in float64, until a
-    Newton step changes the parameters by less than 1e-13 (relative). Perfectly separated scores (every genuine score
-    on one side of every impostor score) have no finite solution: that is an error.
+    Newton step changes the parameters by less than 1e-13 (relative). Perfectly separated
+    scores (every genuine score on one side of every impostor score) have no finite solution:
+    that is an error.
 
     Args:
         scores: ``[P]`` trial scores (larger: more likely genuine).
