@@ -103,12 +103,26 @@ def _check_finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
+def _largest(block: torch.Tensor, k: int, owned: bool) -> torch.Tensor:
+    """The ``k`` largest values of each row, in no order.
+
+    On CPU numpy's introselect (``np.partition``, in place when ``owned``: the block is then a
+    temporary of ours); elsewhere ``torch.topk``.
+    """
+    if block.device.type != "cpu":
+        return torch.topk(block, k, dim=1, sorted=False).values
+    a = block.numpy() if owned else block.numpy().copy()
+    cut = a.shape[1] - k
+    a.partition(cut, axis=1)
+    return torch.from_numpy(a[:, cut:])
+
+
 def _reduce(
-    block: torch.Tensor, top_k: int | None, name: str, offset: int
+    block: torch.Tensor, top_k: int | None, name: str, offset: int, *, owned: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, std)`` in float64 of each row of ``block`` (its ``top_k`` largest entries)."""
     _check_finite(block, name)
-    kept = block if top_k is None else torch.topk(block, top_k, dim=1, sorted=False).values
+    kept = block if top_k is None else _largest(block, top_k, owned)
     kept = kept.to(torch.float64)
     mean = kept.mean(1)
     std = (kept - mean[:, None]).square_().mean(1).sqrt_()
@@ -185,7 +199,9 @@ def cohort_stats(
     std = torch.empty_like(mean)
     for s in range(0, n, rows):
         q = prepare(embeddings.detach()[s : s + rows].to(k.device), "cosine", "embeddings", dtype)
-        mean[s : s + rows], std[s : s + rows] = _reduce(q @ k.T, top_k, "the cohort scores of embeddings", s)
+        mean[s : s + rows], std[s : s + rows] = _reduce(
+            q @ k.T, top_k, "the cohort scores of embeddings", s, owned=True
+        )
     return CohortStats(mean, std, top_k, c)
 
 
