@@ -120,8 +120,12 @@ def _largest(block: torch.Tensor, k: int, owned: bool) -> torch.Tensor:
 def _reduce(
     block: torch.Tensor, top_k: int | None, name: str, offset: int, *, owned: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, std)`` in float64 of each row of ``block`` (its ``top_k`` largest entries)."""
-    _check_finite(block, name)
+    """``(mean, std)`` in float64 of each row of ``block`` (its ``top_k`` largest entries).
+
+    ``owned``: the block is our own product of validated rows (finite, and free to reorder).
+    """
+    if not owned:
+        _check_finite(block, name)
     kept = block if top_k is None else _largest(block, top_k, owned)
     kept = kept.to(torch.float64)
     mean = kept.mean(1)
@@ -197,10 +201,12 @@ def cohort_stats(
     n = embeddings.shape[0]
     mean = torch.empty(n, dtype=torch.float64, device=k.device)
     std = torch.empty_like(mean)
+    buffer = torch.empty(min(rows, n) * c, dtype=dtype, device=k.device)  # reused: no fresh pages per chunk
     for s in range(0, n, rows):
         q = prepare(embeddings.detach()[s : s + rows].to(k.device), "cosine", "embeddings", dtype)
+        block = torch.mm(q, k.T, out=buffer[: q.shape[0] * c].view(q.shape[0], c))
         mean[s : s + rows], std[s : s + rows] = _reduce(
-            q @ k.T, top_k, "the cohort scores of embeddings", s, owned=True
+            block, top_k, "the cohort scores of embeddings", s, owned=True
         )
     return CohortStats(mean, std, top_k, c)
 
