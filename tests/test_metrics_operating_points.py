@@ -193,3 +193,35 @@ def test_verification_of_ten_million_scores_needs_one_copy_of_them():
     n = 10_000_000
     assert out["growth"] <= (4 + 1) * n / 2**20 + 16, out  # measured 47.7 MB
     assert 0.05 < out["eer"] < 0.2
+
+
+def test_torch_paths_equal_the_numpy_fast_paths(gen, monkeypatch):
+    # CPU tensors sort and select through numpy; other devices through torch.sort / torch.topk.
+    # Both paths on the same CPU data must give the same metrics.
+    from marginkit.metrics import _roc, cohort_stats, min_cllr, normalize_scores
+
+    s, y = _scores(5, 300, 3000, round_to=50)
+    emb, cohort = torch.randn(50, 6, generator=gen), torch.randn(40, 6, generator=gen)
+    raw = torch.randn(50, generator=gen)
+
+    def everything():
+        m = verification_metrics(s, y, fars=(0.1, 0.01))
+        st = cohort_stats(emb, cohort, top_k=7)
+        return (
+            m["eer"],
+            m["min_dcf"],
+            m["auc"],
+            m["thresholds"],
+            m["tar_at_far"],
+            min_cllr(s, y),
+            det_curve(s, y, num_points=50)["threshold"].tolist(),
+            normalize_scores(raw, st, st, method="as-norm").tolist(),
+            st.std.tolist(),
+        )
+
+    fast = everything()
+    monkeypatch.setattr(_roc, "NUMPY_ON_CPU", False)
+    slow = everything()
+    assert slow[:7] == fast[:7]  # order statistics: exactly equal
+    # the top-k come in another order, so their float64 sums may differ in the last bit
+    np.testing.assert_allclose(slow[7:], fast[7:], rtol=1e-12, atol=0)

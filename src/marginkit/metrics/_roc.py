@@ -57,6 +57,14 @@ def check_pairs(
     return scores, is_genuine
 
 
+NUMPY_ON_CPU = True  # the CPU fast paths below; tests switch it off to run the torch paths on CPU
+
+
+def numpy_path(x: torch.Tensor) -> bool:
+    """Whether ``x``'s values-only sorts and selections go through numpy (CPU tensors)."""
+    return NUMPY_ON_CPU and x.device.type == "cpu"
+
+
 def sort_values(x: torch.Tensor) -> torch.Tensor:
     """A sorted (ascending) copy of 1-D ``x`` in its working precision (float32 or float64).
 
@@ -64,7 +72,7 @@ def sort_values(x: torch.Tensor) -> torch.Tensor:
     permutation. Elsewhere ``torch.sort``.
     """
     x = x.detach().to(compute_dtype(x.dtype))
-    if x.device.type == "cpu":
+    if numpy_path(x):
         return torch.from_numpy(np.sort(x.numpy()))
     return torch.sort(x).values
 
@@ -105,7 +113,7 @@ class Side:
 def _sorted_selection(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``sort_values(x[mask])`` with one copy: the selection is fresh, so it is sorted in place."""
     x = x.detach().to(compute_dtype(x.dtype))
-    if x.device.type == "cpu":  # numpy selects without materialising indices (torch: 8 bytes each)
+    if numpy_path(x):  # numpy selects without materialising indices (torch: 8 bytes each)
         picked = x.numpy()[mask.numpy()]
         picked.sort()
         return torch.from_numpy(picked)

@@ -39,6 +39,7 @@ from marginkit._validation import (
     positive_int,
 )
 from marginkit.knn._search import check_embeddings, prepare
+from marginkit.metrics._roc import numpy_path
 
 METHODS = ("s-norm", "as-norm", "z-norm", "t-norm")
 _TRIAL_BYTES = 96  # per trial and chunk: 4 gathered float64 statistics, the score, results, indices
@@ -109,7 +110,7 @@ def _largest(block: torch.Tensor, k: int, owned: bool) -> torch.Tensor:
     On CPU numpy's introselect (``np.partition``, in place when ``owned``: the block is then a
     temporary of ours); elsewhere ``torch.topk``.
     """
-    if block.device.type != "cpu":
+    if not numpy_path(block):
         return torch.topk(block, k, dim=1, sorted=False).values
     a = block.numpy() if owned else block.numpy().copy()
     cut = a.shape[1] - k
