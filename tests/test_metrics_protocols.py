@@ -145,3 +145,20 @@ def test_protocol_errors(gen):
         template_features(torch.full((4, 3), math.nan), labels)
     with pytest.raises(ValueError, match="template 0: its media features cancel out"):
         template_features(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]), torch.tensor([0, 0]))
+
+
+def test_the_docs_example_runs_and_its_numbers_make_sense(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "knn_and_metrics.md").read_text()
+    section = text[text.index("## Evaluation protocols of the field") :]
+    code = section[
+        section.index("```python") + len("```python") : section.index("```\n", section.index("```python") + 9)
+    ]
+    ns: dict = {}
+    exec(compile(code, "docs/knn_and_metrics.md", "exec"), ns)
+    assert ns["ident"]["num_mated"] == 30 * 6 and ns["ident"]["num_nonmated"] == 30 * 8
+    assert ns["low"] <= ns["ver"]["eer"] <= ns["high"]
+    assert len(ns["t_scores"]) == len(ns["ids"]) * (len(ns["ids"]) - 1) // 2
+    c, mc, dcf = map(float, capsys.readouterr().out.split())
+    assert 0 <= mc <= c < 1 and 0 < dcf <= 1  # calibrated on held-out subjects: informative, not perfect
