@@ -210,7 +210,8 @@ def pair_scores(
     Returns:
         ``(scores, is_genuine)`` (``[P]`` float32, or float64 for float64 input, and bool),
         genuine pairs first, each group in increasing ``(i, j)`` order; plus ``pairs`` with
-        ``return_pairs=True``.
+        ``return_pairs=True``, whose subjects ``labels[pairs]`` are the ``groups`` of
+        :func:`verification_metrics`' subject bootstrap.
 
     Example:
         >>> import torch
