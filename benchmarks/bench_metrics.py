@@ -135,11 +135,9 @@ def as_norm(args: argparse.Namespace, scale: int) -> list[dict[str, Any]]:
         return top.mean(axis=1), top.std(axis=1)
 
     def plain(kind: str, se_np: Any = None, st_np: Any = None) -> Any:
-        se_np = e_np @ c_np.T if se_np is None else se_np
-        (me, se), (mt, st) = (
-            top_stats(se_np, kind),
-            top_stats(t_np @ c_np.T if st_np is None else st_np, kind),
-        )
+        # one side's score matrix at a time (each freed once reduced)
+        me, se = top_stats(e_np @ c_np.T if se_np is None else se_np, kind)
+        mt, st = top_stats(t_np @ c_np.T if st_np is None else st_np, kind)
         a, b = tr_np[:, 0], tr_np[:, 1]
         s = s_np.astype(np.float64)
         return ((s - me[a]) / se[a] + (s - mt[b]) / st[b]) / 2
