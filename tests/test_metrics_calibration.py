@@ -19,26 +19,12 @@ from marginkit.metrics import (
     min_dcf,
     verification_metrics,
 )
-
-
-def _trials(seed, n_gen, n_imp, round_to=None, shift=1.5):
-    g = torch.Generator().manual_seed(seed)
-    s = torch.cat(
-        [
-            shift + torch.randn(n_gen, generator=g, dtype=torch.float64),
-            torch.randn(n_imp, generator=g, dtype=torch.float64),
-        ]
-    )
-    if round_to:
-        s = torch.round(s * round_to) / round_to
-    y = torch.arange(n_gen + n_imp) < n_gen
-    perm = torch.randperm(n_gen + n_imp, generator=g)
-    return s[perm], y[perm]
+from score_data import trial_scores
 
 
 @pytest.mark.parametrize("prior", [0.5, 0.1, 0.9])
 def test_calibrate_equals_sklearn_prior_weighted_logistic_regression(prior):
-    s, y = _trials(0, 400, 3000)
+    s, y = trial_scores(0, 400, 3000)
     c = calibrate(s, y, prior=prior)
     n_g, n_i = int(y.sum()), int((~y).sum())
     w = np.where(y.numpy(), prior / n_g, (1 - prior) / n_i) * (n_g + n_i)
@@ -51,7 +37,7 @@ def test_calibrate_equals_sklearn_prior_weighted_logistic_regression(prior):
 
 
 def test_calibration_is_affine_invariant_and_its_far_threshold_is_the_order_statistic():
-    s, y = _trials(1, 300, 2000)
+    s, y = trial_scores(1, 300, 2000)
     c = calibrate(s, y)
     c2 = calibrate(3.0 * s - 7.0, y)
     torch.testing.assert_close(c2.llr(3.0 * s - 7.0), c.llr(s), rtol=0, atol=1e-9)
@@ -65,7 +51,7 @@ def test_calibration_is_affine_invariant_and_its_far_threshold_is_the_order_stat
 def test_calibration_recovers_the_true_llr_of_gaussian_scores():
     # Genuine ~ N(mu, 1), impostor ~ N(0, 1): the true llr is mu s - mu^2 / 2.
     mu = 2.0
-    s, y = _trials(2, 100_000, 100_000, shift=mu)
+    s, y = trial_scores(2, 100_000, 100_000, shift=mu)
     c = calibrate(s, y)
     assert c.slope == pytest.approx(mu, abs=0.03) and c.offset == pytest.approx(-(mu**2) / 2, abs=0.03)
     true_llr = mu * s - mu**2 / 2
@@ -83,7 +69,7 @@ def test_calibration_recovers_the_true_llr_of_gaussian_scores():
     round_to=st.sampled_from([None, 2, 5]),
 )
 def test_cllr_and_actual_dcf_equal_loops(seed, n_gen, n_imp, round_to):
-    llr, y = _trials(seed, n_gen, n_imp, round_to)
+    llr, y = trial_scores(seed, n_gen, n_imp, round_to)
     gen = [v for v, f in zip(llr.tolist(), y.tolist(), strict=True) if f]
     imp = [v for v, f in zip(llr.tolist(), y.tolist(), strict=True) if not f]
     ref = 0.5 * (
@@ -140,7 +126,7 @@ def _cllr_of_pools(blocks, n_g, n_i):
     round_to=st.sampled_from([None, 1, 3, 10]),
 )
 def test_min_cllr_equals_pav_by_hand_and_sklearn_isotonic(seed, n_gen, n_imp, round_to):
-    s, y = _trials(seed, n_gen, n_imp, round_to, shift=1.0)
+    s, y = trial_scores(seed, n_gen, n_imp, round_to, shift=1.0)
     ours = min_cllr(s, y)
     assert ours == pytest.approx(_cllr_of_pools(_pav(s.numpy(), y.numpy()), n_gen, n_imp), abs=1e-12)
     p = IsotonicRegression(increasing=True).fit_transform(s.numpy(), y.numpy().astype(float))

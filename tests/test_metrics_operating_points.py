@@ -2,12 +2,7 @@
 
 import doctest
 import importlib
-import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -19,18 +14,8 @@ from sklearn.metrics import roc_curve
 
 from marginkit.metrics import det_curve, eer, min_dcf, normal_deviate, verification_metrics
 from marginkit.metrics._roc import _first_true
-
-
-def _scores(seed, n_gen, n_imp, round_to=None):
-    g = torch.Generator().manual_seed(seed)
-    s = torch.cat(
-        [0.5 + 0.3 * torch.randn(n_gen, generator=g), 0.3 * torch.randn(n_imp, generator=g)]
-    ).double()
-    if round_to:
-        s = torch.round(s * round_to) / round_to  # ties, also across the classes
-    y = torch.arange(n_gen + n_imp) < n_gen
-    perm = torch.randperm(n_gen + n_imp, generator=g)
-    return s[perm], y[perm]
+from rss_utils import HAS_PEAK_RESET, run_measured
+from score_data import trial_scores
 
 
 def _all_operating_points(s, y):
@@ -50,7 +35,7 @@ def _all_operating_points(s, y):
     round_to=st.sampled_from([None, 2, 5, 20]),
 )
 def test_eer_and_min_dcf_equal_the_brute_force_over_every_threshold(seed, n_gen, n_imp, round_to):
-    s, y = _scores(seed, n_gen, n_imp, round_to)
+    s, y = trial_scores(seed, n_gen, n_imp, round_to)
     ts, far, frr = _all_operating_points(s, y)
     d = far - frr
     j = int(np.nonzero(d <= 0)[0][0])
@@ -83,7 +68,7 @@ def test_first_true_is_the_first_index_of_a_monotone_predicate(seed, n, cut):
     round_to=st.sampled_from([None, 3]),
 )
 def test_det_points_are_the_sklearn_roc_points(seed, n_gen, n_imp, round_to):
-    s, y = _scores(seed, n_gen, n_imp, round_to)
+    s, y = trial_scores(seed, n_gen, n_imp, round_to)
     d = det_curve(s, y, num_points=None)
     ts, far, frr = _all_operating_points(s, y)
     assert d["threshold"].tolist() == ts.tolist()
@@ -98,7 +83,7 @@ def test_det_points_are_the_sklearn_roc_points(seed, n_gen, n_imp, round_to):
 
 
 def test_thinned_det_curve_spreads_its_points_on_the_deviate_axes(gen):
-    s, y = _scores(0, 20_000, 200_000)
+    s, y = trial_scores(0, 20_000, 200_000)
     full = det_curve(s, y, num_points=None)
     few = det_curve(s, y, num_points=100)
     assert len(few["threshold"]) <= 102
@@ -152,44 +137,27 @@ def test_docstring_examples_run(module):
     assert result.attempted > 0 and result.failed == 0
 
 
-_RSS_SCRIPT = textwrap.dedent(
-    """
-    import gc, json, torch
-    from marginkit.metrics import verification_metrics
-    torch.set_num_threads(2)
+_MEASURE = """
+from marginkit.metrics import verification_metrics
 
-    def kib(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key))
-
-    g = torch.Generator().manual_seed(0)
-    n, n_gen = 10_000_000, 100_000
-    gen_scores = 0.5 + 0.2 * torch.randn(n_gen, generator=g)
-    scores = torch.cat([gen_scores, 0.2 * torch.randn(n - n_gen, generator=g)])
-    is_genuine = torch.arange(n) < n_gen
-    verification_metrics(scores[n_gen - 500 : n_gen + 500], is_genuine[n_gen - 500 : n_gen + 500])  # warm-up
-    gc.collect()
-    base = kib("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    m = verification_metrics(scores, is_genuine)
-    print(json.dumps({"growth": (kib("VmHWM:") - base) / 1024, "eer": m["eer"]}))
-    """
-)
+g = torch.Generator().manual_seed(0)
+n, n_gen = 10_000_000, 100_000
+scores = torch.cat([0.5 + 0.2 * torch.randn(n_gen, generator=g), 0.2 * torch.randn(n - n_gen, generator=g)])
+is_genuine = torch.arange(n) < n_gen
+verification_metrics(scores[n_gen - 500 : n_gen + 500], is_genuine[n_gen - 500 : n_gen + 500])  # warm-up
+growth, m = peak_growth(lambda: verification_metrics(scores, is_genuine))
+print(json.dumps({"growth": growth, "eer": m["eer"]}))
+"""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")
+@pytest.mark.skipif(not HAS_PEAK_RESET, reason="needs Linux peak-RSS reset")
 def test_verification_of_ten_million_scores_needs_one_copy_of_them():
     # Selected and sorted in place, the scores of each class are copied once (4 bytes a float32
     # score); the negated genuine flags take 1 byte a pair; blocks of 2^18 candidate thresholds and
     # the searches add a bounded amount. (scikit-learn's roc_curve: a stable argsort and float64
-    # cumulative counts, ~40 bytes a score.)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    done = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, env=env, check=True, timeout=600
-    )
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # cumulative counts, ~50 bytes a score.) Peak RSS growth in a fresh process (tests/rss_utils.py).
+    out = run_measured(_MEASURE)
     n = 10_000_000
     assert out["growth"] <= (4 + 1) * n / 2**20 + 16, out  # measured 47.7 MB
     assert 0.05 < out["eer"] < 0.2
@@ -200,7 +168,7 @@ def test_torch_paths_equal_the_numpy_fast_paths(gen, monkeypatch):
     # Both paths on the same CPU data must give the same metrics.
     from marginkit.metrics import _roc, cohort_stats, min_cllr, normalize_scores
 
-    s, y = _scores(5, 300, 3000, round_to=50)
+    s, y = trial_scores(5, 300, 3000, round_to=50)
     emb, cohort = torch.randn(50, 6, generator=gen), torch.randn(40, 6, generator=gen)
     raw = torch.randn(50, generator=gen)
 

@@ -140,6 +140,25 @@ def threshold_at_rate(side: Side, rate: float) -> float | None:
     return -math.inf if j == 0 else float(side.values[j - 1])
 
 
+def rates_at_targets(
+    accepted: Side, rejected: Side, targets: tuple[float, ...]
+) -> tuple[dict[float, float | None], dict[float, float | None]]:
+    """At each target rate of ``rejected`` scores above the threshold (FAR, FPIR): the exact
+    order-statistic threshold (:func:`threshold_at_rate`) and the share of ``accepted`` scores
+    above it (TAR, DIR); both ``None`` where the target cannot be resolved."""
+    thresholds: dict[float, float | None] = {}
+    rates: dict[float, float | None] = {}
+    for rate in targets:
+        t = threshold_at_rate(rejected, rate) if rejected.count else None
+        thresholds[rate] = t
+        if t is None:
+            rates[rate] = None
+        else:
+            tt = torch.tensor([t], dtype=accepted.values.dtype, device=accepted.values.device)
+            rates[rate] = float(accepted.total - accepted.mass_le(tt)[0]) / accepted.total
+    return thresholds, rates
+
+
 def rates_at(genuine: Side, impostor: Side, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(FAR(t), FRR(t))`` in float64: impostor weight ``> t`` and genuine weight ``<= t``, as shares."""
     far = (impostor.total - impostor.mass_le(t)).to(torch.float64) / impostor.total

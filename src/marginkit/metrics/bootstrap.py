@@ -108,15 +108,12 @@ def subject_bootstrap(
         if genuine.total == 0 or impostor.total == 0:
             continue
         eers.append(_roc.eer(genuine, impostor))
-        for far, column in tars.items():
-            if column is None:
-                continue
-            t = _roc.threshold_at_rate(impostor, far)
-            if t is None:
-                tars[far] = None
-                continue
-            tt = torch.tensor([t], dtype=torch.float64, device=device)
-            column.append(1 - float(_roc.rates_at(genuine, impostor, tt)[1][0]))
+        for far, tar in _roc.rates_at_targets(genuine, impostor, tuple(tars))[1].items():
+            column = tars[far]
+            if column is not None and tar is None:
+                tars[far] = None  # some replicate cannot resolve this FAR
+            elif column is not None:
+                column.append(tar)
     intervals: dict[float, tuple[float, float] | None] = {
         far: _interval(column, level) if column else None for far, column in tars.items()
     }

@@ -29,7 +29,7 @@ import torch
 
 from marginkit._validation import compute_dtype, positive_float, positive_int
 from marginkit.knn._search import check_embeddings, check_labels, check_metric, prepare
-from marginkit.metrics._roc import Side, sort_values, threshold_at_rate
+from marginkit.metrics._roc import Side, rates_at_targets, sort_values
 from marginkit.metrics.curves import det_points
 
 DEFAULT_RANKS = (1, 5, 10)
@@ -106,18 +106,8 @@ class GallerySearch:
                 raise ValueError(f"fpir must lie in (0, 1), got {f}")
         mated_rank = self.rank[self.mated]
         cmc = {k: float((mated_rank <= k).double().mean()) if k <= self.num_labels else None for k in ranks}
-        hits = self._hits()
         nonmated = Side(sort_values(self.top_score[~self.mated]))
-        dir_at: dict[float, float | None] = {}
-        thresholds: dict[float, float | None] = {}
-        for f in fpir:
-            t = threshold_at_rate(nonmated, f) if nonmated.count else None
-            thresholds[f] = t
-            if t is None:
-                dir_at[f] = None
-            else:
-                tt = torch.tensor([t], dtype=hits.values.dtype, device=hits.values.device)
-                dir_at[f] = float(hits.count - hits.mass_le(tt)[0]) / hits.count
+        thresholds, dir_at = rates_at_targets(self._hits(), nonmated, fpir)
         return {
             "cmc": cmc,
             "dir_at_fpir": dir_at,

@@ -147,16 +147,7 @@ def verification_metrics(
             raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
 
     genuine, impostor = _roc.sides(scores, is_genuine)
-    tar_at_far: dict[float, float | None] = {}
-    thresholds: dict[float, float | None] = {}
-    for far in fars:
-        t = _roc.threshold_at_rate(impostor, far)
-        thresholds[far] = t
-        if t is None:
-            tar_at_far[far] = None
-        else:
-            tt = torch.tensor([t], dtype=genuine.values.dtype, device=genuine.values.device)
-            tar_at_far[far] = float(genuine.count - genuine.mass_le(tt)[0]) / genuine.count
+    thresholds, tar_at_far = _roc.rates_at_targets(genuine, impostor, fars)
     best, best_t = _roc.min_dcf(genuine, impostor, p_target, c_miss, c_fa)
     out: dict[str, object] = {
         "tar_at_far": tar_at_far,
