@@ -104,30 +104,47 @@ def _check_finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
-def _largest(block: torch.Tensor, k: int, owned: bool) -> torch.Tensor:
+def _largest(block: torch.Tensor, k: int, scratch: torch.Tensor | None) -> torch.Tensor:
     """The ``k`` largest values of each row, in no order.
 
-    On CPU numpy's introselect (``np.partition``, in place when ``owned``: the block is then a
-    temporary of ours); elsewhere ``torch.topk``.
+    On CPU numpy's introselect (``np.partition``) reorders in place: a copy of ``block`` in
+    ``scratch`` (a reused buffer: no fresh pages per chunk), or ``block`` itself when
+    ``scratch`` is None (then a temporary of ours). Elsewhere ``torch.topk``.
     """
     if not numpy_path(block):
         return torch.topk(block, k, dim=1, sorted=False).values
-    a = block.numpy() if owned else block.numpy().copy()
+    if scratch is not None:
+        block = scratch[: block.numel()].view(block.shape).copy_(block)
+    a = block.numpy()
     cut = a.shape[1] - k
     a.partition(cut, axis=1)
     return torch.from_numpy(a[:, cut:])
 
 
+def _scratch(rows: int, cols: int, top_k: int | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The reused buffer of :func:`_largest` for chunks of ``rows x cols`` (None when not needed)."""
+    if top_k is None or not numpy_path(like):
+        return None
+    return torch.empty(rows * cols, dtype=compute_dtype(like.dtype), device=like.device)
+
+
 def _reduce(
-    block: torch.Tensor, top_k: int | None, name: str, offset: int, *, owned: bool = False
+    block: torch.Tensor,
+    top_k: int | None,
+    name: str,
+    offset: int,
+    scratch: torch.Tensor | None = None,
+    *,
+    owned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, std)`` in float64 of each row of ``block`` (its ``top_k`` largest entries).
 
-    ``owned``: the block is our own product of validated rows (finite, and free to reorder).
+    ``owned``: the block is our own product of validated rows (finite, and free to reorder);
+    otherwise it is checked and, on the numpy path, copied into ``scratch`` to be reordered.
     """
     if not owned:
         _check_finite(block, name)
-    kept = block if top_k is None else _largest(block, top_k, owned)
+    kept = block if top_k is None else _largest(block, top_k, None if owned else scratch)
     kept = kept.to(torch.float64)
     mean = kept.mean(1)
     std = (kept - mean[:, None]).square_().mean(1).sqrt_()
@@ -153,9 +170,10 @@ def _stats_from_scores(scores: object, name: str, top_k: int | None, budget: int
     rows = _rows_per_chunk(_row_bytes(c, top_k, 8), 0, budget, f"one row of {name}")
     mean = torch.empty(n, dtype=torch.float64, device=scores.device)
     std = torch.empty_like(mean)
+    scratch = _scratch(min(rows, n), c, top_k, scores)
     for s in range(0, n, rows):
         block = scores[s : s + rows].to(compute_dtype(scores.dtype))
-        mean[s : s + rows], std[s : s + rows] = _reduce(block, top_k, name, s)
+        mean[s : s + rows], std[s : s + rows] = _reduce(block, top_k, name, s, scratch)
     return CohortStats(mean, std, top_k, c)
 
 
@@ -340,6 +358,11 @@ def normalize_scores(
     )
     chunk = _rows_per_chunk(per_trial, 0, budget, "one trial")
     out = torch.empty(num, dtype=compute_dtype(scores.dtype), device=scores.device)
+    scratch = {
+        n: _scratch(min(chunk, num), c.shape[1], top_k, c)
+        for n, c in side.items()
+        if isinstance(c, torch.Tensor)
+    }
     for s in range(0, num, chunk):
         raw = scores[s : s + chunk].detach().to(torch.float64)
         parts = []
@@ -348,7 +371,8 @@ def normalize_scores(
                 continue
             c = side[name]
             if isinstance(c, torch.Tensor):
-                mean, std = _reduce(c[s : s + chunk].to(compute_dtype(c.dtype)), top_k, name, s)
+                block = c[s : s + chunk].to(compute_dtype(c.dtype))
+                mean, std = _reduce(block, top_k, name, s, scratch[name])
             else:
                 idx = (
                     slice(s, s + chunk) if trials is None else trials[s : s + chunk, column].to(c.mean.device)
