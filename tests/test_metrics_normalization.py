@@ -167,3 +167,19 @@ def test_as_norm_of_ten_million_trials_stays_in_its_memory_bound():
     assert growth["stats"] <= 16 + stats_mb + 1, growth
     assert growth["norm-16"] <= 16 + output_mb + 1, growth
     assert growth["norm-512"] > output_mb + 64, growth  # the measurement sees the chunks' memory
+
+
+@pytest.mark.parametrize("numpy_path", [True, False])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_bad_score_outside_the_top_k_is_still_caught(gen, monkeypatch, numpy_path, bad):
+    # NaN and +inf sort above every number in numpy and torch alike: they are always among the
+    # kept scores, so they show in the statistics (no separate pass over the matrix is needed).
+    from marginkit.metrics import _roc
+
+    monkeypatch.setattr(_roc, "NUMPY_ON_CPU", numpy_path)
+    c = torch.randn(5, 50, generator=gen)
+    c[3, 17] = bad
+    with pytest.raises(ValueError, match=r"enroll_cohort contains NaN or infinite values \(row 3\)"):
+        normalize_scores(torch.zeros(5), c, c.abs(), method="as-norm", top_k=4)
+    with pytest.raises(ValueError, match=r"cohort_scores contains NaN or infinite values \(row 3\)"):
+        CohortStats.from_scores(c, top_k=2)

@@ -139,15 +139,19 @@ def _reduce(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, std)`` in float64 of each row of ``block`` (its ``top_k`` largest entries).
 
-    ``owned``: the block is our own product of validated rows (finite, and free to reorder);
-    otherwise it is checked and, on the numpy path, copied into ``scratch`` to be reordered.
+    ``owned``: the block is our own product of validated rows (free to reorder); otherwise, on
+    the numpy path, it is copied into ``scratch`` to be reordered. NaN and ``+inf`` sort above
+    every number (numpy and torch alike), so they are always kept and show in ``μ``; a ``-inf``
+    shows unless ``top_k`` other scores exceed it, when it has no effect: checking ``μ, σ``
+    catches every bad value that matters without a pass over the block.
     """
-    if not owned:
-        _check_finite(block, name)
     kept = block if top_k is None else _largest(block, top_k, None if owned else scratch)
     kept = kept.to(torch.float64)
     mean = kept.mean(1)
     std = (kept - mean[:, None]).square_().mean(1).sqrt_()
+    bad = (~torch.isfinite(mean) | ~torch.isfinite(std)).nonzero()
+    if bad.numel():
+        raise ValueError(f"{name} contains NaN or infinite values (row {offset + int(bad[0, 0])})")
     flat = (std == 0).nonzero()
     if flat.numel():
         raise ValueError(
