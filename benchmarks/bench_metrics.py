@@ -39,9 +39,10 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
+
+from bench_knn import best_times  # the same round-robin best-of timing
 
 _ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -63,19 +64,6 @@ def peak_mb(fn: Callable[[], Any]) -> float:
     growth = (_kib("VmHWM:") - base) / 1024
     del out
     return growth
-
-
-def best_times(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
-    """Best wall time (and last output) of each function, interleaved round-robin per repeat."""
-    best: dict[str, tuple[float, Any]] = {}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            out = fn()
-            t = time.perf_counter() - t0
-            if name not in best or t < best[name][0]:
-                best[name] = (t, out)
-    return best
 
 
 def table(title: str, rows: list[tuple[str, float, float, str]], base: str) -> list[dict[str, Any]]:
