@@ -86,8 +86,8 @@ WRITE_PATH_OPTIONS = ("cache_dir",)
 
 
 # ---------------------------------------------------------------------- atomic writes
-def _sync(fh: IO[bytes]) -> None:
-    """Flush a temporary file to disk (a write step: fault-injection tests patch it)."""
+def _sync(fh: IO[bytes], target: Path) -> None:
+    """Flush the temporary file for ``target`` to disk (a write step: fault-injection tests patch it)."""
     fh.flush()
     os.fsync(fh.fileno())
 
@@ -150,7 +150,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> None:
     def fill(fd: int, tmp: str) -> None:
         with os.fdopen(fd, "wb") as fh:
             write(fh)
-            _sync(fh)
+            _sync(fh, Path(path))
 
     _commit_temporary(Path(path), fill)
 
@@ -162,7 +162,7 @@ def atomic_write_via_path(path: str | Path, write: Callable[[Path], Any]) -> Non
         os.close(fd)
         write(Path(tmp))
         with open(tmp, "rb") as fh:
-            _sync(fh)
+            _sync(fh, Path(path))
 
     _commit_temporary(Path(path), fill)
 
