@@ -12,6 +12,7 @@ and resumes interrupted ones (``--overwrite`` starts afresh).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -297,6 +298,34 @@ def run_compare(
         )  # fmt: skip
 
 
+def run_configs(
+    base: Any,
+    losses: Sequence[str],
+    *,
+    seeds: int,
+    pairs: Sequence[tuple[str, Any]],
+    per_loss: dict[str, dict[str, Any]] | None,
+    jobs: int,
+) -> dict[tuple[str, int], Any]:
+    """The config of every ``(loss, seed index)`` run; ``num_threads`` defaults to ``cores // jobs``."""
+    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
+    from marginkit.train.runtime import choose_threads
+
+    configs: dict[tuple[str, int], Any] = {}
+    for loss in losses:
+        loss_pairs = _loss_pairs_for(loss, pairs)
+        extra = list((per_loss or {}).get(loss, {}).items())
+        for s in range(seeds):
+            try:
+                cfg = apply_overrides(
+                    TrainConfig(), [*loss_pairs, *extra, ("loss", loss), ("seed", base.seed + s)]
+                )
+            except ConfigError as exc:
+                raise UserError(f"{loss}: {exc}") from exc
+            configs[(loss, s)] = dataclasses.replace(cfg, num_threads=choose_threads(jobs, cfg.num_threads))
+    return configs
+
+
 def _compare_into(
     base: Any,
     losses: Sequence[str],
@@ -310,32 +339,18 @@ def _compare_into(
     title: str,
     jobs: int,
 ) -> tuple[str, Path]:
-    import dataclasses
-
     from marginkit.report import compare_plot, write_compare_report
     from marginkit.train.components import load_splits
-    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
     from marginkit.train.processes import run_in_workers, sigterm_as_interrupt
     from marginkit.train.registry import LOSSES
-    from marginkit.train.runtime import available_cores, choose_threads
+    from marginkit.train.runtime import available_cores
 
-    configs: dict[tuple[str, int], Any] = {}
     jobs = max(1, min(jobs, seeds * len(losses)))
-    for loss in losses:
-        loss_pairs = _loss_pairs_for(loss, pairs)
-        extra = list((per_loss or {}).get(loss, {}).items())
-        for s in range(seeds):
-            try:
-                cfg = apply_overrides(
-                    TrainConfig(), [*loss_pairs, *extra, ("loss", loss), ("seed", base.seed + s)]
-                )
-            except ConfigError as exc:
-                raise UserError(f"{loss}: {exc}") from exc
-            configs[(loss, s)] = dataclasses.replace(cfg, num_threads=choose_threads(jobs, cfg.num_threads))
+    configs = run_configs(base, losses, seeds=seeds, pairs=pairs, per_loss=per_loss, jobs=jobs)
     total = len(configs)
-    threads = {c.num_threads for c in configs.values()}
+    threads = sorted({c.num_threads for c in configs.values()})
     _log(
-        f"{total} run(s), {jobs} at a time, {'/'.join(map(str, sorted(threads)))} torch thread(s) each "
+        f"{total} run(s), {jobs} at a time, {'/'.join(map(str, threads))} torch thread(s) each "
         f"({available_cores()} cores available)",
         quiet,
     )

@@ -89,7 +89,7 @@ def _serve(conn: Connection, parent: int, fn: Callable[..., Any]) -> None:
     while True:
         try:
             task = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the parent closed its end
             return
         if task is None:
             return
@@ -138,7 +138,7 @@ def run_in_workers(
                     continue
                 try:
                     index, ok, value = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):  # the worker's end closed: it died
                     proc = workers[conn]
                     proc.join()
                     raise WorkerDied(

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from marginkit.train import _ddp
+from marginkit.train import runtime as _runtime
 from marginkit.train.components import (
     LRSchedule,
     build_components,
@@ -59,14 +60,7 @@ from marginkit.train.rundir import (
     load_run,
     stored_config,
 )
-from marginkit.train.runtime import (
-    available_cores,
-    capture_rng,
-    choose_threads,
-    restore_rng,
-    runtime,
-    seed_everything,
-)
+from marginkit.train.runtime import capture_rng, choose_threads, restore_rng, runtime, seed_everything
 
 __all__ = [
     "LRSchedule",
@@ -297,7 +291,8 @@ def _train(
             raise ConfigError(f"stop_after must be >= 0, got {stop_after}")
         jobs = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world))
         threads = choose_threads(jobs, config.num_threads)
-        how = "num_threads" if config.num_threads else f"{available_cores()} cores / {jobs} process(es)"
+        cores = _runtime.available_cores()
+        how = "num_threads" if config.num_threads else f"{cores} cores / {jobs} process(es)"
         config = dataclasses.replace(config, num_threads=threads)  # recorded in config.yaml
         log(f"{run_dir}: {threads} torch thread(s) per process ({how})")
         with runtime(threads, deterministic=config.deterministic):
