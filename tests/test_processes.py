@@ -1,8 +1,7 @@
 """Child processes end with their parent: ``compare --jobs`` workers, and the worker pool itself.
 
-Faults are injected, not timed: a ``sitecustomize`` put on the children's ``PYTHONPATH`` makes
-every run hang right after committing epoch 1 (and drop a marker naming its pid), so the signal
-reaches the comparison while both workers are certainly mid-run.
+Faults are injected, not timed (:mod:`proc_utils`): every run hangs right after committing
+epoch 1, so the signal reaches the comparison while both workers are certainly mid-run.
 """
 
 from __future__ import annotations
@@ -22,87 +21,13 @@ import torch
 import pool_tasks
 from marginkit.cli import main
 from marginkit.train.processes import WorkerDied, run_in_workers
+from proc_utils import CLI, alive, hook_env, live_children, parent_of, wait_until
 from test_trainer import blobs
-
-HANG_HOOK = """
-import os
-if os.environ.get("MARGINKIT_TEST_HANG_AFTER_EPOCH"):
-    import time
-    import marginkit.train.rundir as _rundir
-
-    _after = int(os.environ["MARGINKIT_TEST_HANG_AFTER_EPOCH"])
-    _commit = _rundir.RunDir.commit_epoch
-
-    def _commit_then_hang(self, payload, *, improved):
-        _commit(self, payload, improved=improved)
-        if payload["epoch"] >= _after:
-            open(os.path.join(os.environ["MARGINKIT_TEST_MARKS"], str(os.getpid())), "w").close()
-            while True:
-                time.sleep(3600)
-
-    _rundir.RunDir.commit_epoch = _commit_then_hang
-"""
-
-#: The CLI with Python's own Ctrl-C handling even when started with SIGINT ignored (as a
-#: background job of a non-interactive shell is).
-CLI = (
-    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "from marginkit.cli import main; sys.exit(main(sys.argv[1:]))"
-)
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def wait_until(condition: Any, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        time.sleep(0.1)
-
-
-def hook_env(tmp_path: Path, after_epoch: int) -> tuple[dict[str, str], Path]:
-    hooks, marks = tmp_path / "hooks", tmp_path / "marks"
-    hooks.mkdir()
-    marks.mkdir()
-    (hooks / "sitecustomize.py").write_text(HANG_HOOK)
-    env = {
-        **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])),
-        "MARGINKIT_TEST_HANG_AFTER_EPOCH": str(after_epoch), "MARGINKIT_TEST_MARKS": str(marks),
-        "PYTHONWARNINGS": "ignore",
-    }  # fmt: skip
-    return env, marks
-
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
 # ---------------------------------------------------------------------- the pool
-def live_children() -> list[str]:
-    """Command lines of this process's running children (multiprocessing's resource tracker aside)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if parent_of(int(proc.name)) == os.getpid() and alive(int(proc.name)):
-                cmdline = (proc / "cmdline").read_text().replace("\0", " ")
-                if "resource_tracker" not in cmdline:
-                    found.append(cmdline)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return found
-
-
 def test_run_in_workers_returns_every_result_and_leaves_no_process():
     results = dict(run_in_workers(pool_tasks.square, [(i,) for i in range(5)], jobs=2))
     assert results == {i: i * i for i in range(5)}
@@ -167,7 +92,7 @@ def assert_same_comparison(got: Path, want: Path) -> None:
 def test_compare_workers_die_with_their_parent_and_the_comparison_resumes(
     sig, to_group, features, uninterrupted, tmp_path, capsys
 ):
-    env, marks = hook_env(tmp_path, after_epoch=1)
+    env, marks = hook_env(tmp_path, hang_after_epoch=1)
     out = tmp_path / "c"
     proc = subprocess.Popen(
         [sys.executable, "-c", CLI, *compare_argv(features, out, jobs=2)], env=env, start_new_session=True,
