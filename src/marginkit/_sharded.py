@@ -733,4 +733,3 @@ def sharded_loss(module: Any, cosines: ShardedCosines, labels: Any) -> Tensor:
             "and ClassCircleLoss do"
         )
     return reduce(loss, module.reduction)
-
