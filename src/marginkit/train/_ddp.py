@@ -106,8 +106,8 @@ def init_distributed(config: Any) -> DistContext:
     Without either (``WORLD_SIZE`` unset or 1), a one-process context. The backend is NCCL when
     the run (``config``, a :class:`~marginkit.train.config.TrainConfig`, or ``None`` for the
     defaults) uses CUDA, gloo otherwise. A group created here times every collective out after
-    ``config.collective_timeout`` seconds, and this rank dies with its launcher (the torchrun
-    agent): a stalled or vanished peer ends the run instead of hanging it.
+    ``config.collective_timeout`` seconds, and a rank started by torchrun dies with its agent: a
+    stalled or vanished peer ends the run instead of hanging it.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return DistContext(torch.distributed.get_rank(), torch.distributed.get_world_size(), False)
@@ -117,7 +117,8 @@ def init_distributed(config: Any) -> DistContext:
     from marginkit.train.config import TrainConfig
     from marginkit.train.processes import die_with_parent
 
-    die_with_parent()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by a torchrun agent: end with it
+        die_with_parent()
     config = config if config is not None else TrainConfig()
     device_name = config.device
     cuda = (device_name in ("cuda", "auto") and torch.cuda.is_available()) or device_name.startswith("cuda:")

@@ -119,7 +119,7 @@ def run_in_workers(
     todo = list(enumerate(tasks))[::-1]
     busy: dict[Connection, int] = {}
     try:
-        for _ in range(max(1, min(jobs, len(todo)))):
+        for _ in range(min(max(1, jobs), len(todo))):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(theirs, os.getpid(), fn), daemon=True)
             proc.start()

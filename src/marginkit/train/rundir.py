@@ -474,9 +474,12 @@ class RunDir:
         try:
             atomic_save(payload, self.path / "last.pt")
         except RunDirError as exc:
-            raise RunDirError(
-                f"{exc}; last.pt still holds the previous epoch, so --resume repeats epoch {epoch}"
-            ) from None
+            kept = (
+                f"last.pt still holds epoch {epoch - 1}, so --resume repeats epoch {epoch}"
+                if epoch
+                else "nothing is saved yet: start the run again"
+            )
+            raise RunDirError(f"{exc}; {kept}") from None
         try:
             if improved:
                 self._copy("last.pt", "best.pt")
