@@ -59,7 +59,7 @@ def die_with_parent(parent: int | None = None, *, interval: float = 1.0) -> None
     seconds. A parent that died before the call is noticed at once.
     """
     parent = os.getppid() if parent is None else int(parent)
-    if not parent_death_signal(signal.SIGKILL):
+    if not parent_death_signal(getattr(signal, "SIGKILL", 9)):
         threading.Thread(target=_watch_parent, args=(parent, interval), daemon=True).start()
     if os.getppid() != parent:
         os._exit(1)
