@@ -204,8 +204,9 @@ def test_killed_at_every_write_step_of_an_improving_epoch_resumes_identically(re
 
 
 @pytest.mark.slow
-def test_killed_at_every_write_step_of_a_run_resumes_identically(reference, killer, tmp_path):
-    _kill_loop(reference, killer, tmp_path, range(len(reference[2])))
+def test_killed_at_every_other_write_step_of_a_run_resumes_identically(reference, killer, tmp_path):
+    # the start (epoch-0 commit, config), epoch 1, the non-improving epoch 3, the final evaluation
+    _kill_loop(reference, killer, tmp_path, [i for i in range(len(reference[2])) if not 12 <= i < 19])
 
 
 def test_temporary_files_of_dead_writers_are_removed_on_the_next_start(data_spec, tmp_path):
