@@ -291,3 +291,32 @@ def test_stored_config_does_not_choose_where_evaluation_writes(data_spec, tmp_pa
     assert seen and all("cache_dir" not in options for options in seen)
     assert not evil.exists()
     capsys.readouterr()
+
+
+def test_a_full_disk_is_a_one_line_cli_error_that_keeps_the_last_checkpoint(
+    data_spec, tmp_path, monkeypatch, capsys
+):
+    from marginkit.cli import main
+
+    sync = rundir._sync
+
+    def full_at_best(fh, target):
+        if target.name == "best.pt" and load_checkpoint(target.parent / "last.pt")["epoch"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        sync(fh, target)
+
+    monkeypatch.setattr(rundir, "_sync", full_at_best)
+    out = tmp_path / "run"
+    argv = ["train", "--data", data_spec, "--loss", "softmax", "--model", "mlp", "--epochs", "3",
+            "--k", "3", "--embedding-dim", "8", "--batch-size", "32", "--num-threads", "1", "-q",
+            "--no-report"]  # fmt: skip
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    best = str(out / "best.pt")
+    assert err.startswith(f"marginkit: error: cannot write {best!r}: no space left on the device (")
+    assert err.endswith("; epoch 2 is saved in last.pt and --resume completes the rest")
+    assert "internal error" not in err and len(err.splitlines()) == 1
+    assert not list(out.glob(".*.tmp")) and load_checkpoint(out / "best.pt")["epoch"] == 1
+    monkeypatch.undo()
+    assert main(["train", "--resume", "--out", str(out), "-q", "--no-report"]) == 0
+    assert load_checkpoint(out / "best.pt")["epoch"] == 2  # repaired, then kept by epoch 3 (no gain)
