@@ -356,3 +356,22 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path, features, capsys, monkeyp
         str(tmp_path / "r"),
     )
     assert code == 130 and "marginkit train --resume --out" in err
+
+
+def test_outputs_are_not_overwritten_without_overwrite(trained, tmp_path, capsys):
+    np.savez(tmp_path / "new.npz", x=np.zeros((5, 6), np.float32))
+    commands = {
+        "predict --out": (["predict", str(trained), str(tmp_path / "new.npz"), "--out"], tmp_path / "p.csv"),
+        "embed --out": (["embed", str(trained), "--out"], tmp_path / "e.npz"),
+        "eval --json": (["eval", str(trained), "--checkpoint", "last", "--json"], tmp_path / "m.json"),
+    }
+    for flag, (argv, out) in commands.items():
+        out.write_bytes(b"precious")
+        code, _, err = run_cli(capsys, *argv, str(out))
+        assert code == 2 and out.read_bytes() == b"precious", flag
+        assert err.strip() == (
+            f"marginkit: error: {str(out)!r} already exists; use --overwrite to replace it, "
+            f"or another {flag.split()[1]}"
+        )
+        code, _, err = run_cli(capsys, *argv, str(out), "--overwrite")
+        assert code == 0 and out.read_bytes() != b"precious", (flag, err)

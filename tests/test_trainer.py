@@ -250,7 +250,7 @@ def test_precise_bn_sets_exact_batch_averages(gen):
 
 
 def test_non_finite_loss_is_a_clear_error(tmp_path, data_spec, monkeypatch):
-    from marginkit.train import trainer
+    from marginkit.train import components
     from marginkit.train.trainer import TrainingError
 
     class Exploding(torch.nn.Module):  # lr=1e30 would be refused up front by the option ranges
@@ -261,8 +261,8 @@ def test_non_finite_loss_is_a_clear_error(tmp_path, data_spec, monkeypatch):
         def forward(self, *args: torch.Tensor) -> torch.Tensor:
             return self.inner(*args) * math.inf
 
-    build = trainer.build_loss
-    monkeypatch.setattr(trainer, "build_loss", lambda *a, **kw: Exploding(build(*a, **kw)))
+    build = components.build_loss
+    monkeypatch.setattr(components, "build_loss", lambda *a, **kw: Exploding(build(*a, **kw)))
     cfg = small_config(data_spec, epochs=1, scheduler="none", warmup_epochs=0)
     with pytest.raises(TrainingError, match="(loss|embeddings) became"):
         train(cfg, tmp_path / "r", quiet=True, report=False)

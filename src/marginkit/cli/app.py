@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", choices=("best", "last"), default="best")
     p.add_argument("--k", type=int, help="K of the K-NN classifier (default: the run's)")
     p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json FILE")
     p.add_argument("--device", default="cpu")
 
     p = sub.add_parser("embed", help="write embeddings of a data set to .npz", allow_abbrev=False)
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE.npz")
     p.add_argument("--split", choices=("train", "val", "test", "all"), default="all")
     p.add_argument("--checkpoint", choices=("best", "last"), default="best")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--device", default="cpu")
 
     p = sub.add_parser("predict", help="K-NN predictions for new inputs (x in an .npz)", allow_abbrev=False)
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "input", metavar="INPUT.npz", help="array `x` (raw inputs, like the training data's files)"
     )
     p.add_argument("--out", metavar="FILE", help="write predictions (.csv or .npz)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--device", default="cpu")
 
     p = sub.add_parser("report", help="(re)write RUN_DIR/report.html", allow_abbrev=False)

@@ -12,13 +12,12 @@ Unknown keys are an error that names the key and suggests the nearest valid one:
     >>> apply_overrides(TrainConfig(), {"learning_rate": 0.1})
     Traceback (most recent call last):
     ...
-    marginkit.train.config.ConfigError: unknown config key 'learning_rate' (did you mean 'lr'?)
+    marginkit.train.errors.ConfigError: unknown config key 'learning_rate' (did you mean 'lr'?)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import types
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marginkit.train.errors import ConfigError, suggest
 from marginkit.train.ranges import (
     DEVICE_PATTERN,
     FIELD_RANGES,
@@ -54,11 +54,7 @@ SCHEDULERS = ("cosine", "step", "none")
 KNN_METRICS = ("cosine", "l2")
 KNN_WEIGHTS = ("uniform", "distance")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
-RUNTIME_KEYS = frozenset({"device", "num_threads", "eval_batch_size"})
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names it."""
+RUNTIME_KEYS = frozenset({"device", "num_threads", "eval_batch_size", "collective_timeout"})
 
 
 @dataclass
@@ -95,8 +91,11 @@ class TrainConfig:
         ``knn_weights`` (uniform | distance);
         ``max_impostors`` — cap on impostor pairs for verification metrics.
     Runtime
-        ``seed``, ``device`` (cpu | cuda | auto), ``num_threads``, ``deterministic``
-        (``torch.use_deterministic_algorithms``), ``eval_batch_size``.
+        ``seed``, ``device`` (cpu | cuda | auto), ``num_threads`` (default: the available cores
+        divided by the processes sharing them), ``deterministic``
+        (``torch.use_deterministic_algorithms``), ``eval_batch_size``, ``collective_timeout``
+        (seconds a data-parallel rank waits for its peers before the run ends with an error;
+        must exceed the longest validation or evaluation, which rank 0 runs alone).
     """
 
     data: str = "mnist1d"
@@ -135,6 +134,7 @@ class TrainConfig:
     num_threads: int | None = None
     deterministic: bool = True
     eval_batch_size: int = 1024
+    collective_timeout: float = 600.0
 
     # ------------------------------------------------------------------ helpers
     @classmethod
@@ -333,53 +333,6 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
-
-
-# ---------------------------------------------------------------------- suggestions
-def suggest(key: str, valid: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the nearest valid name, or ``""`` if none is close.
-
-    Tried in order: a known alias (``learning_rate`` → ``lr``), the longest valid name the
-    key starts with (``lr_rate`` → ``lr``), a valid name starting with the key (``epo`` →
-    ``epochs``), then :func:`difflib.get_close_matches`.
-    """
-    valid = list(valid)
-    norm = key.lower().replace("-", "_")
-    alias = _ALIASES.get(norm)
-    if alias in valid:
-        return f" (did you mean {alias!r}?)"
-    heads = sorted((v for v in valid if len(v) >= 2 and norm.startswith(v.lower())), key=len, reverse=True)
-    tails = [v for v in valid if len(norm) >= 3 and v.lower().startswith(norm)]
-    close = heads[:1] or tails[:1] or difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if not close:
-        lowered = {v.lower().replace("-", "_"): v for v in valid}
-        close = [lowered[c] for c in difflib.get_close_matches(norm, list(lowered), n=1, cutoff=0.5)]
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-_ALIASES = {
-    "learning_rate": "lr",
-    "rate": "lr",
-    "n_epochs": "epochs",
-    "num_epochs": "epochs",
-    "bs": "batch_size",
-    "dim": "embedding_dim",
-    "emb_dim": "embedding_dim",
-    "embed_dim": "embedding_dim",
-    "neighbors": "k",
-    "neighbours": "k",
-    "knn_k": "k",
-    "dataset": "data",
-    "backbone": "model",
-    "arch": "model",
-    "criterion": "loss",
-    "clip": "grad_clip",
-    "wd": "weight_decay",
-    "warmup": "warmup_epochs",
-    "lr_schedule": "scheduler",
-    "schedule": "scheduler",
-    "optim": "optimizer",
-}
 
 
 def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> ConfigError:

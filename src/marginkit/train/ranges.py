@@ -136,6 +136,7 @@ FIELD_RANGES: dict[str, Spec] = {
     "max_impostors": _int(1, 10**8),  # impostor scores are held in memory (8 bytes each)
     "num_threads": _int(1, 1024),
     "eval_batch_size": _int(1, 10**7),
+    "collective_timeout": _real(0, 7 * 86_400, open_lo=True),  # seconds: a stalled peer ends the run
 }
 
 #: ``cpu``, ``auto``, ``mps``, ``cuda`` or ``cuda:N`` (availability is checked when the run starts).
