@@ -44,15 +44,13 @@ class Interval:
     integer: bool = False
     open_lo: bool = False
     open_hi: bool = False
+    unit: str = ""  # said after the bounds ("seconds")
 
     def describe(self) -> str:
-        def fmt(v: float) -> str:
-            return str(int(v)) if self.integer or (float(v).is_integer() and abs(v) < 1e15) else f"{v:g}"
-
         left, right = "(" if self.open_lo else "[", ")" if self.open_hi else "]"
-        return (
-            f"{'an integer' if self.integer else 'a number'} in {left}{fmt(self.lo)}, {fmt(self.hi)}{right}"
-        )
+        what = "an integer" if self.integer else "a number"
+        unit = f" {self.unit}" if self.unit else ""
+        return f"{what} in {left}{_fmt(self.lo, self.integer)}, {_fmt(self.hi, self.integer)}{right}{unit}"
 
     def admits(self, value: Any) -> bool:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -108,8 +106,8 @@ def _int(lo: int, hi: int) -> Interval:
     return Interval(lo, hi, integer=True)
 
 
-def _real(lo: float, hi: float, *, open_lo: bool = False, open_hi: bool = False) -> Interval:
-    return Interval(lo, hi, open_lo=open_lo, open_hi=open_hi)
+def _real(lo: float, hi: float, *, open_lo: bool = False, open_hi: bool = False, unit: str = "") -> Interval:
+    return Interval(lo, hi, open_lo=open_lo, open_hi=open_hi, unit=unit)
 
 
 #: Numeric fields of TrainConfig (``None`` is admitted separately where the field is optional).
@@ -136,7 +134,7 @@ FIELD_RANGES: dict[str, Spec] = {
     "max_impostors": _int(1, 10**8),  # impostor scores are held in memory (8 bytes each)
     "num_threads": _int(1, 1024),
     "eval_batch_size": _int(1, 10**7),
-    "collective_timeout": _real(0, 7 * 86_400, open_lo=True),  # seconds: a stalled peer ends the run
+    "collective_timeout": _real(0, 7 * 86_400, open_lo=True, unit="seconds"),  # a stalled peer ends the run
 }
 
 #: ``cpu``, ``auto``, ``mps``, ``cuda`` or ``cuda:N`` (availability is checked when the run starts).
@@ -194,7 +192,8 @@ def check_value(value: Any, spec: Spec, name: str) -> Any:
             bound = f"{'>' if spec.open_lo else '>='} {_fmt(spec.lo, spec.integer)}"
         else:
             bound = f"{'<' if spec.open_hi else '<='} {_fmt(spec.hi, spec.integer)}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
+        unit = f" {spec.unit}" if spec.unit else ""
+        raise ValueError(f"{name} must be {bound}{unit}, got {value!r}")
     raise ValueError(f"{name} must be {spec.describe()}, got {value!r}")
 
 
