@@ -198,8 +198,10 @@ def _columns(summary: list[dict[str, Any]]) -> list[str]:
 def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dict[str, Any]:
     from marginkit.train.checkpoint import CheckpointError, load_checkpoint
     from marginkit.train.config import RUNTIME_KEYS, ConfigError, TrainConfig
+    from marginkit.train.small_data import resolve_epochs
     from marginkit.train.trainer import RunDirError, train
 
+    config = resolve_epochs(config, len(splits.train))  # epochs: null -> from the data's size
     last = run_dir / "last.pt"
     resume = False
     try:
@@ -354,7 +356,7 @@ def run_compare(
     data_name = base.data
     notes = (
         f"{len(losses)} losses on {data_name}, {seeds} seed(s) each, same backbone and budget "
-        f"(model {base.model}, embedding {base.embedding_dim}, {base.epochs} epochs, "
+        f"(model {base.model}, embedding {base.embedding_dim}, {base.epochs or 'auto'} epochs, "
         f"batch {base.batch_size}). "
         f"Total {time.perf_counter() - t0:.0f} s."
     )

@@ -55,6 +55,7 @@ from marginkit.train.checkpoint import (
 from marginkit.train.config import RUNTIME_KEYS, ConfigError, TrainConfig
 from marginkit.train.progress import ProgressBar
 from marginkit.train.registry import LOSSES, build_loss
+from marginkit.train.small_data import MIN_VAL_PER_CLASS, resolve_epochs
 
 __all__ = [
     "RunDirError",
@@ -139,6 +140,7 @@ def load_splits(config: TrainConfig, *, cache: bool = False) -> Any:
         seed=config.seed,
         train_per_class=config.train_per_class,
         val_fraction=config.val_fraction,
+        min_val_per_class=MIN_VAL_PER_CLASS,
         **config.data_options,
     )
     if cache:
@@ -481,6 +483,9 @@ def train(
     """
     from marginkit.train._ddp import init_distributed
 
+    if config is not None and config.epochs is None:  # auto: from the training set's size
+        splits = splits if splits is not None else load_splits(config)
+        config = resolve_epochs(config, len(splits.train))
     ctx = init_distributed(config.device if config is not None else "cpu")
     try:
         result = _train(
@@ -547,6 +552,9 @@ def _train(
         if splits is None:
             splits = load_splits(config)
         facts = data_facts(splits)
+        if len(splits.val) == 0:
+            why = splits.info.get("val_split", "val_fraction=0")
+            log(f"no validation split ({why}): best.pt is the last epoch's checkpoint")
         model, head, loss_fn = build_components(config, facts, device)
         par, head = _ddp.parallelize(ctx, model, head, loss_fn, device)
         optimizer = _optimizer(config, model, head)
