@@ -145,7 +145,7 @@ def test_train_per_class_warning_names_what_went_to_validation(tmp_path) -> None
 
 
 def test_auto_epochs_rule() -> None:
-    assert auto_epochs(100) == 300 and auto_epochs(10**6) == AUTO_MIN_EPOCHS
+    assert auto_epochs(100) == 50 and auto_epochs(10**6) == AUTO_MIN_EPOCHS
     with pytest.raises(ValueError, match="n_train"):
         auto_epochs(0)
     assert MIN_VAL_PER_CLASS >= 5

@@ -27,14 +27,14 @@ MIN_VAL_PER_CLASS = 10
 #: ``epochs: null``: at least this many epochs ...
 AUTO_MIN_EPOCHS = 10
 #: ... and at least this many training samples seen (epochs × training-set size).
-AUTO_MIN_SAMPLES = 30_000
+AUTO_MIN_SAMPLES = 5_000
 
 
 def auto_epochs(n_train: int) -> int:
     """``max(AUTO_MIN_EPOCHS, ceil(AUTO_MIN_SAMPLES / n_train))``.
 
     >>> auto_epochs(100), auto_epochs(1000), auto_epochs(4000)
-    (300, 30, 10)
+    (50, 10, 10)
     """
     if n_train < 1:
         raise ValueError(f"n_train must be >= 1, got {n_train}")
