@@ -41,7 +41,7 @@ def _slug(text: str) -> str:
 
 
 def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
-    """Every job of the study (tuning first, then seed-major so an interrupted study covers every table)."""
+    """Every job of the study, in the order they are started (see ``priority``)."""
     from marginkit.study.tuning import PAPER
 
     seeds = range(plan.seeds)
@@ -149,7 +149,18 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
                     }
                 )
     jobs.append({"name": "throughput/e2e", "kind": "e2e", **plan.e2e})
-    return jobs
+    target = (plan.tune_data, plan.tune_per_class)
+
+    def priority(job: dict[str, Any]) -> int:
+        # tuning, then the target setting's defaults and baselines (every seed), the
+        # throughput job, then the rest seed-major (an interrupted study still covers the tables)
+        if job["kind"] == "tune":
+            return 0
+        if job["kind"] in ("knn", "baseline") and (job["data"], job.get("per_class")) == target:
+            return 1 if job.get("row", "defaults") == "defaults" else 3
+        return 2 if job["kind"] == "e2e" else 4
+
+    return sorted(jobs, key=priority)  # stable: seed-major within a tier
 
 
 def _run_all(
