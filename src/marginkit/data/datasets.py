@@ -646,7 +646,12 @@ def load_dataset(
                 f"({held_np.size / present:.1f} per class), fewer than the {min_val_per_class} per class "
                 f"needed to choose a checkpoint on; all {len(y_train)} samples train"
             )
-            warnings.warn(f"{spec}: validation split {info['val_split']}", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"{spec}: no validation split carved: {info['val_split'].removeprefix('none: ')}, "
+                "and training keeps its last checkpoint",
+                UserWarning,
+                stacklevel=2,
+            )
             keep_np, held_np = np.arange(len(y_train)), held_np[:0]
         x_val, y_val = x_train[held_np], y_train[held_np]
         x_train, y_train = x_train[keep_np], y_train[keep_np]

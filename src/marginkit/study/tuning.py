@@ -3,7 +3,8 @@
 Each trial trains on a *development* draw of the tuning setting (its own seed, never one of
 the evaluation seeds) and is scored by K-NN accuracy on a validation split carved from the
 training pool — disjoint from the training subset, and never the test split. Every trial
-is stored (``trials.json``).
+is stored (``trials.json``, rewritten atomically after each); an interrupted job resumes from
+it (the finished trials are told to the sampler, not re-run).
 
 Optuna (``pip install 'marginkit[study]'``): Akiba et al., "Optuna: A Next-generation
 Hyperparameter Optimization Framework", KDD 2019; TPE: Bergstra et al., NeurIPS 2011.
@@ -12,6 +13,7 @@ Hyperparameter Optimization Framework", KDD 2019; TPE: Bergstra et al., NeurIPS 
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -115,6 +117,35 @@ def _objective(job: dict[str, Any], splits: Any, params: dict[str, Any]) -> tupl
     return float(last.get("val_knn_accuracy", math.nan)), {"seconds": round(res.seconds, 2)}
 
 
+def _distributions(space: list[tuple[str, Any, Any, Any]]) -> dict[str, Any]:
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    out: dict[str, Any] = {}
+    for name, kind, low, high in space:
+        if isinstance(kind, tuple):
+            out[name] = CategoricalDistribution(list(kind))
+        elif kind == "int_log":
+            out[name] = IntDistribution(low, high, log=True)
+        else:
+            out[name] = FloatDistribution(low, high, log=kind == "log")
+    return out
+
+
+def _finished_trials(path: Path, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The trials an interrupted run of the same job stored (``[]`` if none or another job's)."""
+    import json
+
+    if not path.is_file():
+        return []
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(stored, dict) or stored.get("job") != job:
+        return []
+    return list(stored.get("trials", []))[: job["trials"]]
+
+
 def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """One loss's study: ``job["trials"]`` TPE trials (seed ``job["sampler_seed"]``)."""
     import json
@@ -139,7 +170,13 @@ def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         seed=job["sampler_seed"], n_startup_trials=job["startup_trials"], multivariate=True
     )
     study = optuna.create_study(direction="maximize", sampler=sampler)
-    trials: list[dict[str, Any]] = []
+    trials = _finished_trials(run_dir / "trials.json", job)
+    for t in trials:  # an interrupted tuning job resumes: finished trials are told, not re-run
+        study.add_trial(
+            optuna.trial.create_trial(
+                params=t["params"], distributions=_distributions(space), value=t["val_knn_accuracy"]
+            )
+        )
 
     def objective(trial: Any) -> float:
         params = {name: _suggest(trial, name, kind, lo, hi) for name, kind, lo, hi in space}
@@ -154,10 +191,13 @@ def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                 **extra,
             }
         )
-        (run_dir / "trials.json").write_text(json.dumps(trials, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps({"job": job, "trials": trials}, indent=2) + "\n"
+        tmp = run_dir / "trials.json.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, run_dir / "trials.json")
         return value
 
-    study.optimize(objective, n_trials=job["trials"])
+    study.optimize(objective, n_trials=max(0, job["trials"] - len(trials)))
     best = max(trials, key=lambda t: (t["val_knn_accuracy"], -t["number"]))
     return {
         "config": job,

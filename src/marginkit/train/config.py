@@ -106,7 +106,7 @@ class TrainConfig:
     epochs: int | None = None
     batch_size: int = 128
     optimizer: str = "adamw"
-    lr: float = 1e-3
+    lr: float = 2e-3
     head_lr: float | None = None
     weight_decay: float = 5e-4
     momentum: float = 0.9
@@ -117,7 +117,7 @@ class TrainConfig:
     grad_clip: float | None = None
     amp: bool = False
     precise_bn: int = 4096
-    samples_per_class: int = 4
+    samples_per_class: int = 10
     classes_per_batch: int | None = None
     k: int = 5
     eval_every: int = 1
