@@ -190,3 +190,20 @@ def test_collect_only_on_empty_dir_writes_partial_tables(tmp_path) -> None:
     assert all((tmp_path / "tables" / f"{name}.md").is_file() for name in TABLES)
     assert {c["verdict"] for c in res["claims"]} == {"not measured"}
     assert not (tmp_path / "runs").exists()  # nothing was trained
+
+
+def test_a_result_is_reused_only_with_the_same_job_and_defaults(tmp_path) -> None:
+    from marginkit.study.jobs import library_defaults, stored_result
+
+    job = {"name": "knn/x/softmax/seed0", "kind": "knn", "loss": "softmax", "seed": 0}
+    path = tmp_path / "runs" / job["name"] / "result.json"
+    path.parent.mkdir(parents=True)
+    assert stored_result(job, tmp_path) is None
+    path.write_text(json.dumps({"job": job, "defaults": library_defaults(job), "result": {}}))
+    assert stored_result(job, tmp_path)["reused"] is True
+    path.write_text(json.dumps({"job": {**job, "seed": 1}, "defaults": library_defaults(job)}))
+    assert stored_result(job, tmp_path) is None  # another job
+    changed = library_defaults(job)
+    changed["train"]["lr"] = 1.0
+    path.write_text(json.dumps({"job": job, "defaults": changed}))
+    assert stored_result(job, tmp_path) is None  # a default changed since: rerun

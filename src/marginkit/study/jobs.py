@@ -398,18 +398,45 @@ _KINDS = {
 }
 
 
+def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The library defaults a training job depends on (TrainConfig, the loss's registry options,
+    the small-data rules): stored with its result, so a changed default is never reused."""
+    if job.get("loss") in (None, "raw"):
+        return None
+    from marginkit.train import TrainConfig
+    from marginkit.train import small_data as sd
+    from marginkit.train.registry import resolved_options
+
+    return {
+        "train": TrainConfig().to_dict(),
+        "loss": resolved_options(job["loss"]),
+        "small_data": [sd.AUTO_MIN_EPOCHS, sd.AUTO_MIN_SAMPLES, sd.MIN_VAL_PER_CLASS],
+    }
+
+
+def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | None:
+    """The finished result of exactly this job (same job dict and library defaults), else None."""
+    done = Path(out_dir) / "runs" / job["name"] / "result.json"
+    if not done.is_file():
+        return None
+    stored = json.loads(done.read_text(encoding="utf-8"))
+    if stored.get("job") != job:
+        return None
+    if "defaults" in stored and stored["defaults"] != json.loads(json.dumps(library_defaults(job))):
+        return None
+    stored["reused"] = True
+    return stored
+
+
 def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Run one job into ``out_dir/runs/<job name>/``; reuse a finished result of the same job.
 
     ``seconds`` is the job's wall time, ``cpu_seconds`` its own process CPU time (on a shared
     machine the wall time also counts other work)."""
     run_dir = Path(out_dir) / "runs" / job["name"]
-    done = run_dir / "result.json"
-    if done.is_file():
-        stored = json.loads(done.read_text(encoding="utf-8"))
-        if stored.get("job") == job:
-            stored["reused"] = True
-            return stored
+    stored = stored_result(job, out_dir)
+    if stored is not None:
+        return stored
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n", encoding="utf-8")
     torch.set_num_threads(1)
@@ -420,6 +447,7 @@ def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
         warnings.simplefilter("ignore", UserWarning)  # tiny-data notices; the job's config records all
         out = _KINDS[job["kind"]](job, run_dir)
     out["job"] = job
+    out["defaults"] = library_defaults(job)
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out["cpu_seconds"] = round(time.process_time() - c0, 3)
     (run_dir / "result.json").write_text(json.dumps(out, indent=2, default=str) + "\n", encoding="utf-8")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from marginkit.study.claims import verdicts
-from marginkit.study.jobs import run_job
+from marginkit.study.jobs import run_job, stored_result
 from marginkit.study.plan import StudyPlan, identity_rows, study_plan
 from marginkit.study.sections import TABLES, build_tables, results_markdown
 
@@ -220,13 +220,8 @@ def _collect(jobs: list[dict[str, Any]], out: Path) -> tuple[list[dict[str, Any]
     """Finished results of ``jobs`` already in ``out`` (same job dict), and the jobs without one."""
     done, missing = [], []
     for job in jobs:
-        path = out / "runs" / job["name"] / "result.json"
-        stored = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-        if stored is not None and stored.get("job") == job:
-            stored["reused"] = True
-            done.append(stored)
-        else:
-            missing.append(job)
+        stored = stored_result(job, out)
+        (done if stored is not None else missing).append(stored if stored is not None else job)
     return done, missing
 
 
