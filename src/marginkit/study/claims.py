@@ -63,14 +63,12 @@ def _local_triplet(plan: StudyPlan, res: Any) -> dict[str, Any]:
 
 
 def _qmargin(plan: StudyPlan, res: Any) -> dict[str, Any]:
-    rows = {label: loss for label, loss, _ in identity_rows()}
+    from marginkit.study.tuning import QMARGIN_SPEAKER
+
     groups: dict[str, dict[str, str]] = {}
-    for label in rows:
-        family, _, setting = label.partition(" (")
-        kind = (
-            "defaults" if setting.startswith("defaults") else ("speaker" if "speaker" in setting else "paper")
-        )
-        groups.setdefault(kind, {})[family] = label
+    for label, _loss, options in identity_rows():
+        kind = "defaults" if not options else ("speaker" if options == QMARGIN_SPEAKER[1] else "paper")
+        groups.setdefault(kind, {})[label.partition(" (")[0]] = label
     comps = []
     for kind in ("defaults", "paper"):
         g = groups.get(kind, {})
