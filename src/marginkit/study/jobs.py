@@ -152,7 +152,8 @@ def _identification(emb: torch.Tensor, labels: torch.Tensor) -> dict[str, Any] |
 
     if not hasattr(marginkit.metrics, "identification_metrics"):
         return None
-    return {"available": True}  # pragma: no cover - wire the protocol here when [4/6] lands
+    # [4/6] has landed: gallery/probe split and DIR@FPIR/CMC belong here; until then say so
+    return {"not_wired": "marginkit.metrics.identification_metrics exists; wire it into this hook"}
 
 
 # ---------------------------------------------------------------------------- job kinds
