@@ -207,3 +207,19 @@ def test_a_result_is_reused_only_with_the_same_job_and_defaults(tmp_path) -> Non
     changed["train"]["lr"] = 1.0
     path.write_text(json.dumps({"job": job, "defaults": changed}))
     assert stored_result(job, tmp_path) is None  # a default changed since: rerun
+
+
+def test_unfinished_tuning_shows_its_trials(tmp_path) -> None:
+    from marginkit.study.tuning import partial_result
+
+    job = {"name": "tune/x/softmax", "kind": "tune", "loss": "softmax", "trials": 2}
+    path = tmp_path / "runs" / job["name"] / "trials.json"
+    path.parent.mkdir(parents=True)
+    assert partial_result(job, tmp_path) is None
+    trials = [{"number": n, "params": {"lr": lr}, "val_knn_accuracy": v} for n, lr, v in
+              ((0, 1e-3, 0.8), (1, 2e-3, 0.9), (2, 3e-3, 0.95))]  # fmt: skip
+    path.write_text(json.dumps({"job": job, "trials": trials}))
+    got = partial_result(job, tmp_path)["result"]
+    assert got["partial"] and got["best_params"] == {"lr": 2e-3} and len(got["trials"]) == 2  # capped
+    path.write_text(json.dumps({"job": {**job, "trials": 3}, "trials": trials}))
+    assert partial_result(job, tmp_path) is None  # another job's trials are never told

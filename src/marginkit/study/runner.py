@@ -27,6 +27,7 @@ from marginkit.study.claims import verdicts
 from marginkit.study.jobs import run_job, stored_result
 from marginkit.study.plan import StudyPlan, identity_rows, study_plan
 from marginkit.study.sections import TABLES, build_tables, results_markdown
+from marginkit.study.tuning import partial_result
 
 __all__ = ["TABLES", "build_jobs", "run_study"]
 
@@ -260,6 +261,12 @@ def run_study(
         log(f"collected {len(results)} finished jobs, {len(missing)} missing")
     else:
         results = _run_all(job_list, out, jobs, log)
+    done = {r["job"]["name"] for r in results}
+    for job in job_list:  # an unfinished tuning job still shows the trials it finished
+        if job["kind"] == "tune" and job["name"] not in done:
+            partial = partial_result(job, out)
+            if partial is not None:
+                results.append(partial)
     res = Results(results)
     tables, facts = build_tables(plan, res)
     tdir = out / "tables"

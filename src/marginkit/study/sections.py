@@ -61,7 +61,7 @@ def _tuning(plan: StudyPlan, res: Any) -> tuple[str, dict[str, Any]]:
                 loss,
                 f"{100 * r['best_value']:.1f}",
                 f"{100 * min(values):.1f}–{100 * max(values):.1f}",
-                str(len(values)),
+                f"{len(values)} of {plan.trials}" + (" (unfinished)" if r.get("partial") else ""),
                 params,
             ]
         )

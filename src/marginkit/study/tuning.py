@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PAPER", "QMARGIN_SPEAKER", "SPACES", "run_tuning"]
+__all__ = ["PAPER", "QMARGIN_SPEAKER", "SPACES", "partial_result", "run_tuning", "summarize"]
 
 # (name, kind, low, high) — kind: "log" (float, log-uniform), "float", "int_log", or a tuple of choices.
 _OPT = [("lr", "log", 3e-4, 1e-2), ("weight_decay", "log", 1e-5, 5e-2), ("epochs", "int_log", 15, 120)]
@@ -198,15 +198,25 @@ def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         return value
 
     study.optimize(objective, n_trials=max(0, job["trials"] - len(trials)))
+    out = summarize(trials)
+    out.update({"num_train": len(splits.train), "num_val": len(splits.val)})
+    return {"config": job, "result": out}
+
+
+def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best trial (ties: the earliest) and every trial."""
     best = max(trials, key=lambda t: (t["val_knn_accuracy"], -t["number"]))
     return {
-        "config": job,
-        "result": {
-            "best_params": best["params"],
-            "best_value": best["val_knn_accuracy"],
-            "best_trial": best["number"],
-            "num_train": len(splits.train),
-            "num_val": len(splits.val),
-            "trials": trials,
-        },
+        "best_params": best["params"],
+        "best_value": best["val_knn_accuracy"],
+        "best_trial": best["number"],
+        "trials": trials,
     }
+
+
+def partial_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | None:
+    """An unfinished tuning job's stored trials as a result marked ``partial`` (None if none)."""
+    trials = _finished_trials(Path(out_dir) / "runs" / job["name"] / "trials.json", job)
+    if not trials:
+        return None
+    return {"job": job, "result": {**summarize(trials), "partial": True}, "seconds": 0.0, "reused": True}
