@@ -33,9 +33,8 @@ def _shift(values: dict[int, float | None], by: float) -> dict[int, float | None
 
 def _claim(claim: str, comps: list[Comparison], extra: str = "") -> dict[str, Any]:
     counts = {r: sum(c.result == r for c in comps) for r in ("win", "tie", "loss", "not measured")}
-    tally = ", ".join(
-        f"{v} {k}{'s' if v != 1 and k != 'not measured' else ''}" for k, v in counts.items() if v
-    )
+    plural = {"win": "wins", "tie": "ties", "loss": "losses", "not measured": "not measured"}
+    tally = ", ".join(f"{v} {k if v == 1 else plural[k]}" for k, v in counts.items() if v)
     text = "; ".join(c.text() for c in comps)
     return {
         "claim": claim,
