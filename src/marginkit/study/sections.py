@@ -206,8 +206,8 @@ def _disjoint(plan: StudyPlan, res: Any) -> str:
         "\nTraining on classes 0..C/2−1 only (japanese-vowels: speakers 1–4 of 9); queries and pairs are the "
         "test rows of the unseen classes, each query against the other unseen test rows "
         "(Musgrave et al. 2020). "
-        "Identification (DIR@FPIR, CMC) is not reported: `marginkit.metrics.identification_metrics` "
-        "(issue [4/6]) is not in this build; the hook is `marginkit.study.jobs._identification`.\n"
+        "Identification (DIR@FPIR, CMC) is not reported yet: `marginkit.metrics.identification_metrics` "
+        "(issue [4/6]) has landed but is not wired into the hook `marginkit.study.jobs._identification`.\n"
     )
     return markdown_table(header, rows) + note
 
