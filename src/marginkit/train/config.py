@@ -67,7 +67,8 @@ class TrainConfig:
         ``loss`` — a name from :data:`marginkit.train.registry.LOSSES`; ``loss_options`` —
         keyword arguments overriding the registry's defaults (``scale``, ``margin``, ...).
     Optimisation
-        ``epochs``, ``batch_size``, ``optimizer`` (adamw | sgd), ``lr``, ``head_lr`` (the
+        ``epochs`` (``None``: :func:`marginkit.train.small_data.auto_epochs` of the training
+        set's size), ``batch_size``, ``optimizer`` (adamw | sgd), ``lr``, ``head_lr`` (the
         class centres' learning rate, default ``lr``), ``weight_decay``, ``momentum`` (sgd),
         ``scheduler`` (cosine | step | none, stepped per iteration), ``warmup_epochs``
         (linear warm-up, may be fractional), ``step_epochs``/``step_gamma`` (step schedule),
@@ -102,10 +103,10 @@ class TrainConfig:
     normalize: bool = True
     model_options: dict[str, Any] = field(default_factory=dict)
     loss_options: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 10
+    epochs: int | None = None
     batch_size: int = 128
     optimizer: str = "adamw"
-    lr: float = 1e-3
+    lr: float = 2e-3
     head_lr: float | None = None
     weight_decay: float = 5e-4
     momentum: float = 0.9
@@ -116,7 +117,7 @@ class TrainConfig:
     grad_clip: float | None = None
     amp: bool = False
     precise_bn: int = 4096
-    samples_per_class: int = 4
+    samples_per_class: int = 10
     classes_per_batch: int | None = None
     k: int = 5
     eval_every: int = 1
@@ -174,7 +175,6 @@ class TrainConfig:
         _choice(self.knn_metric, "knn_metric", KNN_METRICS)
         _choice(self.knn_weights, "knn_weights", KNN_WEIGHTS)
         for name in (
-            "epochs",
             "batch_size",
             "embedding_dim",
             "k",
@@ -184,7 +184,7 @@ class TrainConfig:
         ):
             _at_least(getattr(self, name), name, 1)
         _at_least(self.seed, "seed", 0)
-        for name in ("train_per_class", "classes_per_batch", "max_impostors", "num_threads"):
+        for name in ("epochs", "train_per_class", "classes_per_batch", "max_impostors", "num_threads"):
             if getattr(self, name) is not None:
                 _at_least(getattr(self, name), name, 1)
         _at_least(self.eval_batch_size, "eval_batch_size", 1)
@@ -207,7 +207,7 @@ class TrainConfig:
             raise ConfigError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError(f"grad_clip must be > 0 or null, got {self.grad_clip}")
-        if self.warmup_epochs > self.epochs:
+        if self.epochs is not None and self.warmup_epochs > self.epochs:
             raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) must not exceed epochs ({self.epochs})")
         dev = self.device
         if not (dev in ("cpu", "auto", "cuda", "mps") or dev.startswith("cuda:")):
