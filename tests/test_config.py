@@ -103,7 +103,7 @@ def test_bad_yaml_and_missing_file(tmp_path):
         ({"model": "resnt"}, "unknown model 'resnt' \\(did you mean 'resnet'\\?\\)"),
         ({"loss": "arcfce"}, "unknown loss 'arcfce' \\(did you mean 'arcface'\\?\\)"),
         ({"normalize": "maybe"}, "normalize must be true or false"),
-        ({"warmup_epochs": 50}, "warmup_epochs"),
+        ({"warmup_epochs": 50, "epochs": 10}, "warmup_epochs"),
         ({"device": "tpu"}, "device must be"),
         ({"samples_per_class": 1}, "samples_per_class must be >= 2"),
         ({"epochs.x": 1}, "not a mapping"),
@@ -254,3 +254,18 @@ def test_hostile_values_on_the_command_line_and_in_checkpoints(tmp_path):
     big.write_text("# padding\n" * 200_000)
     with pytest.raises(ConfigError, match="larger than 1 MB"):
         load_config(big)
+
+
+def test_every_numeric_field_has_a_range():
+    import dataclasses
+    import typing
+
+    from marginkit.train.ranges import FIELD_RANGES
+
+    hints = typing.get_type_hints(TrainConfig)
+    numeric = [
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if any(a in (int, float) for a in (typing.get_args(hints[f.name]) or (hints[f.name],)))
+    ]
+    assert numeric and not [name for name in numeric if name not in FIELD_RANGES]

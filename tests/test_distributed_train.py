@@ -52,6 +52,7 @@ def config(data: str, loss: str, **over: object) -> TrainConfig:
         "data": data, "loss": loss, "model": "mlp", "model_options": {"hidden": [32], "norm": "none"},
         "embedding_dim": 8, "epochs": 2, "batch_size": 36, "optimizer": "sgd", "lr": 0.05,
         "momentum": 0.9, "eval_every": 2, "k": 3, "num_threads": 1, "seed": 4, **LOSSES[loss],
+        "train_per_class": 26,  # 130 training rows, as before the tiny-data rule dropped the val split
     }  # fmt: skip
     base.update(over)
     return apply_overrides(TrainConfig(), base)

@@ -14,9 +14,11 @@ import errno
 import fcntl
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,10 @@ TIMINGS = {"epoch_seconds", "samples_per_second", "train_seconds"}
 
 @pytest.fixture(scope="module")
 def data_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Overlapping blobs: validation accuracy improves at epochs 1 and 2, not at 3."""
+    """Overlapping blobs: validation accuracy improves at epochs 1 and 2, not at 3 (with
+    ``val_fraction=0.3``: a validation split of >= 10 per class, so the trainer selects on it)."""
     path = tmp_path_factory.mktemp("data") / "blobs.npz"
-    return "features:" + str(blobs(path, classes=6, per_class=50, dim=3))
+    return "features:" + str(blobs(path, classes=6, per_class=60, dim=3))
 
 
 def _without_timings(value: Any) -> Any:
@@ -127,7 +130,7 @@ def _finish(cfg: Any, run_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(data_spec: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, list[str]]:
     """An uninterrupted 3-epoch run whose second epoch improves, and its write steps."""
-    cfg = small_config(data_spec, epochs=3)
+    cfg = small_config(data_spec, epochs=3, val_fraction=0.3)
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     with pytest.MonkeyPatch.context() as mp:
         steps = _write_steps(cfg, run_dir, mp)
@@ -175,7 +178,7 @@ def test_disk_full_at_any_write_step_keeps_the_last_checkpoint_and_resumes_ident
 
 
 @pytest.fixture(scope="module")
-def killer() -> Any:
+def killer() -> Iterator[Any]:
     """Start a killed run in a child forked from a server that has torch and marginkit loaded."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["faults"])
@@ -186,7 +189,9 @@ def killer() -> Any:
         proc.join(timeout=300)
         assert proc.exitcode == faults.KILLED, (step, proc.exitcode)
 
-    return kill_at
+    yield kill_at
+    # The server outlives the fixture otherwise, and later tests count live child processes.
+    multiprocessing.forkserver._forkserver._stop()
 
 
 def _kill_loop(reference: tuple[Any, Path, list[str]], killer: Any, tmp_path: Path, steps: range) -> None:
@@ -241,12 +246,13 @@ def test_a_second_process_on_the_same_run_directory_fails_at_once(data_spec, tmp
 
 def test_two_cli_processes_on_one_out_the_second_fails_with_a_clear_message(data_spec, tmp_path):
     run_dir = tmp_path / "run"
-    train(small_config(data_spec, epochs=2), run_dir, quiet=True, stop_after=1, report=False)
+    cfg = small_config(data_spec, epochs=2, val_fraction=0.3)
+    train(cfg, run_dir, quiet=True, stop_after=1, report=False)
     fd = os.open(run_dir / ".lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `marginkit train` holds it
     os.pwrite(fd, b"4242\n", 0)
     try:
-        for extra in (["--resume"], ["--data", data_spec, "--loss", "softmax"]):
+        for extra in (["--resume"], ["--data", data_spec, "--loss", "softmax", "--set", "val_fraction=0.3"]):
             proc = subprocess.run(
                 [sys.executable, "-m", "marginkit.cli", "train", "--out", str(run_dir), "-q", *extra],
                 capture_output=True, text=True, timeout=300, check=False,
@@ -309,7 +315,7 @@ def test_a_full_disk_is_a_one_line_cli_error_that_keeps_the_last_checkpoint(
     out = tmp_path / "run"
     argv = ["train", "--data", data_spec, "--loss", "softmax", "--model", "mlp", "--epochs", "3",
             "--k", "3", "--embedding-dim", "8", "--batch-size", "32", "--num-threads", "1", "-q",
-            "--no-report"]  # fmt: skip
+            "--no-report", "--set", "val_fraction=0.3"]  # fmt: skip
     assert main([*argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     best = str(out / "best.pt")

@@ -215,14 +215,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.out)
     if not result.finished:
-        print(f"stopped after epoch {result.epochs_completed}/{config.epochs}: {out}")
+        print(f"stopped after epoch {result.epochs_completed}/{result.config.epochs}: {out}")
         print(f"continue with: marginkit train --resume --out {out}")
         return 0
     m = result.metrics
     print(
         f"run     {out}\n"
         f"data    {m.get('data')} ({m.get('num_train')} train / {m.get('num_test')} test), "
-        f"loss {config.loss}, model {m.get('model')}, {config.epochs} epochs in {result.seconds:.1f} s "
+        f"loss {config.loss}, model {m.get('model')}, {result.config.epochs} epochs "
+        f"in {result.seconds:.1f} s "
         f"(best epoch {m.get('best_epoch')})"
     )
     print(format_metrics(m))

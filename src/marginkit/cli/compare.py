@@ -201,8 +201,10 @@ def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dic
     """Train one run of the comparison, or reuse it (finished) or resume it (interrupted)."""
     from marginkit.train.errors import CheckpointError, ConfigError, RunDirError
     from marginkit.train.rundir import config_differences, load_checkpoint, run_is_complete, stored_config
+    from marginkit.train.small_data import resolve_epochs
     from marginkit.train.trainer import train
 
+    config = resolve_epochs(config, len(splits.train))  # epochs: null -> from the data's size
     last = run_dir / "last.pt"
     resume = False
     try:
@@ -402,7 +404,7 @@ def _compare_into(
     data_name = base.data
     notes = (
         f"{len(losses)} losses on {data_name}, {seeds} seed(s) each, same backbone and budget "
-        f"(model {base.model}, embedding {base.embedding_dim}, {base.epochs} epochs, "
+        f"(model {base.model}, embedding {base.embedding_dim}, {base.epochs or 'auto'} epochs, "
         f"batch {base.batch_size}). "
         f"Total {time.perf_counter() - t0:.0f} s."
     )

@@ -17,6 +17,7 @@ from marginkit.schedules import Constant, CosineDecay, Join, LinearWarmup
 from marginkit.train.config import TrainConfig
 from marginkit.train.errors import ConfigError
 from marginkit.train.registry import LOSSES, build_loss
+from marginkit.train.small_data import MIN_VAL_PER_CLASS
 
 __all__ = [
     "LRSchedule",
@@ -82,6 +83,7 @@ def load_splits(config: TrainConfig, *, cache: bool = False) -> Any:
         seed=config.seed,
         train_per_class=config.train_per_class,
         val_fraction=config.val_fraction,
+        min_val_per_class=MIN_VAL_PER_CLASS,
         **config.data_options,
     )
     if cache:

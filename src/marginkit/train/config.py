@@ -74,7 +74,8 @@ class TrainConfig:
         ``loss`` — a name from :data:`marginkit.train.registry.LOSSES`; ``loss_options`` —
         keyword arguments overriding the registry's defaults (``scale``, ``margin``, ...).
     Optimisation
-        ``epochs``, ``batch_size``, ``optimizer`` (adamw | sgd), ``lr``, ``head_lr`` (the
+        ``epochs`` (``None``: :func:`marginkit.train.small_data.auto_epochs` of the training
+        set's size), ``batch_size``, ``optimizer`` (adamw | sgd), ``lr``, ``head_lr`` (the
         class centres' learning rate, default ``lr``), ``weight_decay``, ``momentum`` (sgd),
         ``scheduler`` (cosine | step | none, stepped per iteration), ``warmup_epochs``
         (linear warm-up, may be fractional), ``step_epochs``/``step_gamma`` (step schedule),
@@ -109,10 +110,10 @@ class TrainConfig:
     normalize: bool = True
     model_options: dict[str, Any] = field(default_factory=dict)
     loss_options: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 10
+    epochs: int | None = None
     batch_size: int = 128
     optimizer: str = "adamw"
-    lr: float = 1e-3
+    lr: float = 2e-3
     head_lr: float | None = None
     weight_decay: float = 5e-4
     momentum: float = 0.9
@@ -123,7 +124,7 @@ class TrainConfig:
     grad_clip: float | None = None
     amp: bool = False
     precise_bn: int = 4096
-    samples_per_class: int = 4
+    samples_per_class: int = 10
     classes_per_batch: int | None = None
     k: int = 5
     eval_every: int = 1
@@ -247,7 +248,7 @@ def _build_loss_once(config: TrainConfig) -> None:
 
 
 def _warmup_within_epochs(c: TrainConfig, kind: str) -> str | None:
-    if c.warmup_epochs > c.epochs:
+    if c.epochs is not None and c.warmup_epochs > c.epochs:  # epochs None: chosen from the data
         return f"warmup_epochs ({c.warmup_epochs}) must not exceed epochs ({c.epochs})"
     return None
 

@@ -61,6 +61,7 @@ from marginkit.train.rundir import (
     stored_config,
 )
 from marginkit.train.runtime import capture_rng, choose_threads, restore_rng, runtime, seed_everything
+from marginkit.train.small_data import resolve_epochs
 
 __all__ = [
     "LRSchedule",
@@ -286,6 +287,9 @@ def _train(
         ckpt = None
         if resume:  # rank 0 repairs what a crash left behind; the others only read last.pt
             ckpt = rundir.restore() if rundir is not None else load_last(run_dir)
+        if config is not None and config.epochs is None:  # auto: from the training set's size
+            splits = splits if splits is not None else load_splits(config)
+            config = resolve_epochs(config, len(splits.train))
         config = _run_config(config, ckpt, run_dir)
         if stop_after is not None and stop_after < 0:
             raise ConfigError(f"stop_after must be >= 0, got {stop_after}")
@@ -345,6 +349,9 @@ def _restore(
         splits = load_splits(config)
     facts = data_facts(splits)
     check_k_fits(config, splits)
+    if len(splits.val) == 0:
+        why = splits.info.get("val_split", "val_fraction=0")
+        log(f"no validation split ({why}): best.pt is the last epoch's checkpoint")
     model, head, loss_fn = build_components(config, facts, device)
     par, head = _ddp.parallelize(ctx, model, head, loss_fn, device)
     optimizer = build_optimizer(config, model, head)
