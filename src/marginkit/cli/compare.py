@@ -257,6 +257,7 @@ def run_compare(
     """
     from marginkit.report import compare_plot, write_compare_report
     from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
+    from marginkit.train.progress import RunsProgress
     from marginkit.train.registry import LOSSES
     from marginkit.train.trainer import load_splits
 
@@ -290,24 +291,26 @@ def run_compare(
                                    for loss in losses}  # fmt: skip
     order = [(loss, s) for s in range(seeds) for loss in losses]
     t0 = time.perf_counter()
-    done = 0
+    progress = RunsProgress(
+        {key: (configs[key].epochs, runs[key[0]][key[1]] / "metrics.jsonl") for key in order},
+        desc=f"{total} runs", enabled=not quiet,
+    )  # fmt: skip
 
     def record(loss: str, s: int, res: dict[str, Any]) -> None:
-        nonlocal done
-        done += 1
         row = _row_metrics(res["metrics"])
         per_seed[loss][s] = row
         seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
         tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
-        _log(
-            f"[{done}/{total}] {loss:<14} seed {base.seed + s}: "
+        progress.finish(
+            (loss, s),
+            f"{loss:<14} seed {base.seed + s}: "
             + "  ".join(f"{k} {row[k]:.4f}" for k in ("knn_accuracy", "map_at_r") if k in row)
             + tag,
-            quiet,
+            reused=res["reused"],
         )
 
     if jobs <= 1:
-        for loss, s in order:
+        for loss, s in progress.wrap(order):
             cfg = configs[(loss, s)]
             with user_errors():
                 splits = load_splits(cfg, cache=True)
@@ -323,7 +326,7 @@ def run_compare(
                 for key in order
             }
             try:
-                for fut in concurrent.futures.as_completed(futures):
+                for fut in progress.wrap(concurrent.futures.as_completed(futures)):
                     loss, s = futures[fut]
                     record(loss, s, fut.result())
             except BaseException:

@@ -26,6 +26,7 @@ from marginkit.study.claims import verdicts
 from marginkit.study.jobs import FARS, run_job
 from marginkit.study.plan import StudyPlan, study_plan
 from marginkit.study.tables import markdown_table, stat
+from marginkit.train.progress import RunsProgress
 
 __all__ = ["TABLES", "build_jobs", "run_study"]
 
@@ -146,25 +147,22 @@ def _run_all(
     jobs: list[dict[str, Any]], out: Path, workers: int, log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
+    progress = RunsProgress({job["name"]: (1, None) for job in jobs}, desc="study", unit="jobs", write=log)
+
+    def record(res: dict[str, Any]) -> None:
+        results.append(res)
+        name = res["job"]["name"]
+        progress.finish(name, f"{name} {res['seconds']:.1f}s", reused=bool(res.get("reused")))
+
     if workers <= 1:
-        for i, job in enumerate(jobs, 1):
-            results.append(run_job(job, str(out)))
-            log(
-                f"[{i}/{len(jobs)}] {job['name']} {results[-1]['seconds']:.1f}s "
-                f"(elapsed {time.perf_counter() - t0:.0f}s)"
-            )
+        for job in progress.wrap(jobs):
+            record(run_job(job, str(out)))
         return results
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {pool.submit(run_job, job, str(out)): job for job in jobs}
-        for i, fut in enumerate(as_completed(futures), 1):
-            res = fut.result()
-            results.append(res)
-            log(
-                f"[{i}/{len(jobs)}] {res['job']['name']} {res['seconds']:.1f}s "
-                f"(elapsed {time.perf_counter() - t0:.0f}s)"
-            )
+        for fut in progress.wrap(as_completed(futures)):
+            record(fut.result())
     return results
 
 
