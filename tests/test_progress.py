@@ -48,12 +48,13 @@ def test_terminal_bar_moves_with_epochs_between_finished_runs(tmp_path):
             log_epoch(logs["a"], 2)
             wait_for(tty, "2/12 epochs")  # drawn while no run has finished yet
             assert "[1/3]" not in tty.getvalue() and "0/3 runs done" in tty.getvalue()
+            assert progress.units_done() == 2  # the stale lines of c are not counted
             log_epoch(logs["a"], 2)
+            assert progress.units_done() == 3  # a's last unit is its evaluation, counted at finish
         seen.append(key)
         progress.finish(key, f"{key} finished", reused=key == "b")
     text = tty.getvalue()
     assert seen == ["a", "b", "c"]
-    assert "3/12 epochs" not in text  # the stale lines of c were never counted
     # the reused run b did no work: it leaves the bar's total and the ETA
     assert "8/8 epochs, 3/3 runs done" in text
     assert re.search(r"\[\d\d:\d\d<\d\d:\d\d\]", text)  # elapsed < remaining

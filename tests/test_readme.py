@@ -15,6 +15,8 @@ A bash block may follow one marker comment (HTML, invisible on the rendered page
   the reader's own environment, the test suite.
 - ``<!-- readme-test: append "OPTIONS" (REASON) -->`` — the block's one command runs with
   OPTIONS added (a cheap variant of a run that takes minutes, e.g. ``--epochs 1``).
+- ``<!-- readme-test: replace "OLD" "NEW" (REASON) -->`` — the block runs with the text OLD,
+  which must occur in it exactly once, replaced by NEW (e.g. ``--epochs 20`` by ``--epochs 2``).
 
 Python blocks take no marker: they must be cheap and self-contained. Fences in other
 languages must be output or data (:data:`NOT_CODE`); an unlabelled fence is an error, so a new
@@ -43,6 +45,7 @@ NOT_CODE = {"text", "yaml", "json", "csv", "markdown"}
 MARKER = re.compile(r"<!--\s*readme-test:\s*(?P<body>.*?)\s*-->")
 SKIP = re.compile(r"skip \((?P<reason>[^)]+)\)")
 APPEND = re.compile(r'append "(?P<options>[^"]+)" \((?P<reason>[^)]+)\)')
+REPLACE = re.compile(r'replace "(?P<old>[^"]+)" "(?P<new>[^"]+)" \((?P<reason>[^)]+)\)')
 #: Seconds for the whole README (the demo's tiny variant, a train, eval, predict, compare).
 TIMEOUT = 1500
 
@@ -104,11 +107,18 @@ def plan(block: Block) -> str | None:
         raise AssertionError(f"{block.where}: only bash blocks take a readme-test marker")
     if SKIP.fullmatch(block.marker):
         return None
+    r = REPLACE.fullmatch(block.marker)
+    if r:
+        if block.code.count(r.group("old")) != 1:
+            raise AssertionError(
+                f"{block.where}: 'replace' needs {r.group('old')!r} exactly once in the block"
+            )
+        return block.code.replace(r.group("old"), r.group("new"))
     m = APPEND.fullmatch(block.marker)
     if not m:
         raise AssertionError(
             f"{block.where}: unknown marker {block.marker!r}; "
-            "use 'skip (REASON)' or 'append \"OPTIONS\" (REASON)'"
+            "use 'skip (REASON)', 'append \"OPTIONS\" (REASON)' or 'replace \"OLD\" \"NEW\" (REASON)'"
         )
     cmds = commands(block.code)
     if len(cmds) != 1:
@@ -170,6 +180,11 @@ def test_block_parser_sees_markers_and_languages():
     assert (b.lang, b.marker, plan(b)) == ("python", None, "x = 1\n")
     with pytest.raises(AssertionError, match="one command"):
         plan(Block("bash", "a\nb\n", 1, 'append "-x" (r)'))
+    assert plan(Block("bash", "t --epochs 20\ne\n", 1, 'replace "--epochs 20" "--epochs 2" (r)')) == (
+        "t --epochs 2\ne\n"
+    )
+    with pytest.raises(AssertionError, match="exactly once"):
+        plan(Block("bash", "t --epochs 20\nt --epochs 20\n", 1, 'replace "--epochs 20" "--epochs 2" (r)'))
     with pytest.raises(AssertionError, match="unknown marker"):
         plan(Block("bash", "a\n", 1, "ignore"))
     assert commands("a \\\n   b\n# c\n\nd\n") == ["a b", "d"]

@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, help="runs trained at once (default: min(2, CPU cores))")
     p.add_argument("--overwrite", action="store_true", help="retrain runs already in DIR")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the table and its conditions for the README (to paste verbatim)",
+    )
 
     p = sub.add_parser("study", help="the reproducible study of docs/RESULTS.md", allow_abbrev=False)
     _common(p)

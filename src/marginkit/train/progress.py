@@ -11,6 +11,7 @@ Bars are drawn only when the stream is a terminal, so logs and pipes stay clean.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -39,6 +40,17 @@ def _tqdm(**kwargs: Any) -> Any:
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError("training needs tqdm for its progress bars: pip install 'marginkit[cli]'") from exc
     return tqdm(**kwargs)
+
+
+def _width(stream: Any) -> dict[str, Any]:
+    """tqdm's width options: follow the terminal, or 100 columns where it reports none (a
+    terminal of size 0, as ``script`` or some ``docker exec -t`` give, would hide the bar)."""
+    try:
+        if os.get_terminal_size(stream.fileno()).columns > 0:
+            return {"dynamic_ncols": True}
+    except (AttributeError, OSError, ValueError):
+        pass
+    return {"ncols": 100}
 
 
 def _is_terminal(stream: Any) -> bool:
@@ -82,7 +94,7 @@ class ProgressBar:
             file=self.stream,
             disable=not self.active,
             mininterval=min_interval,
-            dynamic_ncols=True,
+            **_width(self.stream),
             bar_format=f"{{desc}} |{{bar:{width}}}| {{percentage:5.1f}}%{{postfix}} ETA {{remaining}}",
         )
 
@@ -113,10 +125,11 @@ class RunsProgress:
 
     ``tasks`` maps each run's key to ``(units, log)``: its amount of work (its epochs) and the
     ``metrics.jsonl`` it appends one line to per finished epoch (``None``: the run counts
-    only when finished). Lines of those files written before this object was made (an
-    earlier run in the same directory) are not counted. Iterate over the work through
-    :meth:`wrap` (which also closes the bar, whatever ends the loop) and call :meth:`finish`
-    for every run that ends.
+    only when finished). A running run counts at most ``units - 1``: its last unit is its
+    evaluation, done when :meth:`finish` is called. Lines of those files written before this
+    object was made (an earlier run in the same directory) are not counted. Iterate over the
+    work through :meth:`wrap` (which also closes the bar, whatever ends the loop) and call
+    :meth:`finish` for every run that ends.
 
     Args:
         tasks: key → ``(units, metrics.jsonl path or None)``.
@@ -159,7 +172,7 @@ class RunsProgress:
             disable=not self.active,
             desc=desc,
             unit=unit,
-            dynamic_ncols=True,
+            **_width(self.stream),
             mininterval=0.2,
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit}{postfix} "
             "[{elapsed}<{remaining}]",
@@ -183,9 +196,11 @@ class RunsProgress:
             if log.stat().st_mtime < self._since:
                 return 0
             with log.open("rb") as fh:
-                return min(units, fh.read().count(b"\n"))  # complete lines only
+                lines = fh.read().count(b"\n")  # complete lines only
         except OSError:
             return 0
+        # a run's last unit counts when it ends: its evaluation follows its last epoch
+        return min(units - 1, lines)
 
     def units_done(self) -> int:
         """Units finished so far (finished runs, and the epochs logged by running ones)."""
