@@ -506,7 +506,8 @@ def _val_overlay(histories: dict[str, list[dict[str, Any]]]) -> str | None:
     ax.set_xlabel("epoch")
     ax.set_ylabel("validation K-NN accuracy / precision@1")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)  # off the curves
+    fig.tight_layout()
     return figure_png(fig)
 
 
