@@ -119,3 +119,14 @@ def test_compare_shows_progress(tmp_path, monkeypatch, capsys, terminal):
     else:
         assert "\r" not in err
         assert re.search(r"\[2/2\] triplet +seed 0: .* · \d+:\d\d elapsed, ETA 0:00\n", err)
+
+
+def test_one_unit_per_run_counts_runs_once():
+    """The study's jobs: the bar counts jobs, without a second "runs done" count."""
+    tty = Tty()
+    progress = RunsProgress({k: (1, None) for k in "abc"}, desc="study", unit="jobs", stream=tty)
+    for key in progress.wrap("abc"):
+        progress.finish(key, f"{key} 1.0s")
+    text = tty.getvalue()
+    assert "study: 100%" in text and "3/3 jobs [" in text and "runs done" not in text
+    assert "[3/3] c 1.0s\n" in text

@@ -184,6 +184,8 @@ class RunsProgress:
         return sum(u for u, _ in self._tasks.values())
 
     def _runs_text(self) -> str:
+        if all(u == 1 and p is None for u, p in self._tasks.values()):
+            return ""  # one unit per run: the count is the bar itself
         return f"{self._runs_done}/{len(self._tasks)} runs done"
 
     def _units_of(self, key: Hashable) -> int:
