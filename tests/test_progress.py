@@ -124,7 +124,7 @@ def test_compare_shows_progress(tmp_path, monkeypatch, capsys, terminal):
 def test_one_unit_per_run_counts_runs_once():
     """The study's jobs: the bar counts jobs, without a second "runs done" count."""
     tty = Tty()
-    progress = RunsProgress({k: (1, None) for k in "abc"}, desc="study", unit="jobs", stream=tty)
+    progress = RunsProgress(dict.fromkeys("abc", (1, None)), desc="study", unit="jobs", stream=tty)
     for key in progress.wrap("abc"):
         progress.finish(key, f"{key} 1.0s")
     text = tty.getvalue()
