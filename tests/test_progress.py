@@ -130,3 +130,18 @@ def test_one_unit_per_run_counts_runs_once():
     text = tty.getvalue()
     assert "study: 100%" in text and "3/3 jobs [" in text and "runs done" not in text
     assert "[3/3] c 1.0s\n" in text
+
+
+def test_run_bar_draws_nothing_until_it_advances():
+    """The trainer makes a new bar after each epoch's log line: creating it must not draw a
+    half line that the next log line would be appended to."""
+    from marginkit.train.progress import ProgressBar
+
+    tty = Tty()
+    bar = ProgressBar(10, stream=tty, initial=5)
+    assert bar.active and tty.getvalue() == ""
+    bar.close(clear=True)
+    assert tty.getvalue() == ""
+    bar = ProgressBar(10, stream=tty, min_interval=0.0)
+    bar.update(samples=4, loss=1.5, prefix="epoch 1/2")
+    assert "epoch 1/2 |" in tty.getvalue() and "loss 1.5000 " in tty.getvalue()

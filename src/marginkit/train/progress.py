@@ -94,6 +94,7 @@ class ProgressBar:
             file=self.stream,
             disable=not self.active,
             mininterval=min_interval,
+            delay=min_interval,  # nothing drawn at creation: a log line may come first
             **_width(self.stream),
             bar_format=f"{{desc}} |{{bar:{width}}}| {{percentage:5.1f}}%{{postfix}} ETA {{remaining}}",
         )
