@@ -211,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny budget (CI smoke run)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes, one torch thread each")
 
+    from marginkit.cli.deploy import add_parsers as add_deploy_parsers
+
+    add_deploy_parsers(sub, _common)
+
     p = sub.add_parser("losses", help="list the loss names and their defaults", allow_abbrev=False)
     _common(p)
     p = sub.add_parser("datasets", help="list the data set names and file formats", allow_abbrev=False)
@@ -244,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from marginkit.cli import commands
 
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for `train --nproc` re-launching
-    handler = getattr(commands, f"cmd_{args.command}")
+    handler = getattr(args, "handler", None) or getattr(commands, f"cmd_{args.command}")
     try:
         with warnings.catch_warnings():
             if not args.debug:
