@@ -166,7 +166,9 @@ def test_quick_study_writes_every_table(tmp_path) -> None:
         assert json.loads((run_dir / "job.json").read_text(encoding="utf-8")) == job
         assert (run_dir / "result.json").is_file()
         if job["kind"] == "tune":
-            trials = json.loads((run_dir / "trials.json").read_text(encoding="utf-8"))
+            stored = json.loads((run_dir / "trials.json").read_text(encoding="utf-8"))
+            trials = stored["trials"]
+            assert stored["job"] == job
             assert len(trials) == job["trials"] and all(0 <= t["val_knn_accuracy"] <= 1 for t in trials)
         if job["kind"] in ("knn", "identities") or (job["kind"] == "disjoint" and job["loss"] != "raw"):
             assert (run_dir / "train" / "config.yaml").is_file()

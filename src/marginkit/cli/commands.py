@@ -498,6 +498,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         args.out, seeds=args.seeds, epochs=args.epochs, losses=losses, quiet=args.quiet, device=args.device,
         jobs=args.jobs, overwrite=args.overwrite,
     )  # fmt: skip
+    if args.markdown:
+        from marginkit.cli.demo_markdown import demo_markdown
+
+        print(demo_markdown(args.out, wall_seconds=seconds), end="")
+        print(f"report  {report}", file=sys.stderr)
+        return 0
     print(summary_text)
     print(f"\n{seconds:.0f} s · summary {Path(args.out) / 'summary.json'}")
     print(f"report  {report}")

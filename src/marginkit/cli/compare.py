@@ -344,11 +344,18 @@ def _compare_into(
     from marginkit.report import compare_plot, write_compare_report
     from marginkit.train.components import load_splits
     from marginkit.train.processes import run_in_workers, sigterm_as_interrupt
+    from marginkit.train.progress import RunsProgress
     from marginkit.train.registry import LOSSES
     from marginkit.train.runtime import available_cores
+    from marginkit.train.small_data import resolve_epochs
 
     jobs = max(1, min(jobs, seeds * len(losses)))
     configs = run_configs(base, losses, seeds=seeds, pairs=pairs, per_loss=per_loss, jobs=jobs)
+    for key in sorted(configs, key=lambda k: k[1]):  # seed-major: each seed's data is loaded once
+        cfg = configs[key]
+        if cfg.epochs is None:  # null: from the data's size (the progress bar counts epochs)
+            with user_errors():
+                configs[key] = resolve_epochs(cfg, len(load_splits(cfg, cache=True).train))
     total = len(configs)
     threads = sorted({c.num_threads for c in configs.values()})
     _log(
@@ -362,32 +369,34 @@ def _compare_into(
                                    for loss in losses}  # fmt: skip
     order = [(loss, s) for s in range(seeds) for loss in losses]
     t0 = time.perf_counter()
-    done = 0
+    progress = RunsProgress(
+        {key: (configs[key].epochs, runs[key[0]][key[1]] / "metrics.jsonl") for key in order},
+        desc=f"{total} runs", enabled=not quiet,
+    )  # fmt: skip
 
     def record(loss: str, s: int, res: dict[str, Any]) -> None:
-        nonlocal done
-        done += 1
         row = _row_metrics(res["metrics"])
         per_seed[loss][s] = row
         seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
         tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
-        _log(
-            f"[{done}/{total}] {loss:<14} seed {base.seed + s}: "
+        progress.finish(
+            (loss, s),
+            f"{loss:<14} seed {base.seed + s}: "
             + "  ".join(f"{k} {row[k]:.4f}" for k in ("knn_accuracy", "map_at_r") if k in row)
             + tag,
-            quiet,
+            reused=res["reused"],
         )
 
     with sigterm_as_interrupt():  # a terminated comparison stops like an interrupted one
         if jobs <= 1:
-            for loss, s in order:
+            for loss, s in progress.wrap(order):
                 cfg = configs[(loss, s)]
                 with user_errors():
                     splits = load_splits(cfg, cache=True)
                 record(loss, s, _run_one(cfg, runs[loss][s], splits=splits, overwrite=overwrite))
         else:
             tasks = [(configs[key].to_json(), str(runs[key[0]][key[1]]), overwrite) for key in order]
-            for index, res in run_in_workers(_worker, tasks, jobs):
+            for index, res in progress.wrap(run_in_workers(_worker, tasks, jobs)):
                 record(*order[index], res)
     summary = []
     for loss in losses:
@@ -401,13 +410,7 @@ def _compare_into(
     _write_summaries(out, summary, table, cols)
     plot_metrics = [m for m in ("knn_accuracy", "map_at_r", "precision_at_1") if m in cols]
     compare_plot(summary, plot_metrics, out / "comparison.png")
-    data_name = base.data
-    notes = (
-        f"{len(losses)} losses on {data_name}, {seeds} seed(s) each, same backbone and budget "
-        f"(model {base.model}, embedding {base.embedding_dim}, {base.epochs or 'auto'} epochs, "
-        f"batch {base.batch_size}). "
-        f"Total {time.perf_counter() - t0:.0f} s."
-    )
+    notes = f"Total {time.perf_counter() - t0:.0f} s."  # the report reads the set-up from the runs
     report = write_compare_report(
         out, summary, runs, title=title, table_markdown=table, metrics=plot_metrics, notes=notes
     )

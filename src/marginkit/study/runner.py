@@ -28,6 +28,7 @@ from marginkit.study.jobs import run_job, stored_result
 from marginkit.study.plan import StudyPlan, identity_rows, study_plan
 from marginkit.study.sections import TABLES, build_tables, results_markdown
 from marginkit.study.tuning import partial_result
+from marginkit.train.progress import RunsProgress
 
 __all__ = ["TABLES", "build_jobs", "run_study"]
 
@@ -168,27 +169,27 @@ def _run_all(
     jobs: list[dict[str, Any]], out: Path, workers: int, log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
+    progress = RunsProgress({job["name"]: (1, None) for job in jobs}, desc="study", unit="jobs", write=log)
 
-    def note(i: int, res: dict[str, Any]) -> None:
+    def record(res: dict[str, Any]) -> None:
+        results.append(res)
+        name = res["job"]["name"]
         tag = (
             "reused"
             if res.get("reused")
             else f"{res['seconds']:.1f}s wall, {res.get('cpu_seconds', 0):.1f}s cpu"
         )
-        log(f"[{i}/{len(jobs)}] {res['job']['name']} {tag} (elapsed {time.perf_counter() - t0:.0f}s)")
+        progress.finish(name, f"{name} {tag}", reused=bool(res.get("reused")))
 
     if workers <= 1:
-        for i, job in enumerate(jobs, 1):
-            results.append(run_job(job, str(out)))
-            note(i, results[-1])
+        for job in progress.wrap(jobs):
+            record(run_job(job, str(out)))
         return results
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {pool.submit(run_job, job, str(out)): job for job in jobs}
-        for i, fut in enumerate(as_completed(futures), 1):
-            results.append(fut.result())
-            note(i, results[-1])
+        for fut in progress.wrap(as_completed(futures)):
+            record(fut.result())
     return results
 
 
