@@ -172,6 +172,7 @@ def test_build_loss_applies_defaults_and_overrides():
         ("softmax", "device=cuda:abc", "device must be 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'"),
         ("softmax", "lr=1e9", "lr must be <= 10"),
         ("softmax", "batch_size=0", "batch_size must be >= 1"),
+        ("softmax", "batch_size=1", "batch_size must be >= 2: batch norm needs two samples"),
         ("triplet", "loss.mining=hardest", "loss 'triplet': mining must be one of"),
         ("local_triplet", "loss.k=0", "loss_options.k must be >= 1"),
     ],
@@ -180,6 +181,11 @@ def test_every_option_is_range_checked_up_front(loss, assignment, message):
     with pytest.raises(ConfigError, match=message) as info:
         apply_overrides(TrainConfig(loss=loss), [parse_assignment(assignment)])
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_batch_of_one_is_accepted_without_batch_norm():
+    cfg = apply_overrides(TrainConfig(), {"batch_size": 1, "model.norm": "none"})
+    assert cfg.batch_size == 1
 
 
 def test_values_at_the_bounds_are_accepted():

@@ -197,6 +197,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UserError(str(exc)) from exc
         _require(args, {k.replace("-", "_"): v for k, v in from_file.items()}, "data", "loss")
         config = build_config(args, loss=args.loss)
+    from marginkit.train.components import resolve_device
+
+    try:
+        resolve_device(config.device)  # an unavailable device fails like a typo, before the data loads
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
     splits = _load_splits(config)
     try:
         result = train(

@@ -562,6 +562,10 @@ def load_dataset(
             hint = f" (did you mean {guess[0]!r}?)" if guess else ""
             valid = ", ".join(allowed) if allowed else "none"
             raise ValueError(f"unknown option {key!r} for dataset {spec!r}{hint}; valid options: {valid}")
+    if "test_fraction" in options:  # checked here, so that the message names the option
+        fraction = positive_float(options["test_fraction"], "test_fraction", allow_zero=True)
+        if fraction >= 1:
+            raise ValueError(f"test_fraction must be in [0, 1), got {fraction}")
     raw = reader(**options) if rest is None else reader(rest, **options)
 
     labels, num_classes, class_names = _remap_labels(raw, spec)

@@ -268,9 +268,19 @@ def _pair_batches_have_negatives(c: TrainConfig, kind: str) -> str | None:
     return None
 
 
+def _batches_of_two(c: TrainConfig, kind: str) -> str | None:
+    if kind == "class" and c.batch_size < 2 and c.model_options.get("norm", "batch") != "none":
+        return (
+            f"batch_size must be >= 2: batch norm needs two samples per training batch "
+            f"(model_options.norm=none removes it), got {c.batch_size}"
+        )
+    return None
+
+
 #: Rules between fields: each returns the error message, or None. (Single values: ranges.py.)
 _RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
     _warmup_within_epochs,
+    _batches_of_two,
     _pair_batches_have_positives,
     _pair_batches_have_negatives,
 )

@@ -281,6 +281,8 @@ def _train(
     quiet = quiet or not ctx.is_main  # one rank talks and writes the run directory
     if log is None:
         log = (lambda _msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if config is not None:  # an unavailable device fails like a typo: before anything is read or written
+        resolve_device(config.validate().device)
     rundir = RunDir.for_training(run_dir, resume=resume, overwrite=overwrite) if ctx.is_main else None
     try:
         ctx.barrier()
