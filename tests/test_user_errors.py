@@ -49,11 +49,13 @@ def _user_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         ("batch_size=1", "batch_size must be >= 2"),
         ("data.test_fraction=2", "test_fraction must be in [0, 1), got 2.0"),
         pytest.param(
-            "device=mps", "device 'mps' requested but MPS (Apple GPU) is not available",
+            "device=mps",
+            "device 'mps' requested but MPS (Apple GPU) is not available",
             marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="MPS is available"),
         ),
         pytest.param(
-            "device=cuda:7", "device 'cuda:7' requested but",
+            "device=cuda:7",
+            "device 'cuda:7' requested but",
             marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="8 CUDA devices"),
         ),
     ],
@@ -92,8 +94,8 @@ def test_a_model_too_big_for_the_machine_is_refused_before_allocating(tmp_path, 
     data = _blobs(tmp_path / "d.npz", 10)
     sets = [a for o in options for a in ("--set", o)]
     proc = _limited_cli(
-        tmp_path, "train", "--data", f"features:{data}", "--loss", "cosface", *TINY[4:], "--model", model, *sets,
-        "--out", str(tmp_path / "run"),
+        tmp_path, "train", "--data", f"features:{data}", "--loss", "cosface", *TINY[4:], "--model", model,
+        *sets, "--out", str(tmp_path / "run"),
     )  # fmt: skip
     err = [line for line in proc.stderr.splitlines() if "warning" not in line]
     assert proc.returncode == 2 and len(err) == 1, proc.stderr

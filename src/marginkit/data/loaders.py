@@ -616,8 +616,8 @@ def read_folder(
     mode = _image_mode(headers, color)
     shape = (1 if mode == "L" else 3, *(size or _common_size(root, headers)))
     budget = InputBudget(root)
-    at = f" (image_size={image_size!r})" if size else ""
-    budget.take(len(all_files) * math.prod(shape), f"{len(all_files)} images of {'x'.join(map(str, shape))}{at}")
+    what = f"{len(all_files)} images of {'x'.join(map(str, shape))}"
+    budget.take(len(all_files) * math.prod(shape), what + (f" (image_size={image_size!r})" if size else ""))
     arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for split, per in listing.items():
         images = np.empty((sum(map(len, per.values())), *shape), dtype=np.uint8)
