@@ -163,3 +163,13 @@ def test_tiny_test_split_trains_and_evaluates(tmp_path, capsys):
     np.savez(tmp_path / "x.npz", x=np.zeros((3, 4), np.float32))
     err = _user_error(capsys, "predict", str(run), str(tmp_path / "x.npz"))
     assert "knn_index.npz: 'labels' must lie in" in err
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="MPS is available")
+def test_compare_refuses_an_unavailable_device_before_loading_data(tmp_path, capsys):
+    data = _blobs(tmp_path / "d.npz", 10)
+    err = _user_error(
+        capsys, "compare", "--data", f"features:{data}", "--losses", "softmax,triplet", "--epochs", "1",
+        "--quiet", "--device", "mps", "--out", str(tmp_path / "cmp"),
+    )  # fmt: skip
+    assert err == "marginkit: error: device 'mps' requested but MPS (Apple GPU) is not available; use device=cpu"
