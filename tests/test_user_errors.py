@@ -172,4 +172,6 @@ def test_compare_refuses_an_unavailable_device_before_loading_data(tmp_path, cap
         capsys, "compare", "--data", f"features:{data}", "--losses", "softmax,triplet", "--epochs", "1",
         "--quiet", "--device", "mps", "--out", str(tmp_path / "cmp"),
     )  # fmt: skip
-    assert err == "marginkit: error: device 'mps' requested but MPS (Apple GPU) is not available; use device=cpu"
+    assert err == (
+        "marginkit: error: device 'mps' requested but MPS (Apple GPU) is not available; use device=cpu"
+    )

@@ -310,8 +310,8 @@ def run_configs(
     jobs: int,
 ) -> dict[tuple[str, int], Any]:
     """The config of every ``(loss, seed index)`` run; ``num_threads`` defaults to ``cores // jobs``."""
-    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
     from marginkit.train.components import resolve_device
+    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
     from marginkit.train.runtime import choose_threads
 
     try:
