@@ -149,9 +149,8 @@ def parallelize(
         return Parallel(model, head, False, loss_fn), head
     from torch.nn.parallel import DistributedDataParallel
 
-    from marginkit._sharded import supports_sharding
-    from marginkit.distributed import all_gather_no_grad, all_gather_with_grad
-    from marginkit.losses.gathered import GatheredPairLoss
+    from marginkit.distributed import GatheredPairLoss, all_gather_no_grad, all_gather_with_grad
+    from marginkit.heads.sharded import supports_sharding
 
     ids = [device.index] if device.type == "cuda" else None
     ddp_model = DistributedDataParallel(model, device_ids=ids)
