@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from marginkit._validation import choice, positive_int
+from marginkit._validation import choice, real
 from marginkit.distributed import ShardedAxis, balanced_slices, is_distributed, rank, world_size
 from marginkit.distributed._collectives import exchange, gather_rows, gather_rows_with_grad, where_rank
 from marginkit.distributed._group import FLOAT_DTYPES, Group, comm_device
-from marginkit.heads.cosine import _EPS, cosine_similarity_matrix
+from marginkit.heads.cosine import _EPS, cosine_similarity_matrix, head_arguments
 from marginkit.ops.classes import ClassBlock
 
 __all__ = ["ShardedCosineHead", "ShardedCosines", "balanced_slices", "supports_sharding"]
@@ -117,17 +117,9 @@ class ShardedCosineHead(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.num_classes = positive_int(num_classes, "num_classes")
-        self.embedding_dim = positive_int(embedding_dim, "embedding_dim")
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)):
-            raise TypeError(f"sample_rate must be a real number, got {type(sample_rate).__name__}")
-        if not (0.0 < float(sample_rate) <= 1.0):
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
-        self.sample_rate = float(sample_rate)
+        self.num_classes, self.embedding_dim, self.eps = head_arguments(num_classes, embedding_dim, eps)
+        self.sample_rate = real(sample_rate, "sample_rate", low=0, high=1, open_low=True)
         self.grad_reduction = choice(grad_reduction, "grad_reduction", ("mean", "sum"))
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
-            raise ValueError(f"eps must be a number in (0, 1), got {eps!r}")
-        self.eps = float(eps)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be None or a non-negative int, got {seed!r}")
         self.group = group

@@ -22,12 +22,11 @@ Biometric Verification"); Roulet et al., ICML 2025 (arXiv 2501.18537).
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, reduce
+from marginkit._validation import REDUCTIONS, choice, positive_float, real, reduce
 from marginkit.heads.cosine import accepts_sparse_grad
 from marginkit.ops.alpha import qmargin_loss
 from marginkit.ops.classes import class_block
@@ -63,14 +62,12 @@ class _AlphaCosineLoss(nn.Module):
         self.last_support_size: Tensor | None = None
 
     def _check_hyper(self) -> tuple[float, float, float]:
-        alpha = self.alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
-        if not (math.isfinite(alpha) and alpha >= 1):
-            raise ValueError(f"alpha must be a finite number >= 1, got {alpha}")
-        scale = positive_float(self.scale, "scale")
-        margin = positive_float(self.margin, "margin", allow_zero=True)
-        return float(alpha), scale, margin
+        alpha = real(self.alpha, "alpha", low=1)
+        return (
+            alpha,
+            positive_float(self.scale, "scale"),
+            positive_float(self.margin, "margin", allow_zero=True),
+        )
 
     def forward(self, cosines: Any, labels: Tensor) -> Tensor:
         """Loss of ``cosines`` ``[..., C]`` (in ``[-1, 1]``) against integer ``labels`` ``[...]``.
