@@ -179,8 +179,8 @@ def _solve_candidates(
     if flat.numel() > _DENSE_FRACTION * x.numel():
         if k is not None:
             return None
-        on = {"bounds": (lo, hi), "axis": axis, "theta_y": theta_y}
-        return _solve_dense(x, scale, beta, beta_scalar, logq, label, logq_label, **on)
+        dense = (x, scale, beta, beta_scalar, logq, label, logq_label)
+        return _solve_dense(*dense, bounds=(lo, hi), axis=axis, theta_y=theta_y)
     with _serial(flat.numel(), x.device):
         entries = _Entries(n_rows, n, flat=flat)
         assert entries.counts is not None and entries.row is not None
@@ -296,10 +296,22 @@ def _solve(
             candidates=candidates,
         )
         return _merge_rows(sol, bad, sub)
-    on = {"bounds": bounds, "axis": axis, "theta_y": theta_y}
     if candidates:
         blocks = _Blocks(x) if blocks is None else blocks
-        sol = _solve_candidates(x, blocks, scale, beta, beta_scalar, logq, label, logq_label, **on)
+        sol = _solve_candidates(
+            x,
+            blocks,
+            scale,
+            beta,
+            beta_scalar,
+            logq,
+            label,
+            logq_label,
+            bounds=bounds,
+            axis=axis,
+            theta_y=theta_y,
+        )
         assert sol is not None
         return sol
-    return _solve_dense(x, scale, beta, beta_scalar, logq, label, logq_label, **on)
+    dense = (x, scale, beta, beta_scalar, logq, label, logq_label)
+    return _solve_dense(*dense, bounds=bounds, axis=axis, theta_y=theta_y)
