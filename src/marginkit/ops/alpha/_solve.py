@@ -141,15 +141,21 @@ def _block_subset_bound(
     return verified
 
 
+class _Rows(NamedTuple):
+    """The rows to solve: scores ``x`` ``[N, n]`` (θ = scale·x), β per row, and q (see :func:`_solve`)."""
+
+    x: Tensor
+    scale: float
+    beta: Tensor
+    beta_scalar: float | None
+    logq: Tensor | None
+    label: Tensor | None
+    logq_label: Tensor | None
+
+
 def _solve_candidates(
-    x: Tensor,
+    rows: _Rows,
     blocks: _Blocks,
-    scale: float,
-    beta: Tensor,
-    beta_scalar: float | None,
-    logq: Tensor | None,
-    label: Tensor | None,
-    logq_label: Tensor | None,
     k: int | None = None,
     *,
     bounds: tuple[Tensor, Tensor | None] | None = None,
@@ -164,6 +170,7 @@ def _solve_candidates(
     every class of ``axis`` (default: :func:`_row_bounds` of one process). The block-maxima
     bound, a per-process decision, is skipped on a partitioned axis.
     """
+    x, scale, beta, beta_scalar, logq, label, logq_label = rows
     n_rows, n = x.shape
     cdt = compute_dtype(x.dtype)
     # without a dense measure everything up to the candidate gather acts on [N] or the block maxima
@@ -179,8 +186,7 @@ def _solve_candidates(
     if flat.numel() > _DENSE_FRACTION * x.numel():
         if k is not None:
             return None
-        dense = (x, scale, beta, beta_scalar, logq, label, logq_label)
-        return _solve_dense(*dense, bounds=(lo, hi), axis=axis, theta_y=theta_y)
+        return _solve_dense(*rows, bounds=(lo, hi), axis=axis, theta_y=theta_y)
     with _serial(flat.numel(), x.device):
         entries = _Entries(n_rows, n, flat=flat)
         assert entries.counts is not None and entries.row is not None
@@ -262,14 +268,13 @@ def _solve(
     decides per process which rows to solve again: one process only (``axis`` not partitioned).
     """
     n_rows, n = x.shape
+    rows = _Rows(x, scale, beta, beta_scalar, logq, label, logq_label)
     if k is not None and k < n:
         if axis.partitioned:
             raise ValueError("topk needs every class of a row in one process (not a partitioned class axis)")
         if candidates:  # the exact candidates, when no row has more than k, are the answer
             blocks = _Blocks(x) if blocks is None else blocks
-            sol = _solve_candidates(
-                x, blocks, scale, beta, beta_scalar, logq, label, logq_label, k, bounds=bounds
-            )
+            sol = _solve_candidates(rows, blocks, k, bounds=bounds)
             if sol is not None:
                 return sol
         cdt = compute_dtype(x.dtype)
@@ -298,20 +303,7 @@ def _solve(
         return _merge_rows(sol, bad, sub)
     if candidates:
         blocks = _Blocks(x) if blocks is None else blocks
-        sol = _solve_candidates(
-            x,
-            blocks,
-            scale,
-            beta,
-            beta_scalar,
-            logq,
-            label,
-            logq_label,
-            bounds=bounds,
-            axis=axis,
-            theta_y=theta_y,
-        )
+        sol = _solve_candidates(rows, blocks, bounds=bounds, axis=axis, theta_y=theta_y)
         assert sol is not None
         return sol
-    dense = (x, scale, beta, beta_scalar, logq, label, logq_label)
-    return _solve_dense(*dense, bounds=bounds, axis=axis, theta_y=theta_y)
+    return _solve_dense(*rows, bounds=bounds, axis=axis, theta_y=theta_y)
