@@ -46,14 +46,16 @@ class ShardedAxis:
     def sum_(self, *parts: Tensor) -> tuple[Tensor, ...]:
         return self._reduce("sum", parts)
 
-    def flags(self, bad: Tensor, dtype: torch.dtype) -> Tensor:
-        flags = torch.zeros(self.world, dtype=dtype, device=bad.device)
-        flags[self.rank] = bad.to(dtype)
+    def flags(self, bad: Callable[[], Tensor], dtype: torch.dtype) -> Tensor:
+        flag = bad()
+        flags = torch.zeros(self.world, dtype=dtype, device=flag.device)
+        flags[self.rank] = flag.to(dtype)
         return flags
 
     def raise_flagged(
-        self, flags: Tensor, local_error: Callable[[], None], message: Callable[[str], str]
+        self, flags: Tensor | None, local_error: Callable[[], None], message: Callable[[str], str]
     ) -> None:
+        assert flags is not None
         bad = (flags > 0).nonzero().flatten().tolist()
         if bad:
             where = f" on rank {', '.join(map(str, bad))}" if self.world > 1 else ""

@@ -56,17 +56,21 @@ class ClassAxis(Protocol):
 
     def sum_(self, *parts: Tensor) -> tuple[Tensor, ...]: ...
 
-    def flags(self, bad: Tensor, dtype: torch.dtype) -> Tensor:
-        """A vector to MAX-reduce with other parts: nonzero where a process found ``bad`` input."""
+    def flags(self, bad: Callable[[], Tensor], dtype: torch.dtype) -> Tensor | None:
+        """A vector to MAX-reduce with other parts, nonzero where a process found ``bad()`` input.
+
+        ``None`` when the check needs no reduction (:meth:`raise_flagged` then checks locally).
+        """
         ...
 
     def raise_flagged(
-        self, flags: Tensor, local_error: Callable[[], None], message: Callable[[str], str]
+        self, flags: Tensor | None, local_error: Callable[[], None], message: Callable[[str], str]
     ) -> None:
         """After the reduction of :meth:`flags`: raise the same error on every process.
 
-        ``local_error`` raises the detailed error of a single process; ``message(where)`` is the
-        text when the input of other processes is bad (``where`` names them).
+        ``local_error`` checks one process's input and raises its detailed error;
+        ``message(where)`` is the text when the input of some processes is bad (``where`` names
+        them).
         """
         ...
 
@@ -88,15 +92,13 @@ class LocalAxis:
     def sum_(self, *parts: Tensor) -> tuple[Tensor, ...]:
         return parts
 
-    def flags(self, bad: Tensor, dtype: torch.dtype) -> Tensor:
-        return bad.reshape(1)
+    def flags(self, bad: Callable[[], Tensor], dtype: torch.dtype) -> None:
+        return None
 
     def raise_flagged(
-        self, flags: Tensor, local_error: Callable[[], None], message: Callable[[str], str]
+        self, flags: Tensor | None, local_error: Callable[[], None], message: Callable[[str], str]
     ) -> None:
-        if bool(flags[0]):
-            local_error()
-            raise ValueError(message(""))
+        local_error()
 
     def __repr__(self) -> str:
         return f"LocalAxis(num_classes={self.num_classes})"

@@ -102,7 +102,11 @@ def check_scores(block: ClassBlock, lo: Tensor, hi: Tensor, name: str, *parts: T
     cosines (one process: :func:`marginkit._validation.cosine_range`'s detailed error).
     """
     axis = block.axis
-    *reduced, flags = axis.max_(*parts, axis.flags(_outside(lo, hi), parts[0].dtype))
+    flags = axis.flags(lambda: _outside(lo, hi), parts[0].dtype)
+    if flags is None:
+        reduced = axis.max_(*parts)
+    else:
+        *reduced, flags = axis.max_(*parts, flags)
     axis.raise_flagged(flags, lambda: cosine_range(lo, hi, name), _sharded_message(name))
     return tuple(reduced)
 
