@@ -18,3 +18,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def gen() -> torch.Generator:
     """A seeded generator: every random test input comes from here, never from global state."""
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory):
+    """One tiny trained run (digits, mlp, 2 epochs), shared by the export and serve tests."""
+    from marginkit.train.config import TrainConfig
+    from marginkit.train.trainer import train
+
+    run = tmp_path_factory.mktemp("tiny-run") / "run"
+    config = TrainConfig(
+        data="digits", loss="cosface", model="mlp", model_options={"hidden": [32]}, embedding_dim=16,
+        epochs=2, batch_size=64, num_threads=1, k=3,
+    )  # fmt: skip
+    train(config, run, quiet=True, report=False)
+    return run
+
+
+@pytest.fixture(scope="session")
+def onnx_bundle(tiny_run, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny run exported as an ONNX bundle (marginkit.export.Bundle)."""
+    from marginkit.export import export_model
+
+    return export_model(tiny_run, "onnx", tmp_path_factory.mktemp("bundle") / "onnx")

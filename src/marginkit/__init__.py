@@ -7,6 +7,7 @@ Sub-packages (imported lazily):
 - :mod:`marginkit.heads` — classifier heads (cosine class centres).
 - :mod:`marginkit.mining`, :mod:`marginkit.data`, :mod:`marginkit.schedules`.
 - :mod:`marginkit.knn`, :mod:`marginkit.metrics` — K-NN classification and evaluation.
+- :mod:`marginkit.export`, :mod:`marginkit.gallery`, :mod:`marginkit.serve` — deployment.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ _SUBMODULES = {
     "train",
     "report",
     "study",
+    "export",
+    "gallery",
+    "serve",
 }
 
 

@@ -1,0 +1,288 @@
+"""``marginkit serve`` over loopback against the same calls made in-process on the library.
+
+For galleries of 10⁴ and 10⁵ identities (one random unit template each, D = 64), a real
+uvicorn server process answers ``POST /verify`` (one probe embedding against one claimed
+identity) and ``POST /identify`` (one probe, k = 5) sent by 1, 8 and 32 client threads
+(``http.client``, one keep-alive connection each). The same calls are then made in this
+process on a :class:`~marginkit.gallery.Gallery` opened on the same file, by the same
+number of threads. Printed: requests/s and p50 / p99 latency of both, and their ratios
+(server / library). Then the bundle's ONNX model against PyTorch eager on one batch of
+256 inputs: embeddings per second and their ratio. Both runtimes use ``--threads`` threads.
+
+Side by side: each cell runs the server and the library alternately ``--rounds`` times and
+keeps the best round of each (a shared machine's load changes from one second to the next).
+Bounded: every round stops after ``--requests`` requests or ``--seconds`` seconds, whichever
+comes first; the server listens on 127.0.0.1 only and is stopped at the end. ``--quick``:
+galleries of 10³ and 10⁴, 60 requests per cell, one round.
+
+    python benchmarks/bench_serve.py [--quick] [--threads 1] [--requests 400] [--seconds 20] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DIM = 64
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small galleries and few requests (smoke run)")
+    p.add_argument("--threads", type=int, default=1, help="model / torch threads of server and library")
+    p.add_argument("--requests", type=int, default=400, help="requests per cell (at most)")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds per cell (at most)")
+    p.add_argument("--rounds", type=int, default=3, help="server / library alternations per cell (best kept)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_bundle(root: Path) -> Path:
+    """A tiny trained run (digits, 1 epoch) exported as ONNX: the benchmark's model."""
+    from marginkit.export import export_model
+    from marginkit.train.config import TrainConfig
+    from marginkit.train.trainer import train
+
+    config = TrainConfig(
+        data="digits", loss="cosface", model="mlp", embedding_dim=DIM, epochs=1, num_threads=1
+    )
+    train(config, root / "run", quiet=True, report=False)
+    export_model(root / "run", "onnx", root / "bundle")
+    return root / "bundle"
+
+
+def make_gallery(path: Path, bundle: Any, n: int, rng: np.random.Generator) -> np.ndarray:
+    from marginkit.gallery import Gallery
+
+    emb = rng.normal(size=(n, DIM)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    with Gallery(path, bundle, far=1e-2) as g:
+        g.enroll_many([f"id{i}" for i in range(n)], emb, kind="embeddings")
+    return emb
+
+
+def run_threads(concurrency: int, call: Any, requests: int, seconds: float) -> dict[str, float]:
+    """``call(worker, i)`` from ``concurrency`` threads until ``requests`` or ``seconds`` run out."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+    deadline = time.perf_counter() + seconds
+
+    def worker(w: int) -> None:
+        state: dict[str, Any] = {}
+        while time.perf_counter() < deadline:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            t0 = time.perf_counter()
+            call(state, w, i)
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ms = np.array(latencies) * 1e3
+    return {
+        "requests": len(ms),
+        "rps": len(ms) / wall,
+        "p50": float(np.percentile(ms, 50)),
+        "p99": float(np.percentile(ms, 99)),
+    }
+
+
+def library_calls(gallery: Any, probes: np.ndarray, claims: list[str]) -> dict[str, Any]:
+    def verify(state: dict[str, Any], worker: int, i: int) -> None:
+        gallery.verify(probes[i % len(probes)], claims[i % len(probes)], kind="embeddings")
+
+    def identify(state: dict[str, Any], worker: int, i: int) -> None:
+        gallery.identify(probes[i % len(probes)], k=5, kind="embeddings")
+
+    return {"/verify": verify, "/identify": identify}
+
+
+def interleaved(
+    server_call: Any, library_call: Any, concurrency: int, requests: int, seconds: float, rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Server and library cells alternated ``rounds`` times; the best round (by req/s) of each."""
+    best: list[dict[str, float] | None] = [None, None]
+    for _ in range(rounds):
+        for side, call in enumerate((server_call, library_call)):
+            cell = run_threads(concurrency, call, requests, seconds)
+            if best[side] is None or cell["rps"] > best[side]["rps"]:  # type: ignore[index]
+                best[side] = cell
+    assert best[0] is not None and best[1] is not None
+    return best[0], best[1]
+
+
+def http_call(port: int, path: str, bodies: list[bytes]) -> Any:
+    def call(state: dict[str, Any], worker: int, i: int) -> None:
+        conn = state.get("conn")
+        if conn is None:
+            conn = state["conn"] = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", path, body=bodies[i % len(bodies)], headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{path}: HTTP {resp.status}: {data[:200]!r}")
+
+    return call
+
+
+def wait_for(port: int, server: subprocess.Popen, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited: {server.communicate()[1][-2000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"server did not answer /health within {seconds} s")
+
+
+def bench_model(bundle: Any, threads: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    from marginkit.train.trainer import load_run, load_splits
+
+    run = load_run(bundle.manifest["run"]["run_dir"])
+    x = load_splits(run["config"]).test.x[:256]
+    model = run["model"]
+    torch.set_num_threads(threads)
+    arr = x.numpy()
+    best = {"onnx": float("inf"), "eager": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        bundle.embed(arr, preprocessed=True, batch_size=256)
+        best["onnx"] = min(best["onnx"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(x)
+        best["eager"] = min(best["eager"], time.perf_counter() - t0)
+    onnx, eager = len(x) / best["onnx"], len(x) / best["eager"]
+    return {"batch": len(x), "onnx_per_s": onnx, "eager_per_s": eager, "ratio": onnx / eager}
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from marginkit.export import load_bundle
+    from marginkit.gallery import Gallery
+
+    torch.set_num_threads(args.threads)
+    sizes = (1_000, 10_000) if args.quick else (10_000, 100_000)
+    requests = 60 if args.quick else args.requests
+    seconds = 5.0 if args.quick else args.seconds
+    rounds = 1 if args.quick else args.rounds
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        bundle_path = make_bundle(root)
+        bundle = load_bundle(bundle_path, threads=args.threads)
+        for n in sizes:
+            db = root / f"gallery-{n}.db"
+            emb = make_gallery(db, bundle, n, rng)
+            probes = emb[rng.integers(0, n, 256)] + 0.05 * rng.normal(size=(256, DIM)).astype(np.float32)
+            claims = [f"id{i}" for i in rng.integers(0, n, 256)]
+            bodies = {
+                "/verify": [
+                    json.dumps({"embeddings": [p.tolist()], "identity": c}).encode()
+                    for p, c in zip(probes, claims, strict=True)
+                ],
+                "/identify": [json.dumps({"embeddings": [p.tolist()], "k": 5}).encode() for p in probes],
+            }
+            port = free_port()
+            cmd = [
+                sys.executable, "-m", "marginkit.cli", "serve", str(bundle_path), "--gallery", str(db),
+                "--port", str(port), "--far", "1e-2", "--threads", str(args.threads), "--quiet",
+            ]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            server = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            )
+            try:
+                wait_for(port, server)
+                gallery = Gallery(db, bundle, far=1e-2)
+                library = library_calls(gallery, probes, claims)
+                for path in ("/verify", "/identify"):
+                    for c in (1, 8, 32):
+                        served, local = interleaved(
+                            http_call(port, path, bodies[path]), library[path], c, requests, seconds, rounds
+                        )
+                        rows.append(
+                            {
+                                "endpoint": path,
+                                "gallery": n,
+                                "concurrency": c,
+                                "server": served,
+                                "library": local,
+                            }
+                        )
+                        print(
+                            f"{path:9s} n={n:>6} c={c:>2}  server {served['rps']:7.1f} req/s "
+                            f"p50 {served['p50']:6.2f} p99 {served['p99']:7.2f} ms | "
+                            f"library {local['rps']:8.1f} req/s p50 {local['p50']:6.3f} ms | "
+                            f"ratio req/s {served['rps'] / local['rps']:.3f}",
+                            flush=True,
+                        )
+                gallery.close()
+            finally:
+                server.terminate()
+                try:
+                    server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait(timeout=30)
+        model = bench_model(bundle, args.threads, repeats=5 if args.quick else 20)
+    print(
+        f"\nembedding throughput, batch {model['batch']}: ONNX (onnxruntime) {model['onnx_per_s']:.0f}/s, "
+        f"PyTorch eager {model['eager_per_s']:.0f}/s, ratio {model['ratio']:.2f}"
+    )
+    print("\n| endpoint | gallery | clients | server req/s | p50 / p99 ms | library req/s | p50 ms | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        s, lib = r["server"], r["library"]
+        print(
+            f"| `{r['endpoint']}` | {r['gallery']:,} | {r['concurrency']} | {s['rps']:.0f} | "
+            f"{s['p50']:.1f} / {s['p99']:.1f} | {lib['rps']:.0f} | {lib['p50']:.2f} | "
+            f"{s['rps'] / lib['rps']:.3f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "model": model}, indent=2) + "\n", encoding="utf-8"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

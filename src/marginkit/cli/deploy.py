@@ -1,0 +1,93 @@
+"""The deployment subcommands: ``marginkit export`` and ``marginkit serve`` (see docs/deploy.md)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from marginkit.cli.errors import UserError, user_errors
+
+__all__ = ["add_parsers", "cmd_export", "cmd_serve"]
+
+
+def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``export`` and ``serve`` on the ``marginkit`` subparsers ``sub``."""
+    p = sub.add_parser(
+        "export", help="export a run's model as a deployment bundle (ONNX)", allow_abbrev=False
+    )
+    common(p)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx")
+    p.add_argument("--out", required=True, metavar="DIR", help="bundle directory (created)")
+    p.add_argument("--checkpoint", choices=("best", "last"), default="best")
+    p.add_argument("--examples", type=int, default=8, metavar="N", help="test samples kept for self-checks")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle in DIR")
+    p.set_defaults(handler=cmd_export)
+
+    p = sub.add_parser("serve", help="serve a bundle and a gallery over HTTP", allow_abbrev=False)
+    common(p)
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--gallery", required=True, metavar="PATH", help="gallery database (created when missing)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate of the decisions")
+    p.add_argument("--threshold", type=float, help="explicit score threshold (instead of --far)")
+    p.add_argument("--token-file", metavar="FILE", help="require 'Authorization: Bearer <token in FILE>'")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit")
+    p.add_argument("--max-batch", type=int, default=1024, help="samples per request")
+    p.add_argument("--threads", type=int, default=0, help="model runtime threads (0: its default)")
+    p.add_argument(
+        "--trust-torchscript", action="store_true", help="allow a TorchScript bundle (it executes code)"
+    )
+    p.set_defaults(handler=cmd_serve)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from marginkit.export import ExportError, export_model
+    from marginkit.train.checkpoint import CheckpointError
+    from marginkit.train.trainer import RunDirError
+
+    if args.examples < 0:
+        raise UserError(f"--examples must be >= 0, got {args.examples}")
+    try:
+        with user_errors():
+            bundle = export_model(
+                args.run_dir, args.format, args.out, checkpoint=args.checkpoint, examples=args.examples,
+                overwrite=args.overwrite,
+            )  # fmt: skip
+    except (RunDirError, CheckpointError, ExportError) as exc:
+        raise UserError(str(exc)) from exc
+    shape = list(bundle.input_shape)
+    print(f"bundle  {bundle.path} ({bundle.format}, input {shape}, dim {bundle.embedding_dim})")
+    for row in bundle.calibration["rows"]:
+        t = row["threshold"]
+        print(f"FAR {row['far']:.0e}  " + ("not measurable" if t is None else f"threshold {t:.4f}"))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from marginkit.export import BundleError
+    from marginkit.gallery import GalleryError
+    from marginkit.serve import Limits, build_app, read_token, serve
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_body_mb <= 0 or args.max_batch < 1:
+        raise UserError("--max-body-mb must be > 0 and --max-batch >= 1")
+    try:
+        with user_errors():
+            token = read_token(args.token_file) if args.token_file else None
+            limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_batch=args.max_batch)
+            app = build_app(
+                args.bundle, args.gallery, far=args.far, threshold=args.threshold, token=token, limits=limits,
+                trust_torchscript=args.trust_torchscript, threads=args.threads,
+            )  # fmt: skip
+    except (BundleError, GalleryError, ImportError) as exc:
+        raise UserError(str(exc)) from exc
+    if not args.quiet:
+        auth = "bearer token" if token else "no authentication"
+        url = f"http://{args.host}:{args.port}"
+        print(f"serving {args.bundle} and {args.gallery} on {url} ({auth}); docs at {url}/docs", flush=True)
+    serve(app, args.host, args.port)
+    return 0

@@ -1,0 +1,258 @@
+"""SQLite persistence of a gallery: identities, their embedding templates, and the facts they need.
+
+One database file (standard-library ``sqlite3``) in WAL mode with ``synchronous=FULL``: a
+transaction that committed survives a crash of the process (``kill -9``) and of the
+machine; readers in other processes never block the one writer and see a consistent
+snapshot. Every enrollment or removal is one ``BEGIN IMMEDIATE ... COMMIT`` transaction, so
+it is applied whole or not at all; concurrent writers in other processes wait their turn
+(up to ``timeout`` seconds).
+
+Tables::
+
+    meta(key, value)                   format, version, model_fingerprint, dim, dtype, metric,
+                                       removals (bumped by every removal)
+    identities(id, name UNIQUE, metadata JSON, created)
+    templates(id, identity -> identities.id ON DELETE CASCADE, dim, dtype, vector BLOB)
+
+``id`` columns are ``AUTOINCREMENT``: since writers are serialised, ids grow in commit order,
+which is what lets a reader catch up by loading the rows above the last id it has seen.
+Vectors are little-endian float32 BLOBs; their ``dim``, ``dtype`` and byte length are
+checked against ``meta`` on every read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FORMAT", "VERSION", "GalleryError", "Store"]
+
+FORMAT = "marginkit.gallery"
+VERSION = 1
+DTYPE = "float32"
+_NP_DTYPE = np.dtype("<f4")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS identities (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL UNIQUE,
+    metadata TEXT,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS templates (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    identity INTEGER NOT NULL REFERENCES identities(id) ON DELETE CASCADE,
+    dim INTEGER NOT NULL,
+    dtype TEXT NOT NULL,
+    vector BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS templates_by_identity ON templates(identity);
+"""
+
+
+class GalleryError(ValueError):
+    """The gallery file is unusable: not a gallery, corrupted, or made by another model."""
+
+
+class Store:
+    """The SQLite side of a :class:`~marginkit.gallery.Gallery` (one connection).
+
+    Args:
+        path: the database file (created when missing).
+        model_fingerprint: the embedding model's fingerprint; ``None`` adopts the stored one
+            (an existing gallery only).
+        dim: the embedding dimension; ``None`` adopts the stored one.
+        timeout: seconds a writer waits for another process's transaction.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], model_fingerprint: str | None, dim: int | None, timeout: float
+    ) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise GalleryError(f"{self.path}: is a directory; a gallery is one SQLite file")
+        if not self.path.parent.is_dir():
+            raise GalleryError(f"{self.path}: directory {self.path.parent} does not exist")
+        try:
+            self.conn = sqlite3.connect(
+                self.path, timeout=timeout, isolation_level=None, check_same_thread=False
+            )
+            self._configure()
+            self.meta = self._init_meta(model_fingerprint, dim)
+        except sqlite3.DatabaseError as exc:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            raise GalleryError(f"{self.path}: not a usable gallery database ({exc})") from None
+        self.dim = int(self.meta["dim"])
+        self.model_fingerprint = self.meta["model_fingerprint"]
+
+    # ------------------------------------------------------------------ setup
+    def _configure(self) -> None:
+        mode = self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise GalleryError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA foreign_keys=ON")
+
+    def _init_meta(self, fingerprint: str | None, dim: int | None) -> dict[str, str]:
+        with self.write():
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self.conn.execute(statement)
+            meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+            if not meta:
+                if fingerprint is None or dim is None:
+                    raise GalleryError(
+                        f"{self.path}: a new gallery needs the model fingerprint and the embedding "
+                        "dimension (pass a bundle, or model_fingerprint= and embedding_dim=)"
+                    )
+                meta = {
+                    "format": FORMAT, "version": str(VERSION), "model_fingerprint": fingerprint,
+                    "dim": str(int(dim)), "dtype": DTYPE, "metric": "cosine", "removals": "0",
+                }  # fmt: skip
+                self.conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", meta.items())
+        if meta.get("format") != FORMAT:
+            raise GalleryError(f"{self.path}: not a marginkit gallery (format {meta.get('format')!r})")
+        if meta.get("version") != str(VERSION):
+            raise GalleryError(
+                f"{self.path}: gallery format version {meta.get('version')}; this marginkit reads {VERSION}"
+            )
+        for key in ("model_fingerprint", "dim", "dtype", "metric", "removals"):
+            if key not in meta:
+                raise GalleryError(f"{self.path}: meta table lacks {key!r}")
+        if meta["dtype"] != DTYPE or meta["metric"] != "cosine" or not meta["dim"].isdigit():
+            raise GalleryError(
+                f"{self.path}: unsupported gallery (dtype {meta['dtype']!r}, metric {meta['metric']!r}, "
+                f"dim {meta['dim']!r}); expected float32 cosine embeddings"
+            )
+        if fingerprint is not None and meta["model_fingerprint"] != fingerprint:
+            raise GalleryError(
+                f"{self.path}: this gallery holds embeddings of model {meta['model_fingerprint']}, not of "
+                f"{fingerprint}; embeddings of another model live in another space: enroll the identities "
+                "again into a new gallery"
+            )
+        if dim is not None and int(meta["dim"]) != int(dim):
+            raise GalleryError(
+                f"{self.path}: gallery embeddings have dimension {meta['dim']}, the model's {dim}"
+            )
+        return meta
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # ------------------------------------------------------------------ transactions
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        """Every statement of a write goes through here (tests inject faults at each one)."""
+        return self.conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self.conn.executemany(sql, rows)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        """One write transaction: committed on success, rolled back on any exception."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """A read transaction: every SELECT inside sees the same committed state."""
+        self.conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self.conn.execute("COMMIT")
+
+    def data_version(self) -> int:
+        """Changes when another connection commits (SQLite's ``PRAGMA data_version``)."""
+        return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+
+    # ------------------------------------------------------------------ writes
+    def add_templates(self, names: Sequence[str], vectors: np.ndarray, metadata: dict[str, str]) -> None:
+        """Rows ``vectors[i]`` as templates of identity ``names[i]`` (created if new), one transaction.
+
+        ``metadata`` maps names to JSON texts that replace the stored metadata.
+        """
+        blobs = np.ascontiguousarray(vectors, dtype=_NP_DTYPE)
+        unique = list(dict.fromkeys(names))
+        now = time.time()
+        with self.write():
+            self.executemany(
+                "INSERT INTO identities(name, metadata, created) VALUES (?, ?, ?) ON CONFLICT(name) "
+                "DO UPDATE SET metadata = COALESCE(excluded.metadata, identities.metadata)",
+                ((n, metadata.get(n), now) for n in unique),
+            )
+            ids: dict[str, int] = {}
+            for s in range(0, len(unique), 500):
+                chunk = unique[s : s + 500]
+                marks = ",".join("?" * len(chunk))
+                rows = self.execute(f"SELECT name, id FROM identities WHERE name IN ({marks})", chunk)
+                ids.update(rows.fetchall())
+            dim = blobs.shape[1]
+            self.executemany(
+                "INSERT INTO templates(identity, dim, dtype, vector) VALUES (?, ?, ?, ?)",
+                ((ids[n], dim, DTYPE, blobs[i].tobytes()) for i, n in enumerate(names)),
+            )
+
+    def remove(self, name: str) -> bool:
+        """Delete an identity and its templates; False when there is no such identity."""
+        with self.write():
+            cur = self.execute("DELETE FROM identities WHERE name = ?", (name,))
+            if cur.rowcount == 0:
+                return False
+            self.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'removals'")
+        return True
+
+    # ------------------------------------------------------------------ reads
+    def removals(self) -> int:
+        return int(self.conn.execute("SELECT value FROM meta WHERE key = 'removals'").fetchone()[0])
+
+    def identities_after(self, last_id: int) -> list[tuple[int, str]]:
+        return self.conn.execute(
+            "SELECT id, name FROM identities WHERE id > ? ORDER BY id", (last_id,)
+        ).fetchall()
+
+    def templates_after(self, last_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(template ids, identity ids, vectors [n, dim] float32)`` of templates above ``last_id``."""
+        rows = self.conn.execute(
+            "SELECT id, identity, dim, dtype, vector FROM templates WHERE id > ? ORDER BY id", (last_id,)
+        ).fetchall()
+        nbytes = self.dim * _NP_DTYPE.itemsize
+        bad = next((r for r in rows if r[2] != self.dim or r[3] != DTYPE or len(r[4]) != nbytes), None)
+        if bad is not None:
+            raise GalleryError(
+                f"{self.path}: template {bad[0]} holds {len(bad[4])} bytes of dim {bad[2]} {bad[3]}; "
+                f"the gallery stores dim {self.dim} {DTYPE} ({nbytes} bytes): the file is corrupted"
+            )
+        tids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+        owners = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
+        vectors = np.frombuffer(b"".join(r[4] for r in rows), dtype=_NP_DTYPE).reshape(len(rows), self.dim)
+        if not np.isfinite(vectors).all():
+            raise GalleryError(
+                f"{self.path}: some stored templates hold NaN or infinite values: the file is corrupted"
+            )
+        return tids, owners, vectors.astype(np.float32)
+
+    def metadata(self, name: str) -> dict[str, Any] | None:
+        row = self.conn.execute("SELECT metadata FROM identities WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise KeyError(name)
+        return None if row[0] is None else json.loads(row[0])
+
+    def integrity_check(self) -> str:
+        return str(self.conn.execute("PRAGMA integrity_check").fetchone()[0])

@@ -1,0 +1,423 @@
+"""marginkit serve: every endpoint through TestClient and a real uvicorn process; bad inputs; auth."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from marginkit.cli import main
+from marginkit.gallery import Gallery
+from marginkit.serve import Limits, create_app
+from marginkit.train.trainer import load_run, load_splits
+
+TOKEN = "s3cret-token-for-tests-0123456789"
+LIMITS = Limits(max_body_bytes=1_000_000, max_batch=64, max_image_pixels=10_000)
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_run) -> np.ndarray:
+    """40 test images [40, 1, 8, 8] in [0, 1] (float32)."""
+    splits = load_splits(load_run(tiny_run)["config"])
+    return splits.test.x[:40].numpy()
+
+
+@pytest.fixture
+def served(onnx_bundle, tmp_path):
+    gallery = Gallery(tmp_path / "g.db", onnx_bundle, far=1e-2)
+    with TestClient(create_app(onnx_bundle, gallery, limits=LIMITS)) as client:
+        yield client, gallery
+
+
+def npz_file(**arrays) -> dict:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return {"file": ("x.npz", buf.getvalue(), "application/octet-stream")}
+
+
+def png_file(pixels: np.ndarray) -> dict:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return {"file": ("x.png", buf.getvalue(), "image/png")}
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def test_embed_from_json_npz_and_image(served, onnx_bundle, samples):
+    client, _ = served
+    want = onnx_bundle.embed(samples[:5]).numpy()
+    r = client.post("/embed", json={"inputs": samples[:5].tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["dim"] == 16 and body["model_fingerprint"] == onnx_bundle.model_fingerprint
+    np.testing.assert_allclose(body["embeddings"], want, atol=1e-6)
+    r = client.post("/embed", files=npz_file(x=samples[:5]))
+    np.testing.assert_allclose(r.json()["embeddings"], want, atol=1e-6)
+    pixels = np.round(samples[0, 0] * 255).astype(np.uint8)
+    r = client.post("/embed", files=png_file(pixels))
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["embeddings"], onnx_bundle.embed(pixels[None]).numpy(), atol=1e-6)
+
+
+def test_enroll_verify_identify_classify_match_the_library(served, onnx_bundle, samples):
+    client, gallery = served
+    emb = unit(onnx_bundle.embed(samples))
+    r = client.post(
+        "/enroll", json={"identity": "p0", "inputs": samples[0:2].tolist(), "metadata": {"team": "a"}}
+    )
+    assert r.status_code == 200 and r.json()["enrolled"] == [{"identity": "p0", "added": 2, "templates": 2}]
+    names = [f"p{i // 2}" for i in range(2, 10)]  # p1..p4, two samples each, one request
+    r = client.post("/enroll", files=npz_file(x=samples[2:10]), data={"identities": json.dumps(names)})
+    assert r.status_code == 200, r.text
+    assert sorted(e["identity"] for e in r.json()["enrolled"]) == ["p1", "p2", "p3", "p4"]
+    assert gallery.identities() == ["p0", "p1", "p2", "p3", "p4"] and gallery.metadata("p0") == {"team": "a"}
+
+    probes = emb[10:20]
+    owner = torch.arange(10) // 2
+    brute = torch.stack([(probes @ emb[:10].T)[:, owner == i].max(1).values for i in range(5)], 1)  # [10, 5]
+    claims = [f"p{i % 5}" for i in range(10)]
+    r = client.post("/verify", json={"embeddings": probes.tolist(), "identities": claims})
+    assert r.status_code == 200, r.text
+    for i, res in enumerate(r.json()["results"]):
+        assert res["identity"] == claims[i]
+        assert res["score"] == pytest.approx(float(brute[i, i % 5]), abs=1e-5)
+        assert res["match"] == (res["score"] > gallery.threshold) and res["threshold"] == gallery.threshold
+    r = client.post("/verify", json={"inputs": samples[10:12].tolist(), "identity": "p3"})
+    assert [v["score"] for v in r.json()["results"]] == pytest.approx(brute[:2, 3].tolist(), abs=1e-5)
+
+    r = client.post("/identify", files=npz_file(x=samples[10:20]), data={"k": "3"})
+    assert r.status_code == 200, r.text
+    for i, res in enumerate(r.json()["results"]):
+        order = torch.argsort(brute[i], descending=True)[:3].tolist()
+        assert [c["identity"] for c in res["candidates"]] == [f"p{j}" for j in order]
+        best = float(brute[i, order[0]])
+        assert res["decision"] == ("match" if best > gallery.threshold else "unknown")
+        assert res["identity"] == (f"p{order[0]}" if best > gallery.threshold else None)
+
+    r = client.post("/classify", json={"inputs": samples[10:20].tolist()})
+    want = onnx_bundle.knn().predict(onnx_bundle.embed(samples[10:20])).tolist()
+    assert [c["label"] for c in r.json()["results"]] == want
+    assert [c["name"] for c in r.json()["results"]] == [str(c) for c in want]
+    r = client.post("/classify", json={"embeddings": probes.tolist(), "index": "gallery"})
+    assert [c["name"] for c in r.json()["results"]] == [c.identity for c in gallery.classify(probes)]
+
+    assert client.delete("/identities/p3").json() == {"removed": "p3"}
+    assert client.delete("/identities/p3").status_code == 404
+    r = client.post("/identify", json={"embeddings": probes.tolist(), "k": 5})
+    assert all(c["identity"] != "p3" for res in r.json()["results"] for c in res["candidates"])
+
+
+def test_health_metrics_and_docs(served):
+    client, _ = served
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["gallery"] == {"identities": 0, "templates": 0}
+    assert health["far"] == 1e-2 and health["model"]["embedding_dim"] == 16
+    client.post("/verify", json={"embeddings": [[1.0] * 16], "identity": "nobody"})
+    client.get("/nowhere")
+    stats = client.get("/metrics").json()["requests"]
+    assert stats["POST /verify"]["count"] == 1 and stats["POST /verify"]["status"] == {"404": 1}
+    assert set(stats["POST /verify"]["latency_ms"]) == {"window", "mean", "p50", "p99", "max"}
+    assert stats["GET /health"]["count"] == 1 and "(unmatched)" in " ".join(stats)
+    spec = client.get("/openapi.json").json()
+    assert {
+        "/embed",
+        "/classify",
+        "/verify",
+        "/identify",
+        "/enroll",
+        "/identities/{identity}",
+        "/health",
+        "/metrics",
+    } <= set(spec["paths"])
+    assert "multipart/form-data" in spec["paths"]["/verify"]["post"]["requestBody"]["content"]
+    assert client.get("/docs").status_code == 200
+
+
+def _pickled_npz() -> dict:
+    buf = io.BytesIO()
+    np.save(buf, np.array([object()], dtype=object), allow_pickle=True)
+    z = io.BytesIO()
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("x.npy", buf.getvalue())
+    return {"file": ("x.npz", z.getvalue())}
+
+
+def _bad_requests(samples):
+    img = samples[:2].tolist()
+    big_png = png_file(np.zeros((200, 200), np.uint8))
+    return [
+        ("post", "/verify", {"json": {"inputs": [[0.5] * 5], "identity": "a"}}, 422, "shape"),
+        ("post", "/verify", {"content": b'{"inputs": [[NaN]], "identity": "a"}'}, 422, "NaN"),
+        (
+            "post",
+            "/verify",
+            {"json": {"embeddings": [[1.0] * 16], "identity": "nobody"}},
+            404,
+            "unknown identity",
+        ),
+        ("post", "/verify", {"json": {"embeddings": [[1.0] * 17], "identity": "a"}}, 422, r"\[B, 16\]"),
+        ("post", "/verify", {"json": {"embeddings": [[0.0] * 16], "identity": "a"}}, 422, "all zeros"),
+        (
+            "post",
+            "/verify",
+            {"json": {"embeddings": [[1.0] * 16, [1.0]], "identity": "a"}},
+            422,
+            "rectangular",
+        ),
+        (
+            "post",
+            "/verify",
+            {"json": {"inputs": img, "embeddings": [[1.0] * 16], "identity": "a"}},
+            422,
+            "not both",
+        ),
+        ("post", "/verify", {"json": {"identity": "a"}}, 422, "no samples"),
+        ("post", "/verify", {"json": {"inputs": img}}, 422, "exactly one"),
+        ("post", "/verify", {"json": {"inputs": img, "identity": "a", "colour": 1}}, 422, "colour"),
+        ("post", "/verify", {"json": {"inputs": img, "identity": 5}}, 422, "identity"),
+        ("post", "/verify", {"json": {"embeddings": [[1.0] * 16] * 65, "identity": "a"}}, 413, "batch of 65"),
+        (
+            "post",
+            "/verify",
+            {"json": {"embeddings": [[1.0] * 16] * 20000, "identity": "a"}},
+            413,
+            "body exceeds",
+        ),
+        ("post", "/verify", {"content": b"{not json"}, 422, "not valid JSON"),
+        ("post", "/verify", {"content": b"[1, 2]"}, 422, "JSON object"),
+        ("post", "/verify", {"content": b""}, 422, "empty"),
+        (
+            "post",
+            "/verify",
+            {"content": b"x", "headers": {"content-type": "text/plain"}},
+            415,
+            "content type",
+        ),
+        ("post", "/verify", {"files": _pickled_npz(), "data": {"identity": "a"}}, 422, "dtype object"),
+        ("post", "/verify", {"files": npz_file(y=np.ones(3)), "data": {"identity": "a"}}, 422, "array 'x'"),
+        (
+            "post",
+            "/verify",
+            {"files": png_file(np.zeros((16, 16), np.uint8)), "data": {"identity": "a"}},
+            422,
+            "8x8",
+        ),
+        ("post", "/verify", {"files": big_png, "data": {"identity": "a"}}, 413, "pixels"),
+        (
+            "post",
+            "/verify",
+            {"files": {"file": ("x.bin", b"\x00garbage")}, "data": {"identity": "a"}},
+            415,
+            "image",
+        ),
+        ("post", "/identify", {"json": {"inputs": img, "k": 0}}, 422, "k"),
+        ("post", "/identify", {"files": npz_file(x=samples[:2]), "data": {"k": "many"}}, 422, "integer"),
+        ("post", "/enroll", {"json": {"identity": "x" * 300, "inputs": img}}, 422, "256"),
+        ("post", "/enroll", {"json": {"identity": "a", "inputs": img, "metadata": [1]}}, 422, "metadata"),
+        (
+            "post",
+            "/enroll",
+            {"files": npz_file(x=samples[:2]), "data": {"identity": "a", "metadata": "{"}},
+            422,
+            "JSON",
+        ),
+        ("post", "/enroll", {"json": {"identities": ["a"], "inputs": img}}, 422, "must match"),
+        ("post", "/embed", {"json": {"embeddings": [[1.0] * 16]}}, 422, "embeddings"),
+        ("post", "/classify", {"json": {"embeddings": [[1.0] * 16], "index": "gallery"}}, 409, "empty"),
+        ("post", "/classify", {"json": {"embeddings": [[1.0] * 16], "index": "other"}}, 422, "index"),
+        ("delete", "/identities/nobody", {}, 404, "unknown identity"),
+    ]
+
+
+def test_every_bad_input_is_a_4xx_with_a_message(served, samples):
+    client, _ = served
+    for method, path, kwargs, status, match in _bad_requests(samples):
+        if "content" in kwargs:
+            kwargs = {"headers": {"content-type": "application/json"}, **kwargs}
+        r = getattr(client, method)(path, **kwargs)
+        assert r.status_code == status, (path, kwargs.get("json", kwargs.get("data")), r.text[:300])
+        assert re.search(match, r.json()["detail"]), (match, r.json()["detail"])
+    assert client.get("/health").json()["gallery"]["identities"] == 0
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.floats(allow_nan=False) | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    path=st.sampled_from(["/verify", "/identify", "/enroll", "/classify", "/embed"]),
+    body=st.one_of(
+        st.binary(max_size=200),
+        st.dictionaries(
+            st.sampled_from(["inputs", "embeddings", "identity", "identities", "k", "metadata", "index"]),
+            json_values,
+            max_size=4,
+        ).map(lambda d: json.dumps(d).encode()),
+    ),
+)
+def test_fuzzed_bodies_never_fail_the_server(onnx_bundle, tmp_path_factory, path, body):
+    app = _fuzz_app(onnx_bundle, tmp_path_factory)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code < 500, (path, body[:200], r.text[:300])
+
+
+_FUZZ: dict = {}
+
+
+def _fuzz_app(bundle, factory):
+    if "app" not in _FUZZ:
+        gallery = Gallery(factory.mktemp("fuzz") / "g.db", bundle, far=1e-2)
+        gallery.enroll("a", torch.ones(16))
+        _FUZZ["app"] = create_app(bundle, gallery, limits=LIMITS)
+    return _FUZZ["app"]
+
+
+def test_bearer_token(onnx_bundle, tmp_path):
+    app = create_app(
+        onnx_bundle, Gallery(tmp_path / "g.db", onnx_bundle, far=1e-2), token=TOKEN, limits=LIMITS
+    )
+    with TestClient(app) as client:
+        body = {"embeddings": [[1.0] * 16], "k": 1}
+        assert client.post("/identify", json=body).status_code == 401
+        r = client.post("/identify", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert client.get("/metrics").status_code == 401
+        assert (
+            client.post("/identify", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code
+            == 200
+        )
+        assert client.get("/health").status_code == 200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | None = None, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def test_a_real_uvicorn_process(onnx_bundle, samples, tmp_path):
+    port = free_port()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    cmd = [
+        sys.executable, "-m", "marginkit.cli", "serve", str(onnx_bundle.path),
+        "--gallery", str(tmp_path / "g.db"), "--port", str(port), "--far", "1e-2",
+        "--token-file", str(token_file), "--max-body-mb", "0.5",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.communicate()[1][-2000:]
+            try:
+                status, health = http("GET", f"{url}/health")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "server did not come up in 120 s"
+                time.sleep(0.25)
+        assert status == 200 and health["model"]["model_fingerprint"] == onnx_bundle.model_fingerprint
+        enroll = json.dumps({"identity": "alice", "inputs": samples[:2].tolist()}).encode()
+        assert http("POST", f"{url}/enroll", enroll)[0] == 401
+        status, body = http("POST", f"{url}/enroll", enroll, TOKEN)
+        assert status == 200 and body["enrolled"][0]["templates"] == 2
+        probe = json.dumps({"inputs": samples[:1].tolist(), "k": 1}).encode()
+        status, body = http("POST", f"{url}/identify", probe, TOKEN)
+        assert status == 200 and body["results"][0]["identity"] == "alice"
+        huge = json.dumps({"embeddings": [[1.0] * 16] * 40000, "identity": "alice"}).encode()
+        status, body = http("POST", f"{url}/verify", huge, TOKEN)
+        assert status == 413 and "exceeds" in body["detail"]
+        assert http("GET", f"{url}/metrics", token=TOKEN)[1]["requests"]["POST /identify"]["count"] == 1
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            server.kill()
+            server.wait(timeout=30)
+    with Gallery(tmp_path / "g.db", onnx_bundle, far=1e-2) as g:  # the enrollment persisted
+        assert g.identities() == ["alice"]
+
+
+def test_cli_serve_refuses_bad_setups(onnx_bundle, tmp_path, capsys):
+    gallery = str(tmp_path / "g.db")
+    assert main(["serve", str(tmp_path / "nope"), "--gallery", gallery]) == 2
+    assert "no bundle directory" in capsys.readouterr().err
+    assert main(["serve", str(onnx_bundle.path), "--gallery", gallery, "--far", "1e-4"]) == 2
+    assert "no threshold at FAR 0.0001" in capsys.readouterr().err
+    (tmp_path / "short").write_text("abc")
+    assert (
+        main(["serve", str(onnx_bundle.path), "--gallery", gallery, "--token-file", str(tmp_path / "short")])
+        == 2
+    )
+    assert "at least 16" in capsys.readouterr().err
+    other = Gallery(tmp_path / "other.db", model_fingerprint="sha256:" + "0" * 64, embedding_dim=16)
+    other.close()
+    assert (
+        main(["serve", str(onnx_bundle.path), "--gallery", str(tmp_path / "other.db"), "--far", "1e-2"]) == 2
+    )
+    assert "another space" in capsys.readouterr().err
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.slow
+def test_readme_deploy_commands_run_as_written(tmp_path):
+    """The README's train -> export -> serve block, run by bash in a scratch directory."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"<!-- deploy -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "README has no deploy block"
+    script = block.group(1)
+    assert script.count("marginkit ") == 3 and script.count("curl ") == 2
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    assert [r["identity"] for r in results] == ["alice"] * len(results)
