@@ -505,7 +505,8 @@ def test_folder_decompression_bombs_are_refused_before_decoding(tmp_path, rng, m
     bomb.unlink()
     monkeypatch.delenv(INPUT_LIMIT_ENV)
     # A bomb-sized image_size: 15 images of 100000 x 100000 are refused before any is resized.
-    with pytest.raises(ValueError, match=r"15 images of 1x100000x100000 \(image_size=100000\) needs .* input memory limit"):
+    bomb_size = r"15 images of 1x100000x100000 \(image_size=100000\) needs .* input memory limit"
+    with pytest.raises(ValueError, match=bomb_size):
         load_dataset(f"folder:{tmp_path / 'b'}", image_size=100_000)
 
 
