@@ -64,11 +64,11 @@ class InputBudget:
 def read_npz_arrays(path: str | os.PathLike[str], budget: InputBudget | None = None) -> dict[str, np.ndarray]:
     """All arrays of the ``.npz`` at ``path``, within what is left of ``budget``.
 
-    The archive is read by :func:`marginkit.export.read_npz` (every member's ``.npy`` header
+    The archive is read by :func:`marginkit._npz.read_npz` (every member's ``.npy`` header
     checked against the budget before its data is read, no pickle, no object or structured
     dtypes), with the budget (a fresh one for ``path`` by default) as its bound.
     """
-    from marginkit.export.npz import NpzError, read_npz
+    from marginkit._npz import NpzError, read_npz
 
     path = Path(path)
     if not path.is_file():
