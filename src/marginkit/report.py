@@ -299,12 +299,30 @@ def _roc(far: np.ndarray, tar: np.ndarray) -> str:
     return figure_png(fig)
 
 
-#: Tick rates of DET axes (labelled in per cent, as in speaker-recognition papers).
-_DET_TICKS = (1e-5, 1e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
+#: Tick rates of DET axes (labelled in per cent, as in speaker-recognition papers), by priority:
+#: a tick of a later level is drawn only where it does not crowd those already placed.
+_DET_TICKS = (
+    (1e-5, 1e-4, 1e-3, 0.01, 0.1, 0.4),
+    (0.05, 0.2, 0.8),
+    (5e-3, 0.02, 0.6, 0.9),
+    (2e-3, 0.95, 0.99),
+)
 
 
 def _percent(p: float) -> str:
     return f"{100 * p:.3g}"
+
+
+def _det_ticks(lo: float, hi: float) -> list[float]:
+    """The DET ticks within ``[lo, hi]``, at least a tenth of the axis apart (normal deviates)."""
+    z_lo, z_hi = (float(v) for v in _probit(np.array([lo, hi])))
+    gap = (z_hi - z_lo) / 10
+    kept: dict[float, float] = {}  # tick -> its deviate
+    for level in _DET_TICKS:
+        for t, z in zip(level, _probit(np.array(level)).tolist(), strict=True):
+            if z_lo - 1e-9 <= z <= z_hi + 1e-9 and all(abs(z - k) >= gap for k in kept.values()):
+                kept[t] = z
+    return sorted(kept)
 
 
 def det_figure(
@@ -314,38 +332,43 @@ def det_figure(
     ylabel: str = "miss rate (%)",
     title: str = "DET",
 ) -> Any:
-    """DET curves ``(label, p_fa, p_miss)`` on normal-deviate axes with ticks in %, one square
-    axes for all, the dashed diagonal marking the equal-error points.
+    """DET curves ``(label, p_fa, p_miss)`` on normal-deviate axes with ticks in %, the dashed
+    diagonal marking the equal-error points.
 
-    Rates of 0 or 1 (infinite deviates) are left out; the axes span the smallest non-zero rate
-    drawn to at least 40 % (more for curves whose equal-error rate is high)."""
+    Both rates are drawn up to ``hi`` = 40 % (more for curves whose equal-error rate is high),
+    each axis down to the smallest non-zero rate the curves reach inside that box; rates of 0
+    or 1 (infinite deviates) are left out."""
     fig = _new_figure(4.6, 4.2)
     ax = fig.subplots()
-    lo, eer = 0.5, 0.0
+    drawn = []
     for label, p_fa, p_miss in curves:
         p_fa, p_miss = np.asarray(p_fa, np.float64), np.asarray(p_miss, np.float64)
         ok = (p_fa > 0) & (p_fa < 1) & (p_miss > 0) & (p_miss < 1)
-        if not ok.any():
-            continue
-        ax.plot(_probit(p_fa[ok]), _probit(p_miss[ok]), lw=1.5, label=label)
-        lo = min(lo, float(p_fa[ok].min()), float(p_miss[ok].min()))
-        i = int(np.argmin(np.abs(p_fa - p_miss)))
-        eer = max(eer, float(p_fa[i] + p_miss[i]) / 2)
-    lo = max(lo, 1e-5)
+        if ok.any():
+            drawn.append((label, p_fa[ok], p_miss[ok]))
+    eer = 0.0  # the largest (approximate) equal-error rate drawn
+    for _, a, b in drawn:
+        i = int(np.argmin(np.abs(a - b)))
+        eer = max(eer, float(a[i] + b[i]) / 2)
     hi = min(0.99, max(0.4, 2.5 * eer))
-    ticks = [t for t in _DET_TICKS if lo / 1.5 <= t <= hi * 1.01]
-    span = (float(_probit(np.array([lo]))[0]) - 0.15, float(_probit(np.array([hi]))[0]) + 0.1)
-    ax.plot(span, span, color="0.6", lw=0.8, ls="--", label="_EER line")
-    ax.set_xticks(_probit(np.array(ticks)), [_percent(t) for t in ticks], fontsize=7)
-    ax.set_yticks(_probit(np.array(ticks)), [_percent(t) for t in ticks], fontsize=7)
-    ax.set_xlim(*span)
-    ax.set_ylim(*span)
-    ax.set_aspect("equal")
+    lo_x = min((float(a[b <= hi].min()) for _, a, b in drawn if (b <= hi).any()), default=1e-3)
+    lo_y = min((float(b[a <= hi].min()) for _, a, b in drawn if (a <= hi).any()), default=1e-3)
+    lo_x, lo_y = max(lo_x, 1e-6), max(lo_y, 1e-6)
+    for label, p_fa, p_miss in drawn:
+        ax.plot(_probit(p_fa), _probit(p_miss), lw=1.5, label=label)
+    (zx, zy, zh) = (float(v) for v in _probit(np.array([lo_x, lo_y, hi])))
+    ax.set_xlim(zx - 0.1, zh + 0.05)
+    ax.set_ylim(zy - 0.1, zh + 0.05)
+    both = (min(zx, zy) - 0.1, zh + 0.05)
+    ax.plot(both, both, color="0.6", lw=0.8, ls="--", label="_EER line")
+    for lo, set_ticks in ((lo_x, ax.set_xticks), (lo_y, ax.set_yticks)):
+        ticks = _det_ticks(lo, hi)
+        set_ticks(_probit(np.array(ticks)), [_percent(t) for t in ticks], fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
+    if any(label for label, _, _ in drawn):
         ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return fig

@@ -108,6 +108,7 @@ def format_metrics(metrics: dict[str, Any]) -> str:
 
 def _verification_rows(ver: dict[str, Any], title: str = "verification") -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
+    pre = "" if title == "verification" else f"{title} "  # the other sections' rows say which they are
     norm = ver.get("normalization")
     if isinstance(norm, dict):
         rows.append((f"{title}: score norm", f"{norm.get('method')} against {norm.get('cohort')} training "
@@ -116,23 +117,23 @@ def _verification_rows(ver: dict[str, Any], title: str = "verification") -> list
         rows.append((f"{title} EER", f"{ver['eer']:.4f}"))
     tars, thresholds = ver.get("tar_at_far") or {}, ver.get("thresholds") or {}
     for far, tar in tars.items():
-        label = f"TAR @ FAR {float(far):.0e}"
+        label = f"{pre}TAR @ FAR {float(far):.0e}"
         if tar is None:
             rows.append((label, f"not measurable with {ver.get('num_impostor')} impostor pairs"))
         else:
             rows.append((label, f"{tar:.4f} (threshold {thresholds.get(far, float('nan')):.4f})"))
     if isinstance(ver.get("auc"), (int, float)):
-        rows.append(("ROC AUC", f"{ver['auc']:.4f}"))
+        rows.append((f"{pre}ROC AUC", f"{ver['auc']:.4f}"))
     if isinstance(ver.get("min_dcf"), (int, float)):
         p = (ver.get("dcf_params") or {}).get("p_target")
-        rows.append((f"minDCF (p_target {p})", f"{ver['min_dcf']:.4f}"))
+        rows.append((f"{pre}minDCF (p_target {p})", f"{ver['min_dcf']:.4f}"))
     for key, label in (("cllr", "Cllr (calibrated on validation)"), ("min_cllr", "min Cllr"),
                        ("actual_dcf", "actual DCF")):  # fmt: skip
         if isinstance(ver.get(key), (int, float)):
-            rows.append((label, f"{ver[key]:.4f}"))
+            rows.append((pre + label, f"{ver[key]:.4f}"))
     skipped = (ver.get("calibration") or {}).get("skipped")
     if skipped:
-        rows.append(("Cllr, actual DCF", f"not computed: {skipped}"))
+        rows.append((f"{pre}Cllr, actual DCF", f"not computed: {skipped}"))
     if "num_genuine" in ver:
         what = "test template pairs" if "num_templates" in ver else "test pairs"
         rows.append((what, f"{ver['num_genuine']} genuine / {ver.get('num_impostor')} impostor"))
