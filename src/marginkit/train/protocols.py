@@ -133,7 +133,7 @@ def check_protocol_data(options: ProtocolOptions, splits: Any) -> None:
     if options.norm is not None:
         if not splits.open_set:
             raise ValueError(
-                f"--norm needs open-set data (training identities disjoint from the test's): in {name} "
+                f"--norm needs open-set data (training identities disjoint from the test's): in {name}, "
                 "the test classes are training classes, so a training cohort holds the test identities"
             )
         assert options.cohort is not None
