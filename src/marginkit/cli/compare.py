@@ -148,8 +148,9 @@ def _row_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         v = metrics.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             row[key] = float(v)
-    if isinstance(metrics.get("verification"), dict):
-        _flat_numbers("ver", metrics["verification"], row)
+    if isinstance(metrics.get("verification"), dict):  # every number, as before `--protocol`
+        ver = {k: v for k, v in metrics["verification"].items() if k != "calibration"}
+        _flat_numbers("ver", ver, row)
     for key, prefix in PROTOCOL_COLUMNS.items():  # `--protocol`: the scores only, not the bookkeeping
         block = metrics.get(key)
         if isinstance(block, dict) and key != "verification":
