@@ -10,6 +10,9 @@ __getattr__, __dir__, __all__ = attach(
         "margin_gap": "projection",
         "alpha_softargmax": "alpha",
         "alpha_divergence_loss": "alpha",
+        "qmargin_loss": "alpha",
         "circle_loss": "circle",
+        "class_block": "classes",
+        "class_cross_entropy": "softmax",
     },
 )
