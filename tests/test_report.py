@@ -79,6 +79,18 @@ def fake_run(run_dir: Path, *, open_set: bool, alpha: bool, gen: torch.Generator
     return run_dir
 
 
+def fake_runs(
+    root: Path, losses: tuple[str, ...], *, open_set: bool, gen: torch.Generator
+) -> dict[str, list[Path]]:
+    """One fake first-seed run per loss under ``root/runs``, as a comparison lays them out."""
+    runs = {}
+    for loss in losses:
+        d = root / "runs" / loss / "seed0"
+        d.parent.mkdir(parents=True)
+        runs[loss] = [fake_run(d, open_set=open_set, alpha=False, gen=gen)]
+    return runs
+
+
 def test_closed_set_run_report(tmp_path, gen):
     run = fake_run(tmp_path / "r", open_set=False, alpha=True, gen=gen)
     path = write_run_report(run)
@@ -131,11 +143,8 @@ def test_det_axes_are_normal_deviates_labelled_in_percent():
 
 
 def test_run_report_draws_cmc_and_open_set_det_and_compare_overlays_them(tmp_path, gen):
-    runs = {}
-    for loss in ("softmax", "circle"):
-        d = tmp_path / "runs" / loss / "seed0"
-        d.parent.mkdir(parents=True)
-        fake_run(d, open_set=True, alpha=False, gen=gen)
+    runs = fake_runs(tmp_path, ("softmax", "circle"), open_set=True, gen=gen)
+    for (d,) in runs.values():
         with np.load(d / "eval.npz") as z:
             arrays = dict(z)
         arrays["cmc_rank"], arrays["cmc_rate"] = np.arange(1, 11), np.linspace(0.5, 1.0, 10)
@@ -144,7 +153,6 @@ def test_run_report_draws_cmc_and_open_set_det_and_compare_overlays_them(tmp_pat
         np.savez(d / "eval.npz", **arrays)
         text = write_run_report(d).read_text()
         assert "CMC of the open-set search" in text and "Open-set identification" in text
-        runs[loss] = [d]
     summary = [{"loss": "softmax", "ver_eer": 0.2}, {"loss": "circle", "ver_eer": 0.1}]
     text = write_compare_report(tmp_path, summary, runs).read_text()
     assert_self_contained(text)
@@ -152,13 +160,9 @@ def test_run_report_draws_cmc_and_open_set_det_and_compare_overlays_them(tmp_pat
 
 
 def test_compare_report(tmp_path, gen):
-    runs = {}
-    for loss in ("softmax", "triplet"):
-        d = tmp_path / "runs" / loss / "seed0"
-        d.parent.mkdir(parents=True)
-        fake_run(d, open_set=False, alpha=False, gen=gen)
+    runs = fake_runs(tmp_path, ("softmax", "triplet"), open_set=False, gen=gen)
+    for (d,) in runs.values():
         write_run_report(d)
-        runs[loss] = [d]
     summary = [
         {
             "loss": "softmax",
