@@ -11,5 +11,9 @@ __getattr__, __dir__, __all__ = attach(
         "alpha_softargmax": "alpha",
         "alpha_divergence_loss": "alpha",
         "circle_loss": "circle",
+        "multi_similarity_loss": "contrastive",
+        "supcon_loss": "contrastive",
+        "ntxent_loss": "contrastive",
+        "contrastive_loss": "contrastive",
     },
 )

@@ -1,0 +1,123 @@
+"""Contrastive loss (Hadsell, Chopra, LeCun, CVPR 2006) on in-batch pairs.
+
+The maths lives in :func:`marginkit.ops.contrastive_loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from marginkit._validation import REDUCTIONS, choice, reduce
+from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
+from marginkit.ops.contrastive import _contrastive, _finite
+from marginkit.ops.pairs import DISTANCES, PairIndices, empty_reference_loss
+
+__all__ = ["ContrastiveLoss"]
+
+AVERAGES = ("active", "valid")
+
+
+class ContrastiveLoss(PairMatrixLoss):
+    """Contrastive loss on the pairs of a batch, positives pulled in and negatives pushed out.
+
+    With distances ``d`` between (by default L2-normalised) embeddings:
+
+    .. math::
+
+        L = \\underset{(i,j)\\in P}{\\operatorname{mean}}\\,[d_{ij} - m_+]_+
+          + \\underset{(i,j)\\in N}{\\operatorname{mean}}\\,[m_- - d_{ij}]_+
+
+    (Hadsell, Chopra, LeCun, CVPR 2006, with a positive margin ``m_+``; their ``½ d²`` form
+    is ``distance="squared_l2"`` up to the factor). Each mean runs over the pairs with a
+    non-zero loss by default (``average="active"``, pytorch-metric-learning's
+    ``ContrastiveLoss`` with its ``AvgNonZeroReducer``), or over all its pairs
+    (``average="valid"``). ``"sum"``: the sum over all pairs; ``"none"``: per anchor, the
+    sum over its pairs.
+
+    Args:
+        pos_margin: ``m_+`` (PML: 0).
+        neg_margin: ``m_-`` (PML: 1; in the units of ``distance``).
+        distance: ``"l2"`` (default, as PML's ``LpDistance``) | ``"squared_l2"`` | ``"cosine"``
+            (``1 − cos``).
+        normalize: L2-normalise the embeddings first (as PML's default distance).
+        average: ``"active"`` | ``"valid"``, as above.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        validate: NaN/inf check and once-per-instance warnings in one host sync per forward.
+
+    Attributes (tensors set by forward, no host sync):
+        last_active_fraction: pairs with a non-zero loss / all pairs.
+
+    Shape:
+        embeddings ``[B, D]``, labels ``[B]``; optional ``ref_embeddings [R, D]``,
+        ``ref_labels [R]`` (a memory bank); ``indices``: mined pairs ``(a1, p, a2, n)`` or
+        triplets ``(a, p, n)``, counted with multiplicity (as in PML). Output: scalar or
+        ``[B]``, float32 (float64 for float64 embeddings).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.losses import ContrastiveLoss
+        >>> emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        >>> ContrastiveLoss(neg_margin=1.0)(emb, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])).shape
+        torch.Size([])
+    """
+
+    multiplicities = True
+
+    def __init__(
+        self,
+        pos_margin: float = 0.0,
+        neg_margin: float = 1.0,
+        distance: str = "l2",
+        *,
+        normalize: bool = True,
+        average: str = "active",
+        reduction: str = "mean",
+        validate: bool = True,
+    ) -> None:
+        super().__init__()
+        self.pos_margin = _finite(pos_margin, "pos_margin")
+        self.neg_margin = _finite(neg_margin, "neg_margin")
+        self.distance = choice(distance, "distance", DISTANCES)
+        self.normalize = bool(normalize)
+        self.average = choice(average, "average", AVERAGES)
+        self.reduction = choice(reduction, "reduction", REDUCTIONS)
+        self.validate = bool(validate)
+        self.last_active_fraction = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"pos_margin={self.pos_margin}, neg_margin={self.neg_margin}, distance={self.distance!r}, "
+            f"normalize={self.normalize}, average={self.average!r}, reduction={self.reduction!r}"
+        )
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ref_embeddings: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+        indices: PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        pos_margin = _finite(self.pos_margin, "pos_margin")
+        neg_margin = _finite(self.neg_margin, "neg_margin")
+        pm = self._pair_matrix(
+            embeddings, labels, ref_embeddings, ref_labels, indices,
+            distance=self.distance, normalize=self.normalize,
+        )  # fmt: skip
+        if not isinstance(pm, PairMatrix):
+            return empty_reference_loss(self, pm, self.reduction)
+        per_pair = _contrastive(pm.matrix, pm.pos, pm.neg, pos_margin, neg_margin)
+        active = per_pair.detach() > 0
+        total = per_pair.new_zeros(())
+        n_active = n_valid = 0
+        for mask in (pm.pos, pm.neg):
+            weight = mask.to(per_pair.dtype)
+            denom = weight * active if self.average == "active" else weight
+            total = total + (per_pair * weight).sum() / denom.sum().clamp_min(1)
+            n_active = n_active + (weight * active).sum()
+            n_valid = n_valid + weight.sum()
+        self.last_active_fraction = (n_active / n_valid.clamp_min(1)).detach()
+        if self.reduction == "mean":
+            return total
+        weight = pm.pos.to(per_pair.dtype) + pm.neg.to(per_pair.dtype)
+        return reduce((per_pair * weight).sum(1), self.reduction)

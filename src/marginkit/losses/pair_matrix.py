@@ -1,0 +1,112 @@
+"""Shared forward skeleton of the losses on a ``[B, R]`` pair matrix (not re-exported).
+
+Multi-similarity, SupCon, NT-Xent and contrastive losses all build one matrix between the
+batch and its references (the batch itself, or a memory bank via ``ref_embeddings``) and
+two masks — positives and negatives — from the labels or from mined ``indices``. This base
+does the checks, the masks and the forward's single host synchronisation; the subclasses
+only apply their op from :mod:`marginkit.ops.contrastive` and reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marginkit.losses.triplet import _sq_dist
+from marginkit.ops.pairs import (
+    PairBatch,
+    check_pair_indices,
+    collapsed_flag,
+    cosine_similarity_matrix,
+    distance_matrix,
+    label_masks,
+    max_sq_norm,
+    nonfinite_flag,
+    pair_masks_from_indices,
+    prepare_pairs,
+    read_flags,
+    report_checks,
+)
+
+
+class PairMatrix(NamedTuple):
+    batch: PairBatch
+    matrix: torch.Tensor  # [B, R] cosine similarities or distances
+    pos: torch.Tensor  # [B, R] bool, or int64 multiplicities of mined pairs
+    neg: torch.Tensor
+
+
+class PairMatrixLoss(nn.Module):
+    """Base of the pair-matrix losses: inputs, masks, checks (one host sync), statistics."""
+
+    validate: bool
+    reduction: str
+    last_active_fraction: torch.Tensor | None
+    #: whether mined pairs listed twice count twice (pair-based losses) or once (set-based)
+    multiplicities: bool = False
+
+    def _pair_matrix(
+        self,
+        embeddings: Any,
+        labels: Any,
+        ref_embeddings: Any,
+        ref_labels: Any,
+        indices: Any,
+        *,
+        distance: str | None = None,
+        normalize: bool = True,
+    ) -> PairMatrix | PairBatch:
+        """The matrix and masks, or the bare batch when the reference set is empty.
+
+        ``distance=None`` gives cosine similarities; otherwise a distance of
+        :data:`marginkit.ops.pairs.DISTANCES` on (optionally) L2-normalised embeddings.
+        """
+        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
+        flags: list[torch.Tensor] = []
+        if indices is not None:
+            idx, out_of_range = check_pair_indices(
+                indices, batch.x.shape[0], batch.y.shape[0], batch.x.device
+            )
+            flags.append(out_of_range)
+        if batch.y.shape[0] == 0:
+            return batch
+        x, y = batch.x, batch.y
+        if distance is None:
+            matrix = cosine_similarity_matrix(x, y)
+            sq_dist = 2.0 - 2.0 * matrix.detach()
+            scale: torch.Tensor | float = 1.0
+        else:
+            if normalize:
+                x = F.normalize(x, dim=-1)
+                y = x if batch.self_ref else F.normalize(y, dim=-1)
+            matrix = distance_matrix(x, y, distance)
+            sq_dist = _sq_dist(matrix.detach(), distance)
+            scale = 1.0 if (normalize or distance == "cosine") else max_sq_norm(x, y)
+        if indices is None:
+            pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
+        else:
+            shape = (matrix.shape[0], matrix.shape[1])
+            pos, neg = pair_masks_from_indices(idx, shape, counts=self.multiplicities, clamp=self.validate)
+        if self.validate:
+            if indices is not None:
+                flags.append(((pos != 0) & (neg != 0)).any())
+            nonfinite, collapsed, *rest = read_flags(
+                nonfinite_flag(batch.x, batch.y),
+                collapsed_flag(sq_dist, scale, batch.self_ref),
+                *([~pos.any()] if indices is None else flags),
+            )
+            if indices is not None:
+                if rest[0]:
+                    raise ValueError(
+                        f"indices out of range: anchors must lie in [0, {x.shape[0]}) and "
+                        f"positives/negatives in [0, {y.shape[0]})"
+                    )
+                if rest[1]:
+                    raise ValueError("indices list a pair both as a positive and as a negative pair")
+            report_checks(
+                self, type(self).__name__, nonfinite, rest[0] if indices is None else None, collapsed
+            )
+        return PairMatrix(batch, matrix, pos, neg)

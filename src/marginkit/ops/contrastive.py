@@ -1,0 +1,277 @@
+"""Contrastive-family pair losses on a similarity (or distance) matrix, one row per anchor.
+
+Each op takes a ``[..., R]`` matrix between anchors and their references (the batch itself
+or a memory bank) and masks of the positive / negative references of each anchor. A mask is
+a bool tensor, or non-negative integer multiplicities (a mined pair listed twice counts
+twice, as pytorch-metric-learning's pair-based losses count it).
+
+- :func:`multi_similarity_loss` — Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with
+  General Pair Weighting for Deep Metric Learning", CVPR 2019, eq. 10.
+- :func:`supcon_loss` — Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020,
+  eq. 2 (``L^sup_out``).
+- :func:`ntxent_loss` — the NT-Xent / InfoNCE loss of Chen, Kornblith, Norouzi, Hinton,
+  "A Simple Framework for Contrastive Learning of Visual Representations" (SimCLR), ICML 2020,
+  eq. 1; van den Oord, Li, Vinyals, "Representation Learning with Contrastive Predictive
+  Coding", 2018.
+- :func:`contrastive_loss` — Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an
+  Invariant Mapping", CVPR 2006, with a positive margin as in pytorch-metric-learning.
+
+Every log-sum-exp runs over ``-inf``-masked rows; a row with no entry is filled with zeros
+before the reduction, so neither value nor gradient meets ``-inf - (-inf)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from marginkit._validation import cosine_tensor, float_tensor, positive_float
+
+__all__ = ["contrastive_loss", "multi_similarity_loss", "ntxent_loss", "supcon_loss"]
+
+
+def _keep(mask: torch.Tensor) -> torch.Tensor:
+    """Bool view of a mask given as bool or multiplicities."""
+    return mask if mask.dtype == torch.bool else mask > 0
+
+
+def masked_logsumexp(z: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log Σ_j w_j e^{z_j}`` over the last dimension and whether the row has any entry.
+
+    ``mask`` is bool (``w ∈ {0, 1}``) or multiplicities ``w >= 0``. Empty rows give ``-inf``
+    with a zero gradient (their entries are replaced by zeros before the reduction).
+    """
+    keep = _keep(mask).expand_as(z)
+    has = keep.any(-1)
+    if mask.dtype != torch.bool:
+        z = z + torch.where(keep, mask.to(z.dtype), 1.0).log()
+    lse = torch.logsumexp(z.masked_fill(~(keep | ~has[..., None]), -math.inf), dim=-1)
+    return torch.where(has, lse, -math.inf), has
+
+
+def _log1p_sum_exp(z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log(1 + Σ_j w_j e^{z_j})``, exactly 0 (with a zero gradient) for an empty row."""
+    lse, _ = masked_logsumexp(z, mask)
+    return torch.logaddexp(lse, torch.zeros_like(lse))
+
+
+def _multi_similarity(
+    sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, alpha: float, beta: float, base: float
+) -> torch.Tensor:
+    return (
+        _log1p_sum_exp(-alpha * (sim - base), pos) / alpha + _log1p_sum_exp(beta * (sim - base), neg) / beta
+    )
+
+
+def _supcon(sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-anchor SupCon loss (0 for anchors without a positive)."""
+    z = sim / temperature
+    keep_p = _keep(pos).expand_as(z)
+    lse, _ = masked_logsumexp(z, keep_p | _keep(neg).expand_as(z))
+    npos = keep_p.sum(-1)
+    mean_pos = z.masked_fill(~keep_p, 0.0).sum(-1) / npos.clamp_min(1)
+    return torch.where(npos > 0, lse - mean_pos, 0.0)
+
+
+def _ntxent(sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = sim / temperature
+    lse_neg, _ = masked_logsumexp(z, neg)
+    return torch.where(_keep(pos).expand_as(z), torch.logaddexp(z, lse_neg[..., None]) - z, 0.0)
+
+
+def _contrastive(
+    dist: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, pos_margin: float, neg_margin: float
+) -> torch.Tensor:
+    pos_loss = torch.where(_keep(pos).expand_as(dist), (dist - pos_margin).clamp_min(0.0), 0.0)
+    neg_loss = torch.where(_keep(neg).expand_as(dist), (neg_margin - dist).clamp_min(0.0), 0.0)
+    return pos_loss + neg_loss
+
+
+# ---------------------------------------------------------------------------- public ops
+
+
+def _check(matrix: Any, name: str, pos_mask: Any, neg_mask: Any, *, cosines: bool) -> torch.Tensor:
+    """Validate the matrix and both masks; return the matrix in float32 or better."""
+    if cosines:
+        cosine_tensor(matrix, name)
+    else:
+        float_tensor(matrix, name, min_dim=1, allow_empty=True)
+    for mask_name, mask in (("pos_mask", pos_mask), ("neg_mask", neg_mask)):
+        if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
+            raise TypeError(
+                f"{mask_name} must be a bool tensor or integer multiplicities, "
+                f"got {getattr(mask, 'dtype', type(mask).__name__)}"
+            )
+        try:
+            torch.broadcast_shapes(mask.shape, matrix.shape)
+        except RuntimeError as err:
+            raise ValueError(
+                f"{mask_name} of shape {tuple(mask.shape)} does not broadcast to {name} {tuple(matrix.shape)}"
+            ) from err
+        if mask.dtype != torch.bool and mask.numel() and bool((mask < 0).any()):
+            raise ValueError(f"{mask_name} multiplicities must be >= 0")
+    work = torch.float64 if matrix.dtype == torch.float64 else torch.float32
+    matrix = matrix.to(work)
+    return matrix.clamp(-1.0, 1.0) if cosines else matrix
+
+
+def multi_similarity_loss(
+    sim: torch.Tensor,
+    pos_mask: torch.Tensor,
+    neg_mask: torch.Tensor,
+    alpha: float = 2.0,
+    beta: float = 50.0,
+    base: float = 0.5,
+) -> torch.Tensor:
+    """Multi-similarity loss per anchor (Wang et al., CVPR 2019, eq. 10).
+
+    .. math::
+
+        L_i = \\frac{1}{\\alpha}\\log\\Big[1 + \\sum_{k\\in P_i} e^{-\\alpha(S_{ik}-\\lambda)}\\Big]
+            + \\frac{1}{\\beta}\\log\\Big[1 + \\sum_{k\\in N_i} e^{\\beta(S_{ik}-\\lambda)}\\Big]
+
+    with ``λ = base``. An anchor without positives (negatives) gets 0 from that term.
+
+    Args:
+        sim: ``[..., R]`` cosine similarities between each anchor and its references.
+        pos_mask, neg_mask: bool masks broadcastable to ``sim`` (``P_i``, ``N_i``); integer
+            multiplicities are accepted and only their support counts (sets, not multisets).
+        alpha, beta: ``> 0``, the positive and negative scales.
+        base: the similarity offset ``λ``.
+
+    Returns:
+        ``[...]`` one loss per anchor, float32 (float64 for float64 input).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.ops import multi_similarity_loss
+        >>> sim = torch.tensor([[0.9, 0.2, -0.1]])
+        >>> pos, neg = torch.tensor([[True, False, False]]), torch.tensor([[False, True, True]])
+        >>> multi_similarity_loss(sim, pos, neg).shape
+        torch.Size([1])
+    """
+    alpha = positive_float(alpha, "alpha")
+    beta = positive_float(beta, "beta")
+    base = _finite(base, "base")
+    sim = _check(sim, "sim", pos_mask, neg_mask, cosines=True)
+    return _multi_similarity(sim, _keep(pos_mask), _keep(neg_mask), alpha, beta, base)
+
+
+def supcon_loss(
+    sim: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, temperature: float = 0.1
+) -> torch.Tensor:
+    """Supervised contrastive loss per anchor (Khosla et al., NeurIPS 2020, eq. 2, ``L^sup_out``).
+
+    .. math::
+
+        L_i = -\\frac{1}{|P_i|}\\sum_{p\\in P_i}
+              \\log\\frac{e^{s_{ip}/\\tau}}{\\sum_{a\\in P_i\\cup N_i} e^{s_{ia}/\\tau}}
+
+    The denominator runs over every candidate of the anchor (its positives and negatives;
+    the anchor itself is not a candidate). Anchors without a positive get 0.
+
+    Args:
+        sim: ``[..., R]`` cosine similarities.
+        pos_mask, neg_mask: bool masks broadcastable to ``sim`` (integer multiplicities:
+            only their support counts).
+        temperature: ``τ > 0``.
+
+    Returns:
+        ``[...]`` one loss per anchor, float32 (float64 for float64 input).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.ops import supcon_loss
+        >>> sim = torch.tensor([[0.9, 0.7, -0.1]])
+        >>> pos, neg = torch.tensor([[True, True, False]]), torch.tensor([[False, False, True]])
+        >>> supcon_loss(sim, pos, neg, temperature=0.5).shape
+        torch.Size([1])
+    """
+    temperature = positive_float(temperature, "temperature")
+    sim = _check(sim, "sim", pos_mask, neg_mask, cosines=True)
+    return _supcon(sim, _keep(pos_mask), _keep(neg_mask), temperature)
+
+
+def ntxent_loss(
+    sim: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, temperature: float = 0.07
+) -> torch.Tensor:
+    """NT-Xent (InfoNCE) loss per positive pair (SimCLR, Chen et al., ICML 2020, eq. 1).
+
+    .. math::
+
+        \\ell_{ip} = -\\log\\frac{e^{s_{ip}/\\tau}}
+                     {e^{s_{ip}/\\tau} + \\sum_{n\\in N_i} w_{in} e^{s_{in}/\\tau}}
+
+    for every positive pair ``(i, p)``: each positive is contrasted with the anchor's
+    negatives only (other positives are not in its denominator). With one positive per
+    anchor this is SupCon, and cross-entropy with the positive as the target.
+
+    Args:
+        sim: ``[..., R]`` cosine similarities.
+        pos_mask: bool mask (or multiplicities) of the positive pairs, broadcastable to ``sim``.
+        neg_mask: bool mask or integer multiplicities ``w_in`` of the negative pairs.
+        temperature: ``τ > 0``.
+
+    Returns:
+        ``[..., R]`` the loss of each positive pair, 0 elsewhere (float32, or float64 for
+        float64 input). Average it with the positive multiplicities as weights.
+
+    Example:
+        >>> import torch
+        >>> from marginkit.ops import ntxent_loss
+        >>> sim = torch.tensor([[0.9, 0.2, -0.1]])
+        >>> pos, neg = torch.tensor([[True, False, False]]), torch.tensor([[False, True, True]])
+        >>> ntxent_loss(sim, pos, neg, temperature=0.5).shape
+        torch.Size([1, 3])
+    """
+    temperature = positive_float(temperature, "temperature")
+    sim = _check(sim, "sim", pos_mask, neg_mask, cosines=True)
+    return _ntxent(sim, pos_mask, neg_mask, temperature)
+
+
+def contrastive_loss(
+    dist: torch.Tensor,
+    pos_mask: torch.Tensor,
+    neg_mask: torch.Tensor,
+    pos_margin: float = 0.0,
+    neg_margin: float = 1.0,
+) -> torch.Tensor:
+    """Contrastive loss per pair (Hadsell, Chopra, LeCun, CVPR 2006, with a positive margin).
+
+    .. math::
+
+        \\ell_{ij} = [d_{ij} - m_+]_+ \\ \\text{(positive pairs)}, \\qquad
+        \\ell_{ij} = [m_- - d_{ij}]_+ \\ \\text{(negative pairs)}
+
+    Args:
+        dist: ``[..., R]`` distances (any non-negative dissimilarity).
+        pos_mask, neg_mask: bool masks broadcastable to ``dist``.
+        pos_margin: ``m_+``: positive pairs closer than it cost nothing.
+        neg_margin: ``m_-``: negative pairs farther than it cost nothing.
+
+    Returns:
+        ``[..., R]`` per-pair losses, 0 for pairs in neither mask (float32 or float64).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.ops import contrastive_loss
+        >>> d = torch.tensor([[0.3, 0.5, 1.4]])
+        >>> pos, neg = torch.tensor([[True, False, False]]), torch.tensor([[False, True, True]])
+        >>> contrastive_loss(d, pos, neg, 0.0, 1.0)
+        tensor([[0.3000, 0.5000, 0.0000]])
+    """
+    pos_margin = _finite(pos_margin, "pos_margin")
+    neg_margin = _finite(neg_margin, "neg_margin")
+    dist = _check(dist, "dist", pos_mask, neg_mask, cosines=False)
+    return _contrastive(dist, pos_mask, neg_mask, pos_margin, neg_margin)
+
+
+def _finite(value: Any, name: str) -> float:
+    """A finite real number (any sign)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
