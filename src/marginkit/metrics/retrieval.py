@@ -90,21 +90,21 @@ def _per_query_terms(
     ``rel [c, depth]``: relevance of each rank (excluded references already removed);
     ``r [c]``: the number of relevant references of each query (``>= 1``).
     """
-    depth = rel.shape[1]
-    ranks = torch.arange(1, depth + 1, device=rel.device, dtype=torch.float64)
+    width = min(rel.shape[1], max(int(r.max()), cut if "mean_average_precision" in wanted else 0))
+    ranks = torch.arange(1, rel.shape[1] + 1, device=rel.device, dtype=torch.float64)
+    precision_at_i = rel[:, :width].cumsum(dim=1, dtype=torch.float64) / ranks[:width]  # P(i)
     r = r.to(torch.float64)
-    hits = rel.cumsum(dim=1, dtype=torch.float64)
-    precision_at_i = hits / ranks  # P(i)
     cols: list[torch.Tensor] = []
     for name in wanted:
         if name == "precision_at_1":
             cols.append(rel[:, 0].to(torch.float64))
-        elif name == "r_precision":
-            within_r = ranks[None, :] <= r[:, None]
-            cols.append((rel & within_r).sum(dim=1) / r)
-        elif name == "map_at_r":
-            within_r = ranks[None, :] <= r[:, None]
-            cols.append((precision_at_i * (rel & within_r)).sum(dim=1) / r)
+        elif name in ("r_precision", "map_at_r"):
+            top = int(r.max())
+            rel_r = rel[:, :top] & (ranks[None, :top] <= r[:, None])
+            if name == "r_precision":
+                cols.append(rel_r.sum(dim=1) / r)
+            else:
+                cols.append((precision_at_i[:, :top] * rel_r).sum(dim=1) / r)
         elif name == "mean_average_precision":
             cols.append((precision_at_i[:, :cut] * rel[:, :cut]).sum(dim=1) / r)
         elif name == "mrr":
@@ -323,27 +323,30 @@ def _ranking(
     # the search skips the query itself (self_offset) or fetches the excluded ids as extra rows
     depth = min(n_ref, need + (most_excluded if ids is not None else 0))
     cut = depth if cut_k is None else cut_k
+    # a full ranking is one stable sort; without the query itself that would be a top-(N-1)
+    # (topk + re-sorts), so fetch all N and drop the query, ranked last at -inf
+    fetch = n_ref if (self_offset is not None and depth == n_ref - 1) else depth
 
     dtype = torch.promote_types(compute_dtype(query.dtype), compute_dtype(reference.dtype))
     refs = prepare(reference, metric, "reference", dtype)
     ref_bias = neg_sqnorms(refs) if metric == "l2" else None
     # query chunks: half of the budget for the search, half for the [chunk, depth] metric terms
-    rows = max(1, min(query.shape[0], (limit // 2) // (depth * _METRIC_BYTES_PER_CELL)))
-    plan = plan_chunks(rows, refs.shape[0], refs.shape[1], depth, refs.element_size(), limit // 2)
+    rows = max(1, min(query.shape[0], (limit // 2) // (fetch * _METRIC_BYTES_PER_CELL)))
+    plan = plan_chunks(rows, refs.shape[0], refs.shape[1], fetch, refs.element_size(), limit // 2)
     terms: list[torch.Tensor] = []
     for s in range(0, query.shape[0], rows):
         valid = valid_all[s : s + rows]
         _, idx, _ = topk_keys(
             query[s : s + rows],
             refs,
-            depth,
+            fetch,
             metric=metric,
             memory_limit_bytes=limit // 2,
             ref_neg_sqnorms=ref_bias,
             self_offset=None if self_offset is None else s,
             plan=plan,
         )
-        idx = idx[valid]
+        idx = idx[valid, :depth]
         rel = ref_labels[idx] == q_labels_all[s : s + rows][valid, None]
         if ids is not None:
             # move the query's own ids behind every other reference (stable: ranks kept)
