@@ -23,6 +23,7 @@ from pytorch_metric_learning import miners as pml_miners
 from pytorch_metric_learning import reducers as pml_reducers
 
 import marginkit.losses.triplet as triplet_module
+import marginkit.ops.contrastive as contrastive_module
 from marginkit.losses import (
     ContrastiveLoss,
     MultiSimilarityLoss,
@@ -402,6 +403,29 @@ def test_contrastive_valid_average_equals_loop(gen):
     torch.testing.assert_close(ContrastiveLoss(0.2, 0.9, average="valid")(emb, labels), expected, **TOL)
 
 
+@pytest.mark.parametrize("sqrt", [False, True])
+@pytest.mark.parametrize("counts", [False, True])
+def test_contrastive_hinges_gradcheck(gen, sqrt, counts):
+    d = (torch.rand(2, 5, 7, generator=gen, dtype=torch.float64) * 1.6 + 0.05).requires_grad_(True)
+    pos = torch.rand(2, 5, 7, generator=gen) < 0.3
+    neg = ~pos & (torch.rand(2, 5, 7, generator=gen) < 0.8)
+    if counts:
+        pos, neg = pos * torch.randint(1, 4, pos.shape, generator=gen), neg * 2
+    g_pos, g_neg = torch.rand(2, 2, 5, generator=gen, dtype=torch.float64)
+
+    def fn(x):
+        s_pos, s_neg, _, _ = contrastive_module._contrastive(x, pos, neg, 0.3, 0.9, sqrt)
+        return (s_pos * g_pos).sum() + (s_neg * g_neg).sum()
+
+    assert torch.autograd.gradcheck(fn, (d,))
+    # the closed form equals autograd through the plain formula
+    dist = d.sqrt() if sqrt else d
+    plain = ((dist - 0.3).relu() * pos).sum(-1) * g_pos + ((0.9 - dist).relu() * neg).sum(-1) * g_neg
+    torch.testing.assert_close(
+        torch.autograd.grad(fn(d), d)[0], torch.autograd.grad(plain.sum(), d)[0], **TOL
+    )
+
+
 def test_smooth_batch_all_function_gradcheck(gen):
     dist = torch.rand(5, 6, generator=gen, dtype=torch.float64).requires_grad_(True)
     labels = torch.tensor([0, 0, 1, 1, 1])
@@ -445,7 +469,7 @@ def test_ops_match_the_modules(gen):
     )
     dist = torch.cdist(F.normalize(emb, dim=1), F.normalize(emb, dim=1))
     torch.testing.assert_close(
-        contrastive_loss(dist, pos, neg, 0.1, 1.0).sum(1),
+        contrastive_loss(dist, pos, neg, 0.1, 1.0),
         ContrastiveLoss(0.1, 1.0, average="valid", reduction="none")(emb, labels),
         **TOL,
     )

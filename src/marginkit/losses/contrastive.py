@@ -100,24 +100,22 @@ class ContrastiveLoss(PairMatrixLoss):
     ) -> torch.Tensor:
         pos_margin = _finite(self.pos_margin, "pos_margin")
         neg_margin = _finite(self.neg_margin, "neg_margin")
+        # l2: the square root is taken inside the fused hinge (one pass forward and backward)
+        matrix_distance = "squared_l2" if self.distance == "l2" else self.distance
         pm = self._pair_matrix(
             embeddings, labels, ref_embeddings, ref_labels, indices,
-            distance=self.distance, normalize=self.normalize,
+            distance=matrix_distance, normalize=self.normalize,
         )  # fmt: skip
         if not isinstance(pm, PairMatrix):
             return empty_reference_loss(self, pm, self.reduction)
-        per_pair = _contrastive(pm.matrix, pm.pos, pm.neg, pos_margin, neg_margin)
-        active = per_pair.detach() > 0
-        total = per_pair.new_zeros(())
-        n_active = n_valid = 0
-        for mask in (pm.pos, pm.neg):
-            weight = mask.to(per_pair.dtype)
-            denom = weight * active if self.average == "active" else weight
-            total = total + (per_pair * weight).sum() / denom.sum().clamp_min(1)
-            n_active = n_active + (weight * active).sum()
-            n_valid = n_valid + weight.sum()
-        self.last_active_fraction = (n_active / n_valid.clamp_min(1)).detach()
+        sums = _contrastive(pm.matrix, pm.pos, pm.neg, pos_margin, neg_margin, self.distance == "l2")
+        pos_sum, neg_sum, pos_active, neg_active = sums
+        n_active = pos_active.sum() + neg_active.sum()
+        self.last_active_fraction = (n_active / (pm.pos.sum() + pm.neg.sum()).clamp_min(1)).detach()
         if self.reduction == "mean":
-            return total
-        weight = pm.pos.to(per_pair.dtype) + pm.neg.to(per_pair.dtype)
-        return reduce((per_pair * weight).sum(1), self.reduction)
+            if self.average == "active":
+                pos_units, neg_units = pos_active.sum(), neg_active.sum()
+            else:
+                pos_units, neg_units = pm.pos.sum(), pm.neg.sum()
+            return pos_sum.sum() / pos_units.clamp_min(1) + neg_sum.sum() / neg_units.clamp_min(1)
+        return reduce(pos_sum + neg_sum, self.reduction)

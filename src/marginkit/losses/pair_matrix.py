@@ -17,9 +17,9 @@ from torch import nn
 
 from marginkit.losses.triplet import _sq_dist
 from marginkit.ops.pairs import (
+    COLLAPSE_TOL,
     PairBatch,
     check_pair_indices,
-    collapsed_flag,
     cosine_similarity_matrix,
     distance_matrix,
     label_masks,
@@ -76,14 +76,12 @@ class PairMatrixLoss(nn.Module):
         x, y = batch.x, batch.y
         if distance is None:
             matrix = cosine_similarity_matrix(x, y)
-            sq_dist = 2.0 - 2.0 * matrix.detach()
             scale: torch.Tensor | float = 1.0
         else:
             if normalize:
                 x = F.normalize(x, dim=-1)
                 y = x if batch.self_ref else F.normalize(y, dim=-1)
             matrix = distance_matrix(x, y, distance)
-            sq_dist = _sq_dist(matrix.detach(), distance)
             scale = 1.0 if (normalize or distance == "cosine") else max_sq_norm(x, y)
         if indices is None:
             pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
@@ -91,13 +89,27 @@ class PairMatrixLoss(nn.Module):
             shape = (matrix.shape[0], matrix.shape[1])
             pos, neg = pair_masks_from_indices(idx, shape, counts=self.multiplicities, clamp=self.validate)
         if self.validate:
-            if indices is not None:
-                flags.append(((pos != 0) & (neg != 0)).any())
-            nonfinite, collapsed, *rest = read_flags(
-                nonfinite_flag(batch.x, batch.y),
-                collapsed_flag(sq_dist, scale, batch.self_ref),
-                *([~pos.any()] if indices is None else flags),
-            )
+            # One reduction of the matrix gives the widest pair (the "collapsed" check) and, as
+            # NaN/inf propagate through amin/amax, whether any embedding is non-finite.
+            m = matrix.detach()
+            extreme = m.amin() if distance is None else m.amax()
+            widest = 2.0 - 2.0 * extreme if distance is None else _sq_dist(extreme, distance)
+            checks = [
+                ~torch.isfinite(extreme),
+                (widest <= COLLAPSE_TOL**2 * scale) & (m.numel() > 1 or not batch.self_ref),
+            ]
+            if indices is None:
+                checks.append(~pos.any())
+            else:
+                checks += [*flags, ((pos != 0) & (neg != 0)).any()]
+            nonfinite, collapsed, *rest = torch.stack(checks).tolist()
+            if nonfinite:  # the error path may synchronise again, to say which
+                if read_flags(nonfinite_flag(batch.x, batch.y))[0]:
+                    raise ValueError("embeddings (or ref_embeddings) contain NaN or infinite values")
+                raise ValueError(
+                    f"the pairwise {'similarities' if distance is None else 'distances'} overflow to "
+                    f"infinity in {matrix.dtype}: the embeddings are too large (use normalize=True)"
+                )
             if indices is not None:
                 if rest[0]:
                     raise ValueError(
@@ -106,7 +118,5 @@ class PairMatrixLoss(nn.Module):
                     )
                 if rest[1]:
                     raise ValueError("indices list a pair both as a positive and as a negative pair")
-            report_checks(
-                self, type(self).__name__, nonfinite, rest[0] if indices is None else None, collapsed
-            )
+            report_checks(self, type(self).__name__, False, rest[0] if indices is None else None, collapsed)
         return PairMatrix(batch, matrix, pos, neg)

@@ -83,8 +83,8 @@ class SupConLoss(PairMatrixLoss):
         pm = self._pair_matrix(embeddings, labels, ref_embeddings, ref_labels, indices)
         if not isinstance(pm, PairMatrix):
             return empty_reference_loss(self, pm, self.reduction)
-        loss = _supcon(pm.matrix, pm.pos, pm.neg, temperature)
-        counts = (pm.pos.any(1) & ((pm.pos | pm.neg).sum(1) >= 2)).to(loss.dtype)
+        loss, counts = _supcon(pm.matrix, pm.pos, pm.neg, temperature)
+        counts = counts.to(loss.dtype)
         self.last_active_fraction = counts.mean().detach()
         return reduce(loss, self.reduction, counts)
 

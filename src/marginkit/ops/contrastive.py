@@ -14,7 +14,8 @@ twice, as pytorch-metric-learning's pair-based losses count it).
   eq. 1; van den Oord, Li, Vinyals, "Representation Learning with Contrastive Predictive
   Coding", 2018.
 - :func:`contrastive_loss` — Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an
-  Invariant Mapping", CVPR 2006, with a positive margin as in pytorch-metric-learning.
+  Invariant Mapping", CVPR 2006, with a positive margin as in pytorch-metric-learning; a
+  custom autograd function with a closed-form backward.
 
 Every log-sum-exp runs over ``-inf``-masked rows; a row with no entry is filled with zeros
 before the reduction, so neither value nor gradient meets ``-inf - (-inf)``.
@@ -37,17 +38,22 @@ def _keep(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > 0
 
 
-def masked_logsumexp(z: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_logsumexp(
+    z: torch.Tensor, mask: torch.Tensor, has: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``log Σ_j w_j e^{z_j}`` over the last dimension and whether the row has any entry.
 
-    ``mask`` is bool (``w ∈ {0, 1}``) or multiplicities ``w >= 0``. Empty rows give ``-inf``
-    with a zero gradient (their entries are replaced by zeros before the reduction).
+    ``mask`` is bool (``w ∈ {0, 1}``) or multiplicities ``w >= 0``; ``has`` (rows with an
+    entry) may be passed when known. Empty rows give ``-inf`` with a zero gradient: their
+    entries are replaced by zeros before the reduction, so it never sees ``-inf - (-inf)``.
     """
     keep = _keep(mask).expand_as(z)
-    has = keep.any(-1)
+    if has is None:
+        has = keep.any(-1)
     if mask.dtype != torch.bool:
         z = z + torch.where(keep, mask.to(z.dtype), 1.0).log()
-    lse = torch.logsumexp(z.masked_fill(~(keep | ~has[..., None]), -math.inf), dim=-1)
+    fill = torch.where(has, -math.inf, 0.0).to(z.dtype)[..., None]
+    lse = torch.logsumexp(torch.where(keep, z, fill), dim=-1)
     return torch.where(has, lse, -math.inf), has
 
 
@@ -65,14 +71,22 @@ def _multi_similarity(
     )
 
 
-def _supcon(sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-anchor SupCon loss (0 for anchors without a positive)."""
+def _supcon(
+    sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-anchor SupCon loss (0 without a positive), and the anchors whose loss is not ≡ 0.
+
+    An anchor counts when it has a positive and at least two candidates: with its single
+    positive as the only candidate, ``L_i = 0`` whatever the embeddings.
+    """
     z = sim / temperature
     keep_p = _keep(pos).expand_as(z)
-    lse, _ = masked_logsumexp(z, keep_p | _keep(neg).expand_as(z))
+    candidates = keep_p | _keep(neg).expand_as(z)
+    n_cand = candidates.sum(-1)
+    lse, _ = masked_logsumexp(z, candidates, n_cand > 0)
     npos = keep_p.sum(-1)
-    mean_pos = z.masked_fill(~keep_p, 0.0).sum(-1) / npos.clamp_min(1)
-    return torch.where(npos > 0, lse - mean_pos, 0.0)
+    mean_pos = torch.where(keep_p, z, 0.0).sum(-1) / npos.clamp_min(1)
+    return torch.where(npos > 0, lse - mean_pos, 0.0), (npos > 0) & (n_cand >= 2)
 
 
 def _ntxent(sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -81,12 +95,62 @@ def _ntxent(sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature
     return torch.where(_keep(pos).expand_as(z), torch.logaddexp(z, lse_neg[..., None]) - z, 0.0)
 
 
+class _ContrastiveHinges(torch.autograd.Function):
+    """Per-anchor sums of the positive and negative hinges and their numbers of active pairs.
+
+    Inputs: ``d [..., R]`` (squared distances when ``sqrt``: the square root is taken here),
+    masks ``pos``/``neg`` (bool, or multiplicities ``w``), the margins. Outputs per anchor:
+    ``S_+ = Σ_j w_j [d_j − m_+]_+``, ``S_− = Σ_j w_j [m_− − d_j]_+`` and the multiplicities of
+    the active pairs (not differentiable).
+
+    Backward, closed form: ``∂/∂d_j = g_+ w_j [pos active] − g_− w_j [neg active]`` (divided by
+    ``2 d_j`` through the square root, 0 at ``d_j = 0``) — one pass, no ``[..., R]`` graph of
+    ``where``/``clamp`` nodes.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        d: torch.Tensor,
+        pos: torch.Tensor,
+        neg: torch.Tensor,
+        pos_margin: float,
+        neg_margin: float,
+        sqrt: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        dist = d.clamp_min(0.0).sqrt() if sqrt else d
+        out: list[torch.Tensor] = []
+        saved: list[torch.Tensor] = []
+        for mask, t in ((pos, dist - pos_margin), (neg, neg_margin - dist)):
+            active = _keep(mask) & (t > 0)
+            if mask.dtype == torch.bool:
+                weight = active
+                out += [torch.where(active, t, 0.0).sum(-1), active.sum(-1)]
+            else:
+                weight = torch.where(active, mask, 0)
+                out += [(t * weight).sum(-1), weight.sum(-1)]
+            saved.append(weight)
+        ctx.sqrt = sqrt
+        ctx.save_for_backward(dist, *saved)
+        ctx.mark_non_differentiable(out[1], out[3])
+        return out[0], out[2], out[1], out[3]
+
+    @staticmethod
+    def backward(ctx: Any, g_pos: torch.Tensor, g_neg: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        dist, w_pos, w_neg = ctx.saved_tensors
+        grad = w_pos * g_pos[..., None] - w_neg * g_neg[..., None]
+        if ctx.sqrt:
+            positive = dist > 0
+            grad = torch.where(positive, grad / (2.0 * torch.where(positive, dist, 1.0)), 0.0)
+        return grad, None, None, None, None, None
+
+
 def _contrastive(
-    dist: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, pos_margin: float, neg_margin: float
-) -> torch.Tensor:
-    pos_loss = torch.where(_keep(pos).expand_as(dist), (dist - pos_margin).clamp_min(0.0), 0.0)
-    neg_loss = torch.where(_keep(neg).expand_as(dist), (neg_margin - dist).clamp_min(0.0), 0.0)
-    return pos_loss + neg_loss
+    d: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, pos_margin: float, neg_margin: float, sqrt: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(S_+, S_−, active_+, active_−)`` per anchor; see :class:`_ContrastiveHinges`."""
+    pos, neg = pos.expand_as(d), neg.expand_as(d)
+    return _ContrastiveHinges.apply(d, pos, neg, pos_margin, neg_margin, sqrt)
 
 
 # ---------------------------------------------------------------------------- public ops
@@ -191,7 +255,7 @@ def supcon_loss(
     """
     temperature = positive_float(temperature, "temperature")
     sim = _check(sim, "sim", pos_mask, neg_mask, cosines=True)
-    return _supcon(sim, _keep(pos_mask), _keep(neg_mask), temperature)
+    return _supcon(sim, _keep(pos_mask), _keep(neg_mask), temperature)[0]
 
 
 def ntxent_loss(
@@ -238,21 +302,23 @@ def contrastive_loss(
     pos_margin: float = 0.0,
     neg_margin: float = 1.0,
 ) -> torch.Tensor:
-    """Contrastive loss per pair (Hadsell, Chopra, LeCun, CVPR 2006, with a positive margin).
+    """Contrastive loss per anchor (Hadsell, Chopra, LeCun, CVPR 2006, with a positive margin).
 
     .. math::
 
-        \\ell_{ij} = [d_{ij} - m_+]_+ \\ \\text{(positive pairs)}, \\qquad
-        \\ell_{ij} = [m_- - d_{ij}]_+ \\ \\text{(negative pairs)}
+        L_i = \\sum_{j\\in P_i} w_{ij}\\,[d_{ij} - m_+]_+ + \\sum_{j\\in N_i} w_{ij}\\,[m_- - d_{ij}]_+
+
+    (``w = 1`` for bool masks, the multiplicities otherwise). The gradient is closed-form
+    (a custom autograd function, checked by ``gradcheck``).
 
     Args:
         dist: ``[..., R]`` distances (any non-negative dissimilarity).
-        pos_mask, neg_mask: bool masks broadcastable to ``dist``.
+        pos_mask, neg_mask: bool masks or integer multiplicities, broadcastable to ``dist``.
         pos_margin: ``m_+``: positive pairs closer than it cost nothing.
         neg_margin: ``m_-``: negative pairs farther than it cost nothing.
 
     Returns:
-        ``[..., R]`` per-pair losses, 0 for pairs in neither mask (float32 or float64).
+        ``[...]`` the sum over each anchor's pairs (float32, or float64 for float64 input).
 
     Example:
         >>> import torch
@@ -260,12 +326,13 @@ def contrastive_loss(
         >>> d = torch.tensor([[0.3, 0.5, 1.4]])
         >>> pos, neg = torch.tensor([[True, False, False]]), torch.tensor([[False, True, True]])
         >>> contrastive_loss(d, pos, neg, 0.0, 1.0)
-        tensor([[0.3000, 0.5000, 0.0000]])
+        tensor([0.8000])
     """
     pos_margin = _finite(pos_margin, "pos_margin")
     neg_margin = _finite(neg_margin, "neg_margin")
     dist = _check(dist, "dist", pos_mask, neg_mask, cosines=False)
-    return _contrastive(dist, pos_mask, neg_mask, pos_margin, neg_margin)
+    pos_sum, neg_sum, _, _ = _contrastive(dist, pos_mask, neg_mask, pos_margin, neg_margin, False)
+    return pos_sum + neg_sum
 
 
 def _finite(value: Any, name: str) -> float:
