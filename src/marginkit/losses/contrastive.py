@@ -100,15 +100,13 @@ class ContrastiveLoss(PairMatrixLoss):
     ) -> torch.Tensor:
         pos_margin = _finite(self.pos_margin, "pos_margin")
         neg_margin = _finite(self.neg_margin, "neg_margin")
-        # l2: the square root is taken inside the fused hinge (one pass forward and backward)
-        matrix_distance = "squared_l2" if self.distance == "l2" else self.distance
         pm = self._pair_matrix(
             embeddings, labels, ref_embeddings, ref_labels, indices,
-            distance=matrix_distance, normalize=self.normalize,
+            distance=self.distance, normalize=self.normalize,
         )  # fmt: skip
         if not isinstance(pm, PairMatrix):
             return empty_reference_loss(self, pm, self.reduction)
-        sums = _contrastive(pm.matrix, pm.pos, pm.neg, pos_margin, neg_margin, self.distance == "l2")
+        sums = _contrastive(pm.matrix, pm.pos, pm.neg, pos_margin, neg_margin)
         pos_sum, neg_sum, pos_active, neg_active = sums
         n_active = pos_active.sum() + neg_active.sum()
         self.last_active_fraction = (n_active / (pm.pos.sum() + pm.neg.sum()).clamp_min(1)).detach()

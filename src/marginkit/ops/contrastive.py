@@ -98,30 +98,22 @@ def _ntxent(sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature
 class _ContrastiveHinges(torch.autograd.Function):
     """Per-anchor sums of the positive and negative hinges and their numbers of active pairs.
 
-    Inputs: ``d [..., R]`` (squared distances when ``sqrt``: the square root is taken here),
-    masks ``pos``/``neg`` (bool, or multiplicities ``w``), the margins. Outputs per anchor:
-    ``S_+ = Σ_j w_j [d_j − m_+]_+``, ``S_− = Σ_j w_j [m_− − d_j]_+`` and the multiplicities of
-    the active pairs (not differentiable).
+    Inputs: distances ``d [..., R]``, masks ``pos``/``neg`` (bool, or multiplicities ``w``),
+    the margins. Outputs per anchor: ``S_+ = Σ_j w_j [d_j − m_+]_+``,
+    ``S_− = Σ_j w_j [m_− − d_j]_+`` and the multiplicities of the active pairs (not
+    differentiable).
 
-    Backward, closed form: ``∂/∂d_j = g_+ w_j [pos active] − g_− w_j [neg active]`` (divided by
-    ``2 d_j`` through the square root, 0 at ``d_j = 0``) — one pass, no ``[..., R]`` graph of
-    ``where``/``clamp`` nodes.
+    Backward, closed form: ``∂/∂d_j = g_+ w_j [pos active] − g_− w_j [neg active]`` — one
+    pass, no ``[..., R]`` graph of ``where``/``clamp`` nodes.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        d: torch.Tensor,
-        pos: torch.Tensor,
-        neg: torch.Tensor,
-        pos_margin: float,
-        neg_margin: float,
-        sqrt: bool,
+        ctx: Any, d: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, pos_margin: float, neg_margin: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        dist = d.clamp_min(0.0).sqrt() if sqrt else d
         out: list[torch.Tensor] = []
         saved: list[torch.Tensor] = []
-        for mask, t in ((pos, dist - pos_margin), (neg, neg_margin - dist)):
+        for mask, t in ((pos, d - pos_margin), (neg, neg_margin - d)):
             active = _keep(mask) & (t > 0)
             if mask.dtype == torch.bool:
                 weight = active
@@ -130,27 +122,25 @@ class _ContrastiveHinges(torch.autograd.Function):
                 weight = torch.where(active, mask, 0)
                 out += [(t * weight).sum(-1), weight.sum(-1)]
             saved.append(weight)
-        ctx.sqrt = sqrt
-        ctx.save_for_backward(dist, *saved)
+        ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(out[1], out[3])
         return out[0], out[2], out[1], out[3]
 
     @staticmethod
     def backward(ctx: Any, g_pos: torch.Tensor, g_neg: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        dist, w_pos, w_neg = ctx.saved_tensors
-        grad = w_pos * g_pos[..., None] - w_neg * g_neg[..., None]
-        if ctx.sqrt:
-            positive = dist > 0
-            grad = torch.where(positive, grad / (2.0 * torch.where(positive, dist, 1.0)), 0.0)
-        return grad, None, None, None, None, None
+        w_pos, w_neg = ctx.saved_tensors
+        if w_pos.dtype == torch.bool:
+            grad = torch.where(w_pos, g_pos[..., None], torch.where(w_neg, -g_neg[..., None], 0.0))
+        else:
+            grad = w_pos * g_pos[..., None] - w_neg * g_neg[..., None]
+        return grad, None, None, None, None
 
 
 def _contrastive(
-    d: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, pos_margin: float, neg_margin: float, sqrt: bool
+    d: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, pos_margin: float, neg_margin: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(S_+, S_−, active_+, active_−)`` per anchor; see :class:`_ContrastiveHinges`."""
-    pos, neg = pos.expand_as(d), neg.expand_as(d)
-    return _ContrastiveHinges.apply(d, pos, neg, pos_margin, neg_margin, sqrt)
+    return _ContrastiveHinges.apply(d, pos.expand_as(d), neg.expand_as(d), pos_margin, neg_margin)
 
 
 # ---------------------------------------------------------------------------- public ops
@@ -331,7 +321,7 @@ def contrastive_loss(
     pos_margin = _finite(pos_margin, "pos_margin")
     neg_margin = _finite(neg_margin, "neg_margin")
     dist = _check(dist, "dist", pos_mask, neg_mask, cosines=False)
-    pos_sum, neg_sum, _, _ = _contrastive(dist, pos_mask, neg_mask, pos_margin, neg_margin, False)
+    pos_sum, neg_sum, _, _ = _contrastive(dist, pos_mask, neg_mask, pos_margin, neg_margin)
     return pos_sum + neg_sum
 
 
