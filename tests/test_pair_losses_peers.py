@@ -683,3 +683,12 @@ def test_last_active_fraction_is_a_tensor(gen):
     loss = ContrastiveLoss(pos_margin=-1.0, neg_margin=5.0)  # every pair violates its margin
     loss(emb, labels)
     assert loss.last_active_fraction.item() == 1.0
+
+
+def test_overflowing_distances_are_an_error_not_a_nan():
+    emb = torch.tensor([[1e20, 0.0], [0.0, 1e20], [1e20, 1.0], [1.0, 1e20]])
+    labels = torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="distances overflow to infinity in torch.float32"):
+        ContrastiveLoss(normalize=False, distance="squared_l2")(emb, labels)
+    with pytest.raises(ValueError, match="distances overflow"):
+        ContrastiveLoss(normalize=False, distance="l2")(emb * 1e18, labels)
