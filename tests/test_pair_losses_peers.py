@@ -406,8 +406,8 @@ def test_contrastive_valid_average_equals_loop(gen):
 @pytest.mark.parametrize("counts", [False, True])
 def test_contrastive_hinges_gradcheck(gen, counts):
     d = (torch.rand(2, 5, 7, generator=gen, dtype=torch.float64) * 1.6 + 0.05).requires_grad_(True)
-    pos = torch.rand(2, 5, 7, generator=gen) < 0.3
-    neg = ~pos & (torch.rand(2, 5, 7, generator=gen) < 0.8)
+    pos = torch.rand(2, 5, 7, generator=gen) < 0.4
+    neg = torch.rand(2, 5, 7, generator=gen) < 0.7  # overlapping masks too (the op allows them)
     if counts:
         pos, neg = pos * torch.randint(1, 4, pos.shape, generator=gen), neg * 2
     g_pos, g_neg = torch.rand(2, 2, 5, generator=gen, dtype=torch.float64)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import REDUCTIONS, choice, reduce
+from marginkit._validation import choice, reduce
 from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
-from marginkit.ops.contrastive import _contrastive, _finite
-from marginkit.ops.pairs import DISTANCES, PairIndices, empty_reference_loss
+from marginkit.ops.contrastive import _contrastive, _count, _finite
+from marginkit.ops.pairs import DISTANCES
 
 __all__ = ["ContrastiveLoss"]
 
@@ -74,15 +74,12 @@ class ContrastiveLoss(PairMatrixLoss):
         reduction: str = "mean",
         validate: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(reduction, validate)
         self.pos_margin = _finite(pos_margin, "pos_margin")
         self.neg_margin = _finite(neg_margin, "neg_margin")
         self.distance = choice(distance, "distance", DISTANCES)
         self.normalize = bool(normalize)
         self.average = choice(average, "average", AVERAGES)
-        self.reduction = choice(reduction, "reduction", REDUCTIONS)
-        self.validate = bool(validate)
-        self.last_active_fraction = None
 
     def extra_repr(self) -> str:
         return (
@@ -90,30 +87,19 @@ class ContrastiveLoss(PairMatrixLoss):
             f"normalize={self.normalize}, average={self.average!r}, reduction={self.reduction!r}"
         )
 
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        pos_margin = _finite(self.pos_margin, "pos_margin")
-        neg_margin = _finite(self.neg_margin, "neg_margin")
-        pm = self._pair_matrix(
-            embeddings, labels, ref_embeddings, ref_labels, indices,
-            distance=self.distance, normalize=self.normalize,
-        )  # fmt: skip
-        if not isinstance(pm, PairMatrix):
-            return empty_reference_loss(self, pm, self.reduction)
-        sums = _contrastive(pm.matrix, pm.pos, pm.neg, pos_margin, neg_margin)
+    def _check_hyperparameters(self) -> None:
+        _finite(self.pos_margin, "pos_margin")
+        _finite(self.neg_margin, "neg_margin")
+
+    def _loss(self, pm: PairMatrix) -> torch.Tensor:
+        sums = _contrastive(pm.matrix, pm.pos, pm.neg, self.pos_margin, self.neg_margin)
         pos_sum, neg_sum, pos_active, neg_active = sums
         n_active = pos_active.sum() + neg_active.sum()
-        self.last_active_fraction = (n_active / (pm.pos.sum() + pm.neg.sum()).clamp_min(1)).detach()
+        self.last_active_fraction = (n_active / (_count(pm.pos) + _count(pm.neg)).clamp_min(1)).detach()
         if self.reduction == "mean":
             if self.average == "active":
                 pos_units, neg_units = pos_active.sum(), neg_active.sum()
             else:
-                pos_units, neg_units = pm.pos.sum(), pm.neg.sum()
+                pos_units, neg_units = _count(pm.pos), _count(pm.neg)
             return pos_sum.sum() / pos_units.clamp_min(1) + neg_sum.sum() / neg_units.clamp_min(1)
         return reduce(pos_sum + neg_sum, self.reduction)

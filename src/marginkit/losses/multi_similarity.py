@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, reduce
+from marginkit._validation import positive_float, reduce
 from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
 from marginkit.mining.multi_similarity import _ms_select
 from marginkit.ops.contrastive import _finite, _multi_similarity
-from marginkit.ops.pairs import PairIndices, empty_reference_loss
 
 __all__ = ["MultiSimilarityLoss"]
 
@@ -77,14 +76,11 @@ class MultiSimilarityLoss(PairMatrixLoss):
         reduction: str = "mean",
         validate: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(reduction, validate)
         self.alpha = positive_float(alpha, "alpha")
         self.beta = positive_float(beta, "beta")
         self.base = _finite(base, "base")
         self.epsilon = None if epsilon is None else _finite(epsilon, "epsilon")
-        self.reduction = choice(reduction, "reduction", REDUCTIONS)
-        self.validate = bool(validate)
-        self.last_active_fraction = None
 
     def extra_repr(self) -> str:
         return (
@@ -92,24 +88,17 @@ class MultiSimilarityLoss(PairMatrixLoss):
             f"reduction={self.reduction!r}"
         )
 
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        alpha = positive_float(self.alpha, "alpha")
-        beta = positive_float(self.beta, "beta")
-        base = _finite(self.base, "base")
-        epsilon = None if self.epsilon is None else _finite(self.epsilon, "epsilon")
-        pm = self._pair_matrix(embeddings, labels, ref_embeddings, ref_labels, indices)
-        if not isinstance(pm, PairMatrix):
-            return empty_reference_loss(self, pm, self.reduction)
+    def _check_hyperparameters(self) -> None:
+        positive_float(self.alpha, "alpha")
+        positive_float(self.beta, "beta")
+        _finite(self.base, "base")
+        if self.epsilon is not None:
+            _finite(self.epsilon, "epsilon")
+
+    def _loss(self, pm: PairMatrix) -> torch.Tensor:
         pos, neg = pm.pos, pm.neg
-        if epsilon is not None:
-            pos, neg = _ms_select(pm.matrix, pos, neg, epsilon)
-        loss = _multi_similarity(pm.matrix, pos, neg, alpha, beta, base)
+        if self.epsilon is not None:
+            pos, neg = _ms_select(pm.matrix, pos, neg, self.epsilon)
+        loss = _multi_similarity(pm.matrix, pos, neg, self.alpha, self.beta, self.base)
         self.last_active_fraction = (pos.any(1) | neg.any(1)).to(loss.dtype).mean().detach()
         return reduce(loss, self.reduction)

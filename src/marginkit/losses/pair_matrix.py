@@ -15,13 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from marginkit._validation import REDUCTIONS, choice
 from marginkit.losses.triplet import _sq_dist
 from marginkit.ops.pairs import (
     COLLAPSE_TOL,
     PairBatch,
+    PairIndices,
     check_pair_indices,
     cosine_similarity_matrix,
     distance_matrix,
+    empty_reference_loss,
     label_masks,
     max_sq_norm,
     nonfinite_flag,
@@ -39,14 +42,58 @@ class PairMatrix(NamedTuple):
     neg: torch.Tensor
 
 
+Indices = PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class PairMatrixLoss(nn.Module):
-    """Base of the pair-matrix losses: inputs, masks, checks (one host sync), statistics."""
+    """Base of the pair-matrix losses: inputs, masks, checks (one host sync), statistics.
+
+    A subclass sets :attr:`distance` / :attr:`normalize` (cosine similarities by default) and
+    implements :meth:`_loss` on the :class:`PairMatrix`; ``forward`` is shared.
+    """
 
     validate: bool
     reduction: str
     last_active_fraction: torch.Tensor | None
     #: whether mined pairs listed twice count twice (pair-based losses) or once (set-based)
     multiplicities: bool = False
+    #: ``None``: cosine similarities; else a distance of ``marginkit.ops.pairs.DISTANCES``
+    distance: str | None = None
+    normalize: bool = True
+
+    def __init__(self, reduction: str, validate: bool) -> None:
+        super().__init__()
+        self.reduction = choice(reduction, "reduction", REDUCTIONS)
+        self.validate = bool(validate)
+        self.last_active_fraction = None
+
+    def _loss(self, pm: PairMatrix) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_hyperparameters(self) -> None:
+        """Re-check the hyper-parameters (a schedule or a user may have set them)."""
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ref_embeddings: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+        indices: Indices | None = None,
+    ) -> torch.Tensor:
+        """The loss of ``embeddings [B, D]`` against themselves or ``ref_embeddings [R, D]``.
+
+        ``labels [B]`` / ``ref_labels [R]`` define the pairs, or ``indices`` lists them:
+        ``(a1, p, a2, n)`` pairs or ``(a, p, n)`` triplets (then the labels are optional).
+        """
+        self._check_hyperparameters()
+        pm = self._pair_matrix(
+            embeddings, labels, ref_embeddings, ref_labels, indices,
+            distance=self.distance, normalize=self.normalize,
+        )  # fmt: skip
+        if not isinstance(pm, PairMatrix):
+            return empty_reference_loss(self, pm, self.reduction)
+        return self._loss(pm)
 
     def _pair_matrix(
         self,
@@ -99,7 +146,7 @@ class PairMatrixLoss(nn.Module):
                 (widest <= COLLAPSE_TOL**2 * scale) & (m.numel() > 1 or not batch.self_ref),
             ]
             if indices is None:
-                checks.append(~pos.any())
+                checks.append(pos.count_nonzero() == 0)
             else:
                 checks += [*flags, ((pos != 0) & (neg != 0)).any()]
             nonfinite, collapsed, *rest = torch.stack(checks).tolist()

@@ -10,17 +10,28 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, reduce
+from marginkit._validation import positive_float, reduce
 from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
-from marginkit.ops.contrastive import _keep, _ntxent, _supcon
-from marginkit.ops.pairs import PairIndices, empty_reference_loss
+from marginkit.ops.contrastive import _count, _keep, _ntxent, _supcon
 
 __all__ = ["NTXentLoss", "SupConLoss"]
 
-Indices = PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+class _TemperatureLoss(PairMatrixLoss):
+    """A pair-matrix loss on cosine similarities scaled by ``1 / temperature``."""
+
+    def __init__(self, temperature: float, reduction: str, validate: bool) -> None:
+        super().__init__(reduction, validate)
+        self.temperature = positive_float(temperature, "temperature")
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}, reduction={self.reduction!r}"
+
+    def _check_hyperparameters(self) -> None:
+        positive_float(self.temperature, "temperature")
 
 
-class SupConLoss(PairMatrixLoss):
+class SupConLoss(_TemperatureLoss):
     """Supervised contrastive loss ``L^sup_out`` (Khosla et al., NeurIPS 2020, eq. 2).
 
     With ``s = cos`` between the batch and its references, temperature ``τ``, and for anchor
@@ -62,34 +73,16 @@ class SupConLoss(PairMatrixLoss):
     """
 
     def __init__(self, temperature: float = 0.1, *, reduction: str = "mean", validate: bool = True) -> None:
-        super().__init__()
-        self.temperature = positive_float(temperature, "temperature")
-        self.reduction = choice(reduction, "reduction", REDUCTIONS)
-        self.validate = bool(validate)
-        self.last_active_fraction = None
+        super().__init__(temperature, reduction, validate)
 
-    def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, reduction={self.reduction!r}"
-
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: Indices | None = None,
-    ) -> torch.Tensor:
-        temperature = positive_float(self.temperature, "temperature")
-        pm = self._pair_matrix(embeddings, labels, ref_embeddings, ref_labels, indices)
-        if not isinstance(pm, PairMatrix):
-            return empty_reference_loss(self, pm, self.reduction)
-        loss, counts = _supcon(pm.matrix, pm.pos, pm.neg, temperature)
+    def _loss(self, pm: PairMatrix) -> torch.Tensor:
+        loss, counts = _supcon(pm.matrix, pm.pos, pm.neg, self.temperature)
         counts = counts.to(loss.dtype)
         self.last_active_fraction = counts.mean().detach()
         return reduce(loss, self.reduction, counts)
 
 
-class NTXentLoss(PairMatrixLoss):
+class NTXentLoss(_TemperatureLoss):
     """NT-Xent / InfoNCE loss over the positive pairs of a batch (SimCLR, ICML 2020, eq. 1).
 
     For every positive pair ``(i, p)`` (same label, ``p ≠ i``) with ``s = cos``:
@@ -131,32 +124,13 @@ class NTXentLoss(PairMatrixLoss):
     multiplicities = True
 
     def __init__(self, temperature: float = 0.07, *, reduction: str = "mean", validate: bool = True) -> None:
-        super().__init__()
-        self.temperature = positive_float(temperature, "temperature")
-        self.reduction = choice(reduction, "reduction", REDUCTIONS)
-        self.validate = bool(validate)
-        self.last_active_fraction = None
+        super().__init__(temperature, reduction, validate)
         self.last_counts: torch.Tensor | None = None
 
-    def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, reduction={self.reduction!r}"
-
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: Indices | None = None,
-    ) -> torch.Tensor:
-        temperature = positive_float(self.temperature, "temperature")
-        pm = self._pair_matrix(embeddings, labels, ref_embeddings, ref_labels, indices)
-        if not isinstance(pm, PairMatrix):
-            return empty_reference_loss(self, pm, self.reduction)
-        per_pair = _ntxent(pm.matrix, pm.pos, pm.neg, temperature)
-        weight = pm.pos.to(per_pair.dtype)
-        per_anchor = (per_pair * weight).sum(1)
-        counts = weight.sum(1)
+    def _loss(self, pm: PairMatrix) -> torch.Tensor:
+        per_pair = _ntxent(pm.matrix, pm.pos, pm.neg, self.temperature)  # 0 off the positives
+        per_anchor = (per_pair if pm.pos.dtype == torch.bool else per_pair * pm.pos.to(per_pair.dtype)).sum(1)
+        counts = _count(pm.pos, 1).to(per_pair.dtype)
         self.last_counts = counts.detach()
         self.last_active_fraction = _keep(pm.pos).any(1).to(per_pair.dtype).mean().detach()
         if self.reduction == "mean":

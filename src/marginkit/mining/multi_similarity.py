@@ -21,8 +21,12 @@ def _ms_select(
     if sim.shape[1] == 0:
         return pos, neg
     s = sim.detach()
-    hardest_neg = s.masked_fill(~neg, -math.inf).amax(1, keepdim=True)
-    hardest_pos = s.masked_fill(~pos, math.inf).amin(1, keepdim=True)
+    # cosines lie in [-1, 1]: shifting the other entries by 4 keeps them out of the max / min
+    # (float arithmetic; a masked_fill on a float tensor with a bool mask is far slower on CPU)
+    hardest_neg = (s - 4.0 * (~neg).to(s.dtype)).amax(1, keepdim=True)
+    hardest_pos = (s + 4.0 * (~pos).to(s.dtype)).amin(1, keepdim=True)
+    hardest_neg = torch.where(hardest_neg < -2.0, -math.inf, hardest_neg)  # no negative at all
+    hardest_pos = torch.where(hardest_pos > 2.0, math.inf, hardest_pos)  # no positive at all
     return pos & (s - epsilon < hardest_neg), neg & (s + epsilon > hardest_pos)
 
 

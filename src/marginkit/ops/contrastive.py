@@ -38,22 +38,39 @@ def _keep(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > 0
 
 
+def _count(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Total multiplicity of a mask, over ``dim`` or everything.
+
+    For bool masks, a row count sums the bytes into int32 (``sum``/``count_nonzero`` over a
+    dimension first copy the mask to int64, ten times slower on CPU).
+    """
+    if mask.dtype != torch.bool:
+        return mask.sum() if dim is None else mask.sum(dim)
+    if dim is None:
+        return mask.count_nonzero()
+    return mask.view(torch.uint8).sum(dim, dtype=torch.int32)
+
+
+# The ops below convert each mask to the working dtype once and then use float products and
+# sums: an elementwise op between a float and a bool tensor (``x * mask``, ``where``,
+# ``masked_fill``) goes through type promotion and is several times slower on CPU.
+
+
 def masked_logsumexp(
     z: torch.Tensor, mask: torch.Tensor, has: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``log Σ_j w_j e^{z_j}`` over the last dimension and whether the row has any entry.
 
-    ``mask`` is bool (``w ∈ {0, 1}``) or multiplicities ``w >= 0``; ``has`` (rows with an
-    entry) may be passed when known. Empty rows give ``-inf`` with a zero gradient: their
-    entries are replaced by zeros before the reduction, so it never sees ``-inf - (-inf)``.
+    ``mask`` holds the weights ``w >= 0`` (bool, integer multiplicities or already floats);
+    ``has`` (rows with an entry) may be passed when known. Empty rows give ``-inf`` with a
+    zero gradient: their weights are replaced by ones before the reduction, so it never sees
+    ``-inf - (-inf)``.
     """
-    keep = _keep(mask).expand_as(z)
+    w = mask.to(z.dtype).expand_as(z)
     if has is None:
-        has = keep.any(-1)
-    if mask.dtype != torch.bool:
-        z = z + torch.where(keep, mask.to(z.dtype), 1.0).log()
-    fill = torch.where(has, -math.inf, 0.0).to(z.dtype)[..., None]
-    lse = torch.logsumexp(torch.where(keep, z, fill), dim=-1)
+        has = w.amax(-1) > 0
+    log_w = torch.log(w + (~has).to(z.dtype)[..., None])  # -inf off the mask
+    lse = torch.logsumexp(z + log_w, dim=-1)
     return torch.where(has, lse, -math.inf), has
 
 
@@ -81,18 +98,19 @@ def _supcon(
     """
     z = sim / temperature
     keep_p = _keep(pos).expand_as(z)
-    candidates = keep_p | _keep(neg).expand_as(z)
+    p = keep_p.to(z.dtype)
+    candidates = (keep_p | _keep(neg).expand_as(z)).to(z.dtype)
     n_cand = candidates.sum(-1)
     lse, _ = masked_logsumexp(z, candidates, n_cand > 0)
-    npos = keep_p.sum(-1)
-    mean_pos = torch.where(keep_p, z, 0.0).sum(-1) / npos.clamp_min(1)
+    npos = p.sum(-1)
+    mean_pos = (z * p).sum(-1) / npos.clamp_min(1)
     return torch.where(npos > 0, lse - mean_pos, 0.0), (npos > 0) & (n_cand >= 2)
 
 
 def _ntxent(sim: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, temperature: float) -> torch.Tensor:
     z = sim / temperature
     lse_neg, _ = masked_logsumexp(z, neg)
-    return torch.where(_keep(pos).expand_as(z), torch.logaddexp(z, lse_neg[..., None]) - z, 0.0)
+    return (torch.logaddexp(z, lse_neg[..., None]) - z) * _keep(pos).to(z.dtype)
 
 
 class _ContrastiveHinges(torch.autograd.Function):
@@ -114,14 +132,13 @@ class _ContrastiveHinges(torch.autograd.Function):
         out: list[torch.Tensor] = []
         saved: list[torch.Tensor] = []
         for mask, t in ((pos, d - pos_margin), (neg, neg_margin - d)):
-            active = _keep(mask) & (t > 0)
-            if mask.dtype == torch.bool:
-                weight = active
-                out += [torch.where(active, t, 0.0).sum(-1), active.sum(-1)]
-            else:
-                weight = torch.where(active, mask, 0)
-                out += [(t * weight).sum(-1), weight.sum(-1)]
-            saved.append(weight)
+            w = mask.to(d.dtype)
+            hinge = t.clamp_min_(0.0).mul_(w)
+            active = torch.sign(hinge)  # [w_j > 0 and t_j > 0] as a float
+            if mask.dtype != torch.bool:
+                active.mul_(w)
+            out += [hinge.sum(-1), active.sum(-1)]
+            saved.append(active)
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(out[1], out[3])
         return out[0], out[2], out[1], out[3]
@@ -129,10 +146,7 @@ class _ContrastiveHinges(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_pos: torch.Tensor, g_neg: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         w_pos, w_neg = ctx.saved_tensors
-        if w_pos.dtype == torch.bool:
-            grad = torch.where(w_pos, g_pos[..., None], torch.where(w_neg, -g_neg[..., None], 0.0))
-        else:
-            grad = w_pos * g_pos[..., None] - w_neg * g_neg[..., None]
+        grad = torch.addcmul(w_pos * g_pos[..., None], w_neg, g_neg[..., None], value=-1.0)
         return grad, None, None, None, None
 
 
