@@ -83,7 +83,8 @@ def test_train_stdout(tmp_path, features, capsys):
     )  # fmt: skip
     assert code == 0, err
     assert "K-NN accuracy (k=3)" in out and "MAP@R" in out and "cosine-head accuracy" in out
-    assert err == ""  # --quiet: no progress, no log lines
+    # --quiet: no progress, no log lines; only the tiny-data notice (3 classes x 24 samples)
+    assert [line for line in err.splitlines() if "no validation split carved" not in line] == []
     assert not (tmp_path / "r" / "report.html").exists()
 
 
@@ -356,3 +357,22 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path, features, capsys, monkeyp
         str(tmp_path / "r"),
     )
     assert code == 130 and "marginkit train --resume --out" in err
+
+
+def test_outputs_are_not_overwritten_without_overwrite(trained, tmp_path, capsys):
+    np.savez(tmp_path / "new.npz", x=np.zeros((5, 6), np.float32))
+    commands = {
+        "predict --out": (["predict", str(trained), str(tmp_path / "new.npz"), "--out"], tmp_path / "p.csv"),
+        "embed --out": (["embed", str(trained), "--out"], tmp_path / "e.npz"),
+        "eval --json": (["eval", str(trained), "--checkpoint", "last", "--json"], tmp_path / "m.json"),
+    }
+    for flag, (argv, out) in commands.items():
+        out.write_bytes(b"precious")
+        code, _, err = run_cli(capsys, *argv, str(out))
+        assert code == 2 and out.read_bytes() == b"precious", flag
+        assert err.strip() == (
+            f"marginkit: error: {str(out)!r} already exists; use --overwrite to replace it, "
+            f"or another {flag.split()[1]}"
+        )
+        code, _, err = run_cli(capsys, *argv, str(out), "--overwrite")
+        assert code == 0 and out.read_bytes() != b"precious", (flag, err)

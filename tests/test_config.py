@@ -103,7 +103,7 @@ def test_bad_yaml_and_missing_file(tmp_path):
         ({"model": "resnt"}, "unknown model 'resnt' \\(did you mean 'resnet'\\?\\)"),
         ({"loss": "arcfce"}, "unknown loss 'arcfce' \\(did you mean 'arcface'\\?\\)"),
         ({"normalize": "maybe"}, "normalize must be true or false"),
-        ({"warmup_epochs": 50}, "warmup_epochs"),
+        ({"warmup_epochs": 50, "epochs": 10}, "warmup_epochs"),
         ({"device": "tpu"}, "device must be"),
         ({"samples_per_class": 1}, "samples_per_class must be >= 2"),
         ({"epochs.x": 1}, "not a mapping"),

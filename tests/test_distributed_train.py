@@ -11,7 +11,13 @@ finished runs with the uninterrupted one-process runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +28,7 @@ from dist_utils import run_distributed
 from marginkit.train.checkpoint import load_checkpoint
 from marginkit.train.config import TrainConfig, apply_overrides
 from marginkit.train.trainer import train
+from proc_utils import CLI, alive, descendants, hook_env, wait_until
 
 LOSSES = {
     "cosface": {"grad_clip": 0.5},
@@ -45,6 +52,7 @@ def config(data: str, loss: str, **over: object) -> TrainConfig:
         "data": data, "loss": loss, "model": "mlp", "model_options": {"hidden": [32], "norm": "none"},
         "embedding_dim": 8, "epochs": 2, "batch_size": 36, "optimizer": "sgd", "lr": 0.05,
         "momentum": 0.9, "eval_every": 2, "k": 3, "num_threads": 1, "seed": 4, **LOSSES[loss],
+        "train_per_class": 26,  # 130 training rows, as before the tiny-data rule dropped the val split
     }  # fmt: skip
     base.update(over)
     return apply_overrides(TrainConfig(), base)
@@ -142,3 +150,89 @@ def test_cli_train_nproc_launches_torchrun(tmp_path, capsys):
     bad = ["train", "--nproc", "0", "--data", data, "--loss", "cosface", "--out", str(tmp_path / "x")]
     assert main(bad) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
+
+
+def _launch(tmp_path: Path, data: str, env: dict[str, str], *extra: str) -> subprocess.Popen:
+    argv = ["train", "--nproc", "2", "--data", data, "--loss", "cosface", "--model", "mlp", "--epochs", "3",
+            "--batch-size", "36", "--embedding-dim", "8", "--num-threads", "1", "--no-report", "-q",
+            "--out", str(tmp_path / "run"), *extra]  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", CLI, *argv], env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _end(launcher: subprocess.Popen, processes: list[int]) -> None:
+    """Whatever happened in the test: nothing of the run outlives it (torchrun puts each rank in
+    a process group of its own)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    for pid in processes:  # still ours: alive and running this run (a pid may have been reused)
+        with contextlib.suppress(OSError):
+            if alive(pid) and str(tmp_run(launcher)) in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+    launcher.wait()
+
+
+def tmp_run(launcher: subprocess.Popen) -> str:
+    """The ``--out`` of a launched run."""
+    return launcher.args[launcher.args.index("--out") + 1]
+
+
+def _resumes_in_one_process(run_dir: Path) -> None:
+    assert load_checkpoint(run_dir / "last.pt")["epoch"] == 1  # the last checkpoint is intact
+    assert train(None, run_dir, resume=True, quiet=True, report=False).finished
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_cli_ranks_stop_with_their_launcher(tmp_path, sig):
+    data = "features:" + str(blobs(tmp_path / "blobs.npz"))
+    env, marks = hook_env(tmp_path, hang_after_epoch=1)  # rank 0 hangs after committing epoch 1
+    launcher = _launch(tmp_path, data, env)
+    below: list[int] = []
+    try:
+        wait_until(lambda: any(marks.iterdir()) or launcher.poll() is not None, 300, "epoch 1 committed")
+        below = descendants(launcher.pid)  # the torchrun agent and the two ranks
+        assert len(below) >= 3, below
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=120)
+        if sig == signal.SIGTERM:
+            assert launcher.returncode == 130 and "continue with: marginkit train --resume" in err, err
+        wait_until(lambda: not any(alive(p) for p in below), 60, "the agent and the ranks end")
+    finally:
+        _end(launcher, below)
+    _resumes_in_one_process(tmp_path / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stopped_rank_ends_the_run_with_a_clear_error_within_the_collective_timeout(tmp_path):
+    data = "features:" + str(blobs(tmp_path / "blobs.npz"))
+    env, marks = hook_env(tmp_path, stop_rank_at_epoch=2)  # rank 1 SIGSTOPs itself before epoch 2
+    launcher = _launch(tmp_path, data, env, "--set", "collective_timeout=5")
+    below: list[int] = []
+    try:
+        wait_until(lambda: any(marks.iterdir()) or launcher.poll() is not None, 300, "rank 1 stopped")
+        stopped = time.monotonic()
+        below = descendants(launcher.pid)
+        # rank 0 gives up after 5 s; torchrun then waits 30 s for the stopped rank before SIGKILL
+        _, err = launcher.communicate(timeout=5 + 30 + 60)
+        assert time.monotonic() - stopped < 5 + 30 + 60
+    finally:
+        _end(launcher, below)
+    assert launcher.returncode == 1
+    assert (
+        "marginkit: error: rank 0: a peer process did not answer within the collective timeout "
+        "(it stalled, was stopped or is much slower; see collective_timeout); the run stopped, its last.pt"
+    ) in err
+    _resumes_in_one_process(tmp_path / "run")
+
+
+def test_collective_timeout_is_a_runtime_option_checked_up_front():
+    from marginkit.train.config import RUNTIME_KEYS, ConfigError
+
+    assert "collective_timeout" in RUNTIME_KEYS and TrainConfig().collective_timeout == 600
+    with pytest.raises(ConfigError, match="collective_timeout must be > 0 seconds"):
+        apply_overrides(TrainConfig(), {"collective_timeout": 0})

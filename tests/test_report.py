@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from marginkit.report import write_compare_report, write_run_report
+from marginkit.report import lower_is_better, winners_line, write_compare_report, write_run_report
 from marginkit.train.evaluate import confusion_matrix, pca_2d, roc_curve
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -133,9 +133,9 @@ def test_compare_report(tmp_path, gen):
     ]
     text = write_compare_report(tmp_path, summary, runs, table_markdown="| loss |").read_text()
     assert_self_contained(text)
-    assert "0.9200 ± 0.0200" in text and "class=best" in text
+    assert "0.9200<br><span class=std>± 0.0200</span>" in text and "class=best" in text
     assert 'href="runs/softmax/seed0/report.html"' in text
-    assert len(images(text)) == 4  # bar plot, validation curves, two projections
+    assert len(images(text)) == 3  # bar plot, validation curves, the projections of both losses
 
 
 def test_roc_curve_matches_brute_force(gen):
@@ -182,3 +182,153 @@ def test_demo_like_end_to_end(tmp_path, capsys):
     assert all({"loss", "knn_accuracy", "map_at_r"} <= set(r) for r in rows)
     assert max(r["knn_accuracy"] for r in rows) > 0.5  # one epoch on mnist1d: far above chance (0.1)
     assert_self_contained((tmp_path / "d" / "report.html").read_text())
+
+
+# ---------------------------------------------------------------- what a reader sees (issue 14)
+def compare_fixture(tmp_path: Path, gen: torch.Generator, *, seeds: int, model: str = "cnn1d") -> tuple:
+    """Two losses trained like `marginkit compare` leaves them: run dirs and the summary rows."""
+    runs = {}
+    for loss in ("softmax", "triplet"):
+        d = tmp_path / "runs" / loss / "seed0"
+        d.parent.mkdir(parents=True)
+        fake_run(d, open_set=False, alpha=False, gen=gen)
+        m = json.loads((d / "metrics.json").read_text())
+        m.update(loss=loss, model=model, embedding_dim=64, num_train=900, num_test=300)
+        (d / "metrics.json").write_text(json.dumps(m))
+        runs[loss] = [d]
+    std = 0.01 if seeds > 1 else None
+    summary = [
+        {"loss": "softmax", "n_seeds": seeds, "knn_accuracy": 0.9, "knn_accuracy_std": std, "map_at_r": 0.8,
+         "map_at_r_std": std, "kind": "class", "seconds": 4.5020, "runs": [str(runs["softmax"][0])]},
+        {"loss": "triplet", "n_seeds": seeds, "knn_accuracy": 0.95, "knn_accuracy_std": std, "map_at_r": 0.79,
+         "map_at_r_std": std, "kind": "pair", "seconds": 12.25, "runs": [str(runs["triplet"][0])]},
+    ]  # fmt: skip
+    return runs, summary
+
+
+def test_compare_report_says_who_won_on_which_metric(tmp_path, gen):
+    runs, summary = compare_fixture(tmp_path, gen, seeds=1)
+    text = write_compare_report(tmp_path, summary, runs).read_text()
+    lead = re.search(r"<p class=lead>(.*?)</p>", text).group(1)
+    assert text.index("<p class=lead>") < text.index("<table")  # at the top, before the table
+    assert (
+        "knn_<wbr>accuracy: <b>triplet</b> 0.9500" in lead
+        and "map_<wbr>at_<wbr>r: <b>softmax</b> 0.8000" in lead
+    )
+    assert "one seed per loss" in lead
+
+
+def test_winners_with_seeds_ties_and_error_metrics():
+    rows = [
+        {"loss": "a", "n_seeds": 3, "knn_accuracy": 0.90, "knn_accuracy_std": 0.02, "ver_eer": 0.10,
+         "ver_eer_std": 0.001},
+        {"loss": "b", "n_seeds": 3, "knn_accuracy": 0.92, "knn_accuracy_std": 0.01, "ver_eer": 0.20,
+         "ver_eer_std": 0.001},
+        {"loss": "c", "n_seeds": 3, "knn_accuracy": 0.92, "knn_accuracy_std": 0.01, "ver_eer": 0.30,
+         "ver_eer_std": 0.001},
+    ]  # fmt: skip
+    line = winners_line(rows, ["knn_accuracy", "ver_eer"])
+    assert "<b>b = c</b> 0.9200 (within one std: a)" in line  # a tie, and a within noise
+    assert "ver_<wbr>eer: <b>a</b> 0.1000" in line  # lower is better for an error rate
+    assert "means over 3 seeds" in line
+    assert lower_is_better("ver_eer") and lower_is_better("ver_min_dcf") and not lower_is_better("map_at_r")
+
+
+def test_compare_table_has_no_list_repr_and_readable_seconds(tmp_path, gen):
+    runs, summary = compare_fixture(tmp_path, gen, seeds=1)
+    text = write_compare_report(tmp_path, summary, runs).read_text()
+    table = re.search(r"<table>.*?</table>", text).group(0)
+    assert "[" not in table and "runs/" not in table  # "runs" is not a column (the links are below)
+    assert "<td>4.5 s</td>" in table and "<td>12.2 s</td>" in table and "4.5020" not in text
+
+
+def test_one_seed_is_not_called_mean_and_std(tmp_path, gen):
+    runs, summary = compare_fixture(tmp_path, gen, seeds=1)
+    text = write_compare_report(tmp_path, summary, runs).read_text()
+    assert "mean ± std" not in text and "Results on the test set (one seed per loss)" in text
+    assert "error bars" not in text and "± " not in re.search(r"<table>.*?</table>", text).group(0)
+    runs, summary = compare_fixture(tmp_path / "three", gen, seeds=3)
+    text = write_compare_report(tmp_path / "three", summary, runs).read_text()
+    assert (
+        "Results on the test set (mean ± std over 3 seeds)" in text and "error bars: std over seeds" in text
+    )
+
+
+def test_compare_header_names_the_backbone_used(tmp_path, gen):
+    runs, summary = compare_fixture(tmp_path, gen, seeds=1, model="cnn2d")
+    text = write_compare_report(tmp_path, summary, runs, notes="Total 3 s.").read_text()
+    assert "backbone cnn2d" in text and "model auto" not in text and "backbone auto" not in text
+    assert "2 losses on toy (900 training / 300 test samples), 1 seed each" in text and "Total 3 s." in text
+
+
+def test_wide_comparison_fits_the_page(tmp_path, gen):
+    """Open-set comparisons carry a dozen verification numbers: the table keeps the scores,
+    leaves thresholds and counts to the per-run reports, wraps headers, and scrolls itself."""
+    runs, summary = compare_fixture(tmp_path, gen, seeds=1)
+    for r in summary:
+        r.update({"ver_tar_at_far_0.01": 0.5, "ver_tar_at_far_0.001": 0.3, "ver_thresholds_0.01": 0.7,
+                  "ver_eer": 0.1, "ver_auc": 0.9, "ver_min_dcf": 0.4, "ver_min_dcf_threshold": 0.6,
+                  "ver_dcf_params_p_target": 0.01, "ver_num_genuine": 100,
+                  "ver_num_impostor": 1000})  # fmt: skip
+    text = write_compare_report(tmp_path, summary, runs).read_text()
+    table = re.search(r"<div class=wide><table>.*?</table></div>", text).group(0)
+    assert "ver_<wbr>tar_<wbr>at_<wbr>far_<wbr>0.01" in table and "ver_<wbr>eer" in table
+    for hidden in (
+        "thresholds",
+        "dcf_<wbr>params",
+        "num_<wbr>genuine",
+        "num_<wbr>impostor",
+        "dcf_<wbr>threshold",
+    ):
+        assert hidden not in table
+    assert ".wide{overflow-x:auto" in text
+    assert "max-width:1100px" in text  # the page, and so the table's box, stays narrower than 1400 px
+
+
+def test_bar_chart_legend_clear_of_bars_and_labels_inside():
+    from marginkit.report import bar_figure
+
+    names = ("softmax", "cosface", "arcface", "qmargin", "mep", "circle", "triplet", "local_triplet")
+    summary = [{"loss": n, "knn_accuracy": 0.97, "map_at_r": 0.9, "precision_at_1": 0.96} for n in names]
+    fig = bar_figure(summary, ["knn_accuracy", "map_at_r", "precision_at_1"])
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    legend = ax.get_legend().get_window_extent(renderer)
+    for bar in ax.patches:
+        assert not legend.overlaps(bar.get_window_extent(renderer))
+    page = fig.bbox
+    for label in ax.get_xticklabels():
+        box = label.get_window_extent(renderer)
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, label.get_text()
+
+
+def test_projections_have_a_class_legend(gen):
+    from marginkit.report import projection_figure, projections_figure
+
+    points = torch.randn(60, 2, generator=gen).numpy()
+    labels = np.arange(60) % 4
+    fig = projection_figure(points, labels)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ] and legend.get_title().get_text() == "class"
+    fig = projections_figure([("a", points, labels), ("b", points, (labels + 1) % 5)])
+    (legend,) = fig.legends  # one legend for all panels, same colour per class in each
+    assert [t.get_text() for t in legend.get_texts()] == ["0", "1", "2", "3", "4"]
+    many = projection_figure(torch.randn(300, 2, generator=gen).numpy(), np.arange(300) % 30)
+    assert not many.legends  # 30 classes: no legend of 30 indistinguishable colours
+
+
+def test_run_report_headline_and_backbone(tmp_path, gen):
+    run = fake_run(tmp_path / "r", open_set=False, alpha=False, gen=gen)
+    text = write_run_report(run).read_text()
+    lead = re.search(r"<p class=lead>(.*?)</p>", text).group(1)
+    assert lead.startswith("qmargin: K-NN accuracy <b>0.9000</b> · cosine-head accuracy <b>0.8800</b>")
+    assert "5-NN" in lead and "checkpoint of epoch 2 of 2" in lead
+    assert "backbone mlp" in text
+    log = re.search(r"<h2>Training log</h2>(.*?)</table>", text).group(1)
+    assert "<td>1.0 s</td>" in log and "<td>0.001</td>" in log  # epoch seconds; lr not padded

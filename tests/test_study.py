@@ -1,17 +1,20 @@
-"""The study (issue 8): the --quick run produces every table, config and verdict; helpers."""
+"""The study (issue 12): statistics and verdict rules, fake quantisation, the plan, the tuning
+spaces, and the --quick run producing every table, trial, config and verdict."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from marginkit.study.claims import _grade
-from marginkit.study.jobs import crammer_singer_hinge
-from marginkit.study.plan import study_plan
-from marginkit.study.runner import TABLES, build_jobs
+from marginkit.study.jobs import crammer_singer_hinge, fake_quantized
+from marginkit.study.plan import KNN_LOSSES, identity_rows, study_plan
+from marginkit.study.runner import build_jobs
+from marginkit.study.sections import TABLES
+from marginkit.study.stats import Comparison, compare, grade, outcome, paired_bootstrap
 from marginkit.study.tables import markdown_table, stat
 
 
@@ -31,9 +34,6 @@ def test_hinge_zero_gradient_past_margin() -> None:
     loss.sum().backward()
     assert loss[0] == 0 and bool((scores.grad[0] == 0).all())
     assert loss[1] > 0 and scores.grad[1].abs().sum() > 0
-
-
-def test_hinge_rejects_bad_shape() -> None:
     with pytest.raises(ValueError, match="scores"):
         crammer_singer_hinge(torch.zeros(3), torch.tensor([0, 0, 0]), 1.0)
 
@@ -42,54 +42,135 @@ def test_stat_and_table() -> None:
     s = stat([0.9, 0.8, None])
     assert s.n == 2 and math.isclose(s.mean, 0.85) and s.fmt().endswith("(some seeds n/m)")
     assert stat([None, None]).fmt() == "not measurable"
-    assert stat([0.5]).fmt() == "50.0 (1 seed)"
-    table = markdown_table(["a", "b"], [[1, 2]])
-    assert table.splitlines()[1] == "|:---|---:|"
+    assert markdown_table(["a", "b"], [[1, 2]]).splitlines()[1] == "|:---|---:|"
 
 
-def test_grade_rule() -> None:
-    assert _grade(4, 5) == "supported" and _grade(1, 5) == "not supported" and _grade(2, 5) == "mixed"
-    assert _grade(0, 0) == "not measured"
+# ----------------------------------------------------------------------------- statistics
+def test_paired_bootstrap_matches_scipy() -> None:
+    from scipy.stats import bootstrap
+
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(0.8, 0.05, 8), rng.normal(0.75, 0.05, 8)
+    mean, lo, hi = paired_bootstrap(a, b, n_boot=20_000)
+    ref = bootstrap((a - b,), np.mean, n_resamples=20_000, method="percentile", random_state=1)
+    assert math.isclose(mean, float(np.mean(a - b)), rel_tol=1e-12)
+    assert abs(lo - ref.confidence_interval.low) < 0.004 and abs(hi - ref.confidence_interval.high) < 0.004
 
 
+def test_paired_bootstrap_constant_difference_and_errors() -> None:
+    assert paired_bootstrap([0.5, 0.6, 0.7], [0.4, 0.5, 0.6]) == pytest.approx((0.1, 0.1, 0.1))
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_bootstrap([], [])
+
+
+def test_outcome_and_grade_rules() -> None:
+    assert outcome(0.01, 0.2) == "win" and outcome(-0.2, -0.01) == "loss" and outcome(-0.1, 0.1) == "tie"
+
+    def c(result: str) -> Comparison:
+        return Comparison("x", "a", "b", 5, 0.0, 0.0, 0.0, 0.0, 0.0, result)
+
+    assert grade([c("win")] * 4 + [c("tie")]) == "supported"
+    assert grade([c("win")] * 4 + [c("loss")]) == "mixed"  # a single loss forbids "supported"
+    assert grade([c("loss"), c("loss"), c("tie"), c("win")]) == "contradicted"
+    assert grade([c("tie"), c("tie")]) == "not supported"
+    assert grade([c("not measured")]) == "not measured"
+
+
+def test_compare_pairs_common_seeds_only() -> None:
+    a = {0: 0.9, 1: 0.91, 2: 0.92, 3: None, 4: 0.95}
+    b = {0: 0.8, 1: 0.8, 2: 0.81, 3: 0.5, 5: 0.1}
+    got = compare("x", "a", a, "b", b)
+    assert got.n == 3 and got.result == "win" and got.mean_b == pytest.approx(0.8033333)
+    assert compare("x", "a", {0: 1.0}, "b", {0: 0.0}).result == "not measured"  # < 3 paired seeds
+
+
+# ----------------------------------------------------------------------------- fake quantisation
+def test_fake_quantized_weights(gen: torch.Generator) -> None:
+    layer = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
+    with torch.no_grad():
+        layer[0].weight.copy_(torch.randn(4, 6, generator=gen))
+    original = layer[0].weight.detach().clone()
+    q = fake_quantized(layer, "int8")
+    w = q[0].weight.detach()
+    step = original.abs().amax(1, keepdim=True) / 127
+    ratio = w / step
+    torch.testing.assert_close(ratio, ratio.round(), atol=1e-4, rtol=0)  # on the per-row int8 grid
+    assert float((w - original).abs().max()) <= float(step.max()) / 2 + 1e-7
+    assert torch.equal(q[0].bias, layer[0].bias) and torch.equal(layer[0].weight, original)  # copy
+    bf = fake_quantized(layer, "bf16")[0].weight
+    assert torch.equal(bf, original.to(torch.bfloat16).float())
+    assert torch.equal(fake_quantized(layer, "fp32")[0].weight, original)
+    with pytest.raises(ValueError, match="precision"):
+        fake_quantized(layer, "int4")
+
+
+# ----------------------------------------------------------------------------- plan and spaces
 def test_full_plan_covers_the_issue() -> None:
     plan = study_plan(quick=False)
-    settings = {(d, pc) for d, pc, _ in plan.knn_settings}
-    assert settings == {("mnist1d", 50), ("mnist1d", 100), ("mnist1d", None), ("digits", 10), ("digits", 30),
-                        ("breast_cancer", None)}  # fmt: skip
-    assert all(seeds >= 3 for _, _, seeds in plan.knn_settings + plan.mep_settings)
+    assert plan.seeds >= 5
+    per_class = {pc for _, pc in plan.knn_settings}
+    assert {10, 50, 100} <= per_class
+    data = {d for d, _ in plan.knn_settings}
+    assert {"mnist-sample", "japanese-vowels", "digits", "breast_cancer", "mnist1d"} <= data
+    assert ("mnist-sample", 10) in plan.paper_settings and plan.tune_data == "mnist-sample"
+    assert any(d == "japanese-vowels" for d, _ in plan.disjoint_settings)
+    o = plan.identity_options
+    n_test = o["num_test_identities"] * o.get("test_samples_per_identity", 10)
+    genuine = o["num_test_identities"] * math.comb(o.get("test_samples_per_identity", 10), 2)
+    assert math.comb(n_test, 2) - genuine >= 10**6  # very low FAR is measurable
     jobs = build_jobs(plan)
     names = [j["name"] for j in jobs]
     assert len(names) == len(set(names))
-    losses = {j["loss"] for j in jobs if j["kind"] == "identities"}
-    assert {"arcface", "cosface", "entmax", "sparsemax", "qmargin"} <= losses
-    alphas = {
-        j["loss_options"].get("alpha") for j in jobs if j["kind"] == "identities" and j["loss"] == "qmargin"
-    }
-    assert alphas == {1.25, 1.5}
+    tunes = [j for j in jobs if j["kind"] == "tune"]
+    assert {j["loss"] for j in tunes} == set(KNN_LOSSES)
+    assert len({(j["trials"], j["startup_trials"], j["dev_seed"], j["sampler_seed"]) for j in tunes}) == 1
+    assert all(j["seed"] < plan.dev_seed for j in jobs if "seed" in j)  # never tune on an evaluation seed
+    paper = {j["loss"] for j in jobs if j["kind"] == "knn" and j["row"] == "paper"}
+    assert paper == set(KNN_LOSSES)
 
 
+def test_tuning_spaces_are_options_of_their_losses() -> None:
+    from marginkit.study.tuning import PAPER, SPACES
+    from marginkit.train import TrainConfig
+    from marginkit.train.registry import check_loss_options
+
+    fields = set(TrainConfig.keys())
+    for loss in KNN_LOSSES:
+        names = [name for name, *_ in SPACES[loss]]
+        loss_opts = {n.split(".", 1)[1]: None for n in names if n.startswith("loss_options.")}
+        check_loss_options(loss, loss_opts)  # raises for an option the loss does not take
+        assert {n for n in names if "." not in n} <= fields
+        check_loss_options(loss, PAPER[loss][1])
+    for _label, loss, options in identity_rows():
+        check_loss_options(loss, options)
+
+
+# ----------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_quick_study_writes_every_table(tmp_path) -> None:
     from marginkit.study import run_study
 
     res = run_study(tmp_path, quick=True, jobs=2, log=lambda _m: None)
     for name in TABLES:
-        text = (tmp_path / "tables" / f"{name}.md").read_text(encoding="utf-8")
-        assert "|" in text, name
+        assert "|" in (tmp_path / "tables" / f"{name}.md").read_text(encoding="utf-8"), name
     md = (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
-    for heading in ("## 1.", "## 2.", "## 2b.", "## 3.", "## 4.", "## 5.", "## 6.", "## Verdicts"):
-        assert heading in md
+    assert "## Verdicts" in md and all(f"## {i}." in md for i in range(1, 9))
     claims = json.loads((tmp_path / "claims.json").read_text(encoding="utf-8"))
-    assert len(claims) == 6
-    assert all(c["verdict"] in ("supported", "not supported", "mixed", "not measured") for c in claims)
+    verdicts = ("supported", "not supported", "mixed", "contradicted", "not measured")
+    assert len(claims) == 6 and all(c["verdict"] in verdicts for c in claims)
     assert res["wall_seconds"] > 0
-    plan = study_plan(quick=True)
-    for job in build_jobs(plan):
+    cost = json.loads((tmp_path / "cost.json").read_text(encoding="utf-8"))
+    assert cost["missing"] == 0 and cost["job_cpu_seconds"] > 0
+    for job in build_jobs(study_plan(quick=True)):
         run_dir = tmp_path / "runs" / job["name"]
         assert json.loads((run_dir / "job.json").read_text(encoding="utf-8")) == job
         assert (run_dir / "result.json").is_file()
-        if job["kind"] in ("knn", "identities", "transfer"):
+        if job["kind"] == "tune":
+            stored = json.loads((run_dir / "trials.json").read_text(encoding="utf-8"))
+            trials = stored["trials"]
+            assert stored["job"] == job
+            assert len(trials) == job["trials"] and all(0 <= t["val_knn_accuracy"] <= 1 for t in trials)
+        if job["kind"] in ("knn", "identities") or (job["kind"] == "disjoint" and job["loss"] != "raw"):
             assert (run_dir / "train" / "config.yaml").is_file()
 
 
@@ -111,3 +192,36 @@ def test_collect_only_on_empty_dir_writes_partial_tables(tmp_path) -> None:
     assert all((tmp_path / "tables" / f"{name}.md").is_file() for name in TABLES)
     assert {c["verdict"] for c in res["claims"]} == {"not measured"}
     assert not (tmp_path / "runs").exists()  # nothing was trained
+
+
+def test_a_result_is_reused_only_with_the_same_job_and_defaults(tmp_path) -> None:
+    from marginkit.study.jobs import library_defaults, stored_result
+
+    job = {"name": "knn/x/softmax/seed0", "kind": "knn", "loss": "softmax", "seed": 0}
+    path = tmp_path / "runs" / job["name"] / "result.json"
+    path.parent.mkdir(parents=True)
+    assert stored_result(job, tmp_path) is None
+    path.write_text(json.dumps({"job": job, "defaults": library_defaults(job), "result": {}}))
+    assert stored_result(job, tmp_path)["reused"] is True
+    path.write_text(json.dumps({"job": {**job, "seed": 1}, "defaults": library_defaults(job)}))
+    assert stored_result(job, tmp_path) is None  # another job
+    changed = library_defaults(job)
+    changed["train"]["lr"] = 1.0
+    path.write_text(json.dumps({"job": job, "defaults": changed}))
+    assert stored_result(job, tmp_path) is None  # a default changed since: rerun
+
+
+def test_unfinished_tuning_shows_its_trials(tmp_path) -> None:
+    from marginkit.study.tuning import partial_result
+
+    job = {"name": "tune/x/softmax", "kind": "tune", "loss": "softmax", "trials": 2}
+    path = tmp_path / "runs" / job["name"] / "trials.json"
+    path.parent.mkdir(parents=True)
+    assert partial_result(job, tmp_path) is None
+    trials = [{"number": n, "params": {"lr": lr}, "val_knn_accuracy": v} for n, lr, v in
+              ((0, 1e-3, 0.8), (1, 2e-3, 0.9), (2, 3e-3, 0.95))]  # fmt: skip
+    path.write_text(json.dumps({"job": job, "trials": trials}))
+    got = partial_result(job, tmp_path)["result"]
+    assert got["partial"] and got["best_params"] == {"lr": 2e-3} and len(got["trials"]) == 2  # capped
+    path.write_text(json.dumps({"job": {**job, "trials": 3}, "trials": trials}))
+    assert partial_result(job, tmp_path) is None  # another job's trials are never told

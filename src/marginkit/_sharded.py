@@ -59,7 +59,6 @@ __all__ = [
     "CommStats",
     "ShardedCosines",
     "gather_rows_with_grad",
-    "is_sharded",
     "record_collectives",
     "sharded_loss",
     "supports_sharding",
@@ -734,8 +733,3 @@ def sharded_loss(module: Any, cosines: ShardedCosines, labels: Any) -> Tensor:
             "and ClassCircleLoss do"
         )
     return reduce(loss, module.reduction)
-
-
-def is_sharded(x: Any) -> bool:
-    """True for a :class:`ShardedCosines` (cheap check for the losses' dispatch)."""
-    return isinstance(x, ShardedCosines)

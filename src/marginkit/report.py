@@ -20,13 +20,23 @@ import html
 import io
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["figure_png", "write_compare_report", "write_run_report"]
+__all__ = [
+    "bar_figure",
+    "figure_png",
+    "lower_is_better",
+    "projection_figure",
+    "projections_figure",
+    "winners_line",
+    "write_compare_report",
+    "write_run_report",
+]
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;
@@ -39,6 +49,9 @@ td:first-child,th:first-child{text-align:left}
 figcaption{font-size:.85em;color:#555;max-width:520px}
 img{max-width:100%}.muted{color:#777;font-size:.9em}code{background:#f4f4f4;padding:0 .2em}
 .best{font-weight:bold}
+.lead{font-size:1.05em;background:#f6f8fa;border-left:4px solid #4c72b0;padding:.5em .8em}
+.wide{overflow-x:auto;max-width:100%}.std{color:#666;font-size:.85em;white-space:nowrap}
+th{vertical-align:bottom}
 """
 
 
@@ -61,8 +74,10 @@ def figure_png(fig: Any) -> str:
 
 
 def _new_figure(w: float = 5.2, h: float = 3.6) -> Any:
-    figure_cls, _ = _mpl()
-    return figure_cls(figsize=(w, h))
+    figure_cls, canvas_cls = _mpl()
+    fig = figure_cls(figsize=(w, h))
+    canvas_cls(fig)  # an Agg canvas: layout and text extents work before the PNG is written
+    return fig
 
 
 def _img(b64: str, caption: str) -> str:
@@ -84,10 +99,32 @@ def _fmt(value: Any) -> str:
     return html.escape(str(value))
 
 
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+def _fmt_as(key: str, value: Any) -> str:
+    """``value`` formatted for the column (or metric) ``key``: seconds with one decimal,
+    rates as whole numbers, learning rates with three significant digits."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if key.endswith("seconds") or key == "seconds":
+            return f"{value:.1f} s"
+        if key.endswith("per_second"):
+            return f"{value:,.0f}"
+        if key in ("lr", "learning rate"):
+            return f"{value:.3g}"
+    return _fmt(value)
+
+
+def _header(name: str) -> str:
+    """A column name that may wrap after its underscores (long metric names)."""
+    return "_<wbr>".join(html.escape(part) for part in name.split("_"))
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], keys: Sequence[str] | None = None) -> str:
+    keys = list(keys) if keys is not None else list(header)
+    head = "".join(f"<th>{_header(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_fmt_as(k, v)}</td>" for k, v in zip(keys, row, strict=False)) + "</tr>"
+        for row in rows
+    )
+    return f"<div class=wide><table><tr>{head}</tr>{body}</table></div>"
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -156,17 +193,69 @@ def _confusion(conf: np.ndarray, class_names: Sequence[str] | None) -> str:
     return figure_png(fig)
 
 
-def _projection(points: np.ndarray, labels: np.ndarray, title: str = "", small: bool = False) -> str:
-    fig = _new_figure(3.6, 3.4) if small else _new_figure(5.2, 4.6)
-    ax = fig.subplots()
-    classes = np.unique(labels)
-    cmap = "tab10" if classes.size <= 10 else ("tab20" if classes.size <= 20 else "nipy_spectral")
-    codes = np.searchsorted(classes, labels)
-    ax.scatter(points[:, 0], points[:, 1], c=codes, cmap=cmap, s=4 if small else 6, alpha=0.75, linewidths=0)
+#: Classes up to which projections get one colour and one legend entry each.
+_LEGEND_CLASSES = 20
+
+
+def _scatter_classes(
+    ax: Any, points: np.ndarray, labels: np.ndarray, classes: np.ndarray, size: float
+) -> None:
+    """One colour per class of ``classes`` (shared across panels), each a legend entry."""
+    import matplotlib
+
+    if classes.size > _LEGEND_CLASSES:
+        codes = np.searchsorted(classes, labels)
+        ax.scatter(points[:, 0], points[:, 1], c=codes, cmap="turbo", vmin=0, vmax=classes.size - 1,
+                   s=size, alpha=0.75, linewidths=0)  # fmt: skip
+    else:
+        cmap = matplotlib.colormaps["tab10" if classes.size <= 10 else "tab20"]
+        for i, c in enumerate(classes):
+            keep = labels == c
+            ax.scatter(points[keep, 0], points[keep, 1], color=cmap(i), s=size, alpha=0.75, linewidths=0,
+                       label=str(c))  # fmt: skip
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.set_title(title or f"PCA of test embeddings ({classes.size} classes)", fontsize=9)
-    return figure_png(fig)
+
+
+def _class_legend(fig: Any, ax: Any, classes: np.ndarray) -> None:
+    if classes.size > _LEGEND_CLASSES:
+        return  # too many to tell apart; the caption says how many
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, title="class", loc="center left", bbox_to_anchor=(1.0, 0.5),
+               fontsize=8, title_fontsize=8, markerscale=2.5, frameon=False)  # fmt: skip
+
+
+def _projection(points: np.ndarray, labels: np.ndarray) -> str:
+    return figure_png(projection_figure(points, labels))
+
+
+def projection_figure(points: np.ndarray, labels: np.ndarray) -> Any:
+    """The 2-D projection of one run, one colour per class and a class legend (≤ 20 classes)."""
+    fig = _new_figure(5.2, 4.6)
+    ax = fig.subplots()
+    classes = np.unique(labels)
+    _scatter_classes(ax, points, labels, classes, 6)
+    ax.set_title(f"PCA of test embeddings ({classes.size} classes)", fontsize=9)
+    fig.tight_layout()
+    _class_legend(fig, ax, classes)
+    return fig
+
+
+def projections_figure(panels: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> Any:
+    """Several losses' projections side by side (four per row), one class legend for all."""
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = _new_figure(3.0 * cols, 2.9 * rows)
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    classes = np.unique(np.concatenate([labels for _, _, labels in panels]))
+    for ax, (title, points, labels) in zip(axes, panels, strict=False):
+        _scatter_classes(ax, points, labels, classes, 4)
+        ax.set_title(title, fontsize=10)
+    for ax in axes[len(panels) :]:
+        ax.set_axis_off()
+    fig.tight_layout()
+    _class_legend(fig, axes[0], classes)
+    return fig
 
 
 def _histogram(values: np.ndarray, xlabel: str, *, discrete: bool = False, vline: float | None = None) -> str:
@@ -243,6 +332,34 @@ def _flatten(prefix: str, value: Any, out: list[tuple[str, Any]]) -> None:
         out.append((prefix, value))
 
 
+def _run_headline(metrics: dict[str, Any], history: list[dict[str, Any]]) -> str:
+    """One line: the run's main test result and where it stands."""
+    bits = []
+    for key, label in (("knn_accuracy", "K-NN accuracy"), ("head_accuracy", "cosine-head accuracy"),
+                       ("map_at_r", "MAP@R")):  # fmt: skip
+        if _number(metrics.get(key)) is not None:
+            bits.append(f"{label} <b>{_fmt(float(metrics[key]))}</b>")
+    if (
+        isinstance(metrics.get("verification"), dict)
+        and _number(metrics["verification"].get("eer")) is not None
+    ):
+        bits.append(f"EER <b>{_fmt(float(metrics['verification']['eer']))}</b>")
+    if not bits:
+        return ""
+    where = []
+    if metrics.get("num_test") is not None:
+        where.append(f"{html.escape(str(metrics['num_test']))} test samples")
+    if metrics.get("k") is not None and "knn_accuracy" in metrics:
+        where.append(f"{html.escape(str(metrics['k']))}-NN")
+    epochs = len(history)
+    if metrics.get("epoch") is not None:
+        where.append(
+            f"checkpoint of epoch {html.escape(str(metrics['epoch']))}" + (f" of {epochs}" if epochs else "")
+        )
+    tail = f" <span class=muted>({', '.join(where)})</span>" if where else ""
+    return f"<p class=lead>{html.escape(str(metrics.get('loss', '?')))}: {' · '.join(bits)}{tail}</p>"
+
+
 def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``report.html`` for a run directory; returns its path."""
     run_dir = Path(run_dir)
@@ -256,9 +373,10 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
         with np.load(run_dir / "eval.npz", allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     title = f"marginkit run — {metrics.get('loss', '?')} on {metrics.get('data', '?')}"
-    parts = [f"<h1>{html.escape(title)}</h1>"]
+    parts = [f"<h1>{html.escape(title)}</h1>", _run_headline(metrics, history)]
     parts.append(
-        f"<p class=muted>{html.escape(str(run_dir))} · model {html.escape(str(metrics.get('model', '?')))} · "
+        f"<p class=muted>{html.escape(str(run_dir))} · "
+        f"backbone {html.escape(str(metrics.get('model', '?')))} · "
         f"embedding dim {metrics.get('embedding_dim', '?')} · "
         f"checkpoint {html.escape(str(metrics.get('checkpoint')))} (epoch {metrics.get('epoch', '?')}) · "
         f"fingerprint <code>{html.escape(str(metrics.get('fingerprint', '')))}</code></p>"
@@ -291,7 +409,9 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
         )
     if "projection" in arrays:
         proj = _projection(arrays["projection"], arrays["projection_labels"])
-        figures.append(_img(proj, "Test embeddings projected on their two leading principal components."))
+        figures.append(
+            _img(proj, "Test embeddings projected on their two leading principal components (colour: class).")
+        )
     if "margin_gap" in arrays:
         figures.append(
             _img(
@@ -337,7 +457,13 @@ def _write_html(path: Path, title: str, parts: list[str]) -> None:
 
 # ---------------------------------------------------------------------- compare report
 def _bar_plot(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
-    fig = _new_figure(max(6.0, 1.1 * len(summary) + 2), 3.8)
+    return figure_png(bar_figure(summary, metrics))
+
+
+def bar_figure(summary: list[dict[str, Any]], metrics: Sequence[str]) -> Any:
+    """Grouped bars, one group per loss; the legend sits above the axes (never on a bar) and
+    the loss names are drawn inside the figure (``tight_layout``)."""
+    fig = _new_figure(max(6.0, 1.0 * len(summary) + 2.5), 4.0)
     ax = fig.subplots()
     n = len(metrics)
     width = 0.8 / max(1, n)
@@ -347,13 +473,18 @@ def _bar_plot(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
         stds = [r.get(f"{m}_std") or 0.0 for r in summary]
         yerr = stds if any(stds) else None
         ax.bar(x + (i - (n - 1) / 2) * width, means, width, yerr=yerr, capsize=2, label=m)
-    ax.set_xticks(x, [r["loss"] for r in summary], rotation=30, ha="right")
+    names = [r["loss"] for r in summary]
+    crowded = max((len(nm) for nm in names), default=0) * len(names) > 70
+    ax.set_xticks(x, names, rotation=30 if crowded else 0, ha="right" if crowded else "center",
+                  rotation_mode="anchor")  # fmt: skip
+    ax.set_xlim(-0.6, len(summary) - 0.4)
     finite = [r.get(m) for r in summary for m in metrics if isinstance(r.get(m), (int, float))]
     lo = min(finite) if finite else 0.0
-    ax.set_ylim(max(0.0, lo - 0.1), 1.0)
+    ax.set_ylim(max(0.0, math.floor((lo - 0.05) * 10) / 10), 1.0)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    return figure_png(fig)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=max(1, n), frameon=False)
+    fig.tight_layout()
+    return fig
 
 
 def compare_plot(summary: list[dict[str, Any]], metrics: Sequence[str], path: str | Path) -> Path:
@@ -375,8 +506,154 @@ def _val_overlay(histories: dict[str, list[dict[str, Any]]]) -> str | None:
     ax.set_xlabel("epoch")
     ax.set_ylabel("validation K-NN accuracy / precision@1")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)  # off the curves
+    fig.tight_layout()
     return figure_png(fig)
+
+
+#: Summary keys that are bookkeeping or settings, not metrics (never a "best").
+_NOT_METRICS = ("loss", "kind", "n_seeds", "runs", "seconds", "epochs")
+
+
+def _metric_columns(summary: list[dict[str, Any]]) -> list[str]:
+    """Metric columns of a comparison, in first-seen order; verification details that are
+    not scores (thresholds, cost parameters, pair counts) are left to the per-run reports."""
+    cols: list[str] = []
+    for row in summary:
+        for key, value in row.items():
+            if key.endswith("_std") or key in _NOT_METRICS or key in cols:
+                continue
+            if re.search(r"threshold|dcf_params|num_genuine|num_impostor", key):
+                continue
+            if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                cols.append(key)
+    return cols
+
+
+def lower_is_better(metric: str) -> bool:
+    """Error-type metrics (EER, minDCF) are better when lower; everything else when higher."""
+    return bool(re.search(r"(^|_)(eer|min_dcf|loss|error)($|_)", metric))
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _winners(summary: list[dict[str, Any]], metric: str) -> tuple[list[str], float] | None:
+    """The losses with the best mean of ``metric`` (several on an exact tie) and that mean."""
+    vals = [(r["loss"], v) for r in summary if (v := _number(r.get(metric))) is not None]
+    if not vals:
+        return None
+    best = (min if lower_is_better(metric) else max)(v for _, v in vals)
+    return [loss for loss, v in vals if v == best], best
+
+
+def _within_noise(summary: list[dict[str, Any]], metric: str, winners: list[str], best: float) -> list[str]:
+    """Other losses whose mean is within the summed std of the winner's (several seeds only)."""
+    top = next(r for r in summary if r["loss"] == winners[0])
+    s_top = _number(top.get(f"{metric}_std"))
+    out = []
+    for r in summary:
+        v, s = _number(r.get(metric)), _number(r.get(f"{metric}_std"))
+        if r["loss"] in winners or v is None or s is None or s_top is None:
+            continue
+        if abs(best - v) <= s + s_top:
+            out.append(r["loss"])
+    return out
+
+
+def winners_line(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
+    """One sentence (HTML) naming the best loss on each metric, with the noise caveat."""
+    parts = []
+    for m in metrics:
+        won = _winners(summary, m)
+        if won is None:
+            continue
+        names, best = won
+        text = f"{_header(m)}: <b>{html.escape(' = '.join(names))}</b> {_fmt(best)}"
+        close = _within_noise(summary, m, names, best)
+        if close:
+            text += f" (within one std: {html.escape(', '.join(close))})"
+        parts.append(text)
+    if not parts:
+        return ""
+    seeds = max((int(r.get("n_seeds") or 1) for r in summary), default=1)
+    caveat = (
+        "one seed per loss: a difference of a few test samples can change with the seed (--seeds N)"
+        if seeds == 1
+        else f"means over {seeds} seeds"
+    )
+    return f"<p class=lead>Best — {' · '.join(parts)}. <span class=muted>({html.escape(caveat)})</span></p>"
+
+
+def _run_facts(runs: dict[str, list[Path]]) -> dict[str, Any]:
+    """What the runs were trained with, read from their ``metrics.json`` / ``config.yaml``."""
+    facts: dict[str, Any] = {}
+    for dirs in runs.values():
+        for d in dirs:
+            try:
+                m = json.loads((d / "metrics.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if not isinstance(m, dict):
+                continue
+            for key in ("data", "model", "embedding_dim", "num_train", "num_test"):
+                facts.setdefault(key, set()).add(str(m.get(key, "?")))
+            cfg = _config_values(d / "config.yaml", ("epochs", "batch_size"))
+            for key, value in cfg.items():
+                facts.setdefault(key, set()).add(value)
+    return {k: ", ".join(sorted(v)) for k, v in facts.items()}
+
+
+def _config_values(path: Path, keys: Sequence[str]) -> dict[str, str]:
+    """Top-level ``key: value`` scalars of a run's config.yaml (written by the trainer)."""
+    out: dict[str, str] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key in keys and value.strip():
+            out[key] = value.strip()
+    return out
+
+
+def _setup_line(summary: list[dict[str, Any]], runs: dict[str, list[Path]]) -> str:
+    f = _run_facts(runs)
+    seeds = max((int(r.get("n_seeds") or 1) for r in summary), default=1)
+    bits = [f"{len(summary)} losses on {f.get('data', '?')}"]
+    if "num_train" in f:
+        bits[0] += f" ({f['num_train']} training / {f.get('num_test', '?')} test samples)"
+    bits.append(f"{seeds} seed{'s' if seeds > 1 else ''} each")
+    bits.append(f"backbone {f.get('model', '?')}")
+    if "embedding_dim" in f:
+        bits.append(f"embedding {f['embedding_dim']}")
+    if "epochs" in f:
+        bits.append(f"{f['epochs']} epoch{'' if f['epochs'] == '1' else 's'}")
+    if "batch_size" in f:
+        bits.append(f"batch {f['batch_size']}")
+    return ", ".join(bits) + "; the same for every loss."
+
+
+def _compare_table(summary: list[dict[str, Any]], cols: list[str]) -> str:
+    keys = ["kind", *cols, "seconds"] if summary and "kind" in summary[0] else [*cols, "seconds"]
+    keys = [k for k in keys if any(k in r for r in summary)]
+    best = {m: w for m in cols if (w := _winners(summary, m)) is not None}
+    body = []
+    for r in summary:
+        cells = [f"<td>{html.escape(str(r['loss']))}</td>"]
+        for k in keys:
+            v, sd = r.get(k), _number(r.get(f"{k}_std"))
+            text = _fmt_as(k, v) + (
+                f"<br><span class=std>± {_fmt_as(k, sd)}</span>" if sd is not None else ""
+            )
+            cls = " class=best" if k in best and r["loss"] in best[k][0] else ""
+            cells.append(f"<td{cls}>{text}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    head = "".join(f"<th>{_header(h)}</th>" for h in ["loss", *keys])
+    return f"<div class=wide><table><tr>{head}</tr>{''.join(body)}</table></div>"
 
 
 def write_compare_report(
@@ -391,62 +668,48 @@ def write_compare_report(
 ) -> Path:
     """Write ``out_dir/report.html`` for a comparison.
 
+    The page opens with the best loss on each metric, then what was trained (read from the
+    runs: data, backbone actually used, budget), the table (mean, and std under it when
+    there are several seeds; the best cell of each metric in bold), the bar plot, the
+    validation curves and the test embeddings of every loss.
+
     Args:
-        summary: one row per loss (``loss`` plus ``metric`` / ``metric_std`` keys).
+        summary: one row per loss (``loss`` plus ``metric`` / ``metric_std`` keys, ``n_seeds``).
         runs: loss → its run directories (the first seed's curves and projection are shown).
         table_markdown: the text table, shown verbatim.
         metrics: the metrics of the bar plot.
+        notes: one more sentence under the set-up (e.g. the total time).
     """
     out_dir = Path(out_dir)
+    cols = _metric_columns(summary)
     parts = [f"<h1>{html.escape(title)}</h1>"]
-    if notes:
-        parts.append(f"<p>{html.escape(notes)}</p>")
-    keys = [k for k in summary[0] if not k.endswith("_std") and k not in ("loss",)] if summary else []
-    best = {}
-    for k in keys:
-        vals = [
-            r.get(k) for r in summary if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
-        ]
-        if vals and k not in ("seconds", "n_seeds", "epochs"):
-            best[k] = max(vals)
-    header = ["loss", *keys]
-    body = []
-    for r in summary:
-        cells = [f"<td>{html.escape(r['loss'])}</td>"]
-        for k in keys:
-            v, s = r.get(k), r.get(f"{k}_std")
-            text = _fmt(v) + (f" ± {_fmt(s)}" if isinstance(s, float) and not math.isnan(s) else "")
-            cls = " class=best" if k in best and v == best[k] else ""
-            cells.append(f"<td{cls}>{text}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    parts.append(
-        "<h2>Results (mean ± std over seeds)</h2><table><tr>"
-        + "".join(f"<th>{html.escape(h)}</th>" for h in header)
-        + "</tr>"
-        + "".join(body)
-        + "</table>"
-    )
+    headline = [m for m in ("knn_accuracy", "head_accuracy", "map_at_r", "ver_eer") if m in cols] or cols[:3]
+    parts.append(winners_line(summary, headline))
+    setup = _setup_line(summary, runs) if summary else ""
+    parts.append(f"<p>{html.escape(' '.join(x for x in (setup, notes) if x))}</p>")
+    seeds = max((int(r.get("n_seeds") or 1) for r in summary), default=1)
+    heading = f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed per loss"
+    parts.append(f"<h2>Results on the test set ({heading})</h2>" + _compare_table(summary, cols))
     if summary:
-        parts.append(_img(_bar_plot(summary, metrics), "Test metrics per loss (error bars: std over seeds)."))
+        caption = "Test metrics per loss" + (" (error bars: std over seeds)." if seeds > 1 else ".")
+        parts.append(_img(_bar_plot(summary, metrics), caption))
     histories = {loss: _read_jsonl(dirs[0] / "metrics.jsonl") for loss, dirs in runs.items() if dirs}
     overlay = _val_overlay(histories)
     if overlay:
         parts.append(
             "<h2>Validation curves (first seed)</h2>" + _img(overlay, "Model-selection metric per epoch.")
         )
-    projections = []
+    panels = []
     for loss, dirs in runs.items():
         if not dirs or not (dirs[0] / "eval.npz").is_file():
             continue
         with np.load(dirs[0] / "eval.npz", allow_pickle=False) as z:
             if "projection" in z.files:
-                projections.append(
-                    _img(_projection(z["projection"], z["projection_labels"], loss, small=True), loss)
-                )
-    if projections:
-        parts.append(
-            "<h2>Test embeddings (PCA, first seed)</h2><div class=grid>" + "".join(projections) + "</div>"
-        )
+                panels.append((loss, z["projection"], z["projection_labels"]))
+    if panels:
+        caption = "Each loss's test embeddings on their two leading principal components (colour: class)."
+        pca = figure_png(projections_figure(panels))
+        parts.append("<h2>Test embeddings (PCA, first seed)</h2>" + _img(pca, caption))
     links = []
     for loss, dirs in runs.items():
         for d in dirs:

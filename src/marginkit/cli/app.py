@@ -3,38 +3,65 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import platform
 import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from marginkit.cli.compare import DEMO_LOSSES, DEMO_OPTIONS
 from marginkit.cli.errors import EXIT_INTERRUPTED, EXIT_TRAINING, EXIT_USAGE, UserError
+from marginkit.train.config import TrainConfig
 
 __all__ = ["build_parser", "main"]
 
 # flag -> config key, type for argparse, help
 OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
-    ("--model", "model", str, "backbone: auto, mlp, cnn1d, cnn2d, resnet"),
+    ("--model", "model", str, "backbone: auto (by the data's shape), mlp, cnn1d, cnn2d, resnet"),
     ("--epochs", "epochs", int, "training epochs"),
     ("--lr", "lr", float, "learning rate"),
     ("--batch-size", "batch_size", int, "mini-batch size (P×K for pair losses)"),
     ("--embedding-dim", "embedding_dim", int, "embedding dimension"),
     ("--seed", "seed", int, "random seed (data split, init, batch order)"),
-    ("--train-per-class", "train_per_class", int, "keep N training samples per class (stratified)"),
+    ("--train-per-class", "train_per_class", int, "keep N training samples per class (default: all)"),
     ("--val-fraction", "val_fraction", float, "share of training data held out for validation"),
     ("--k", "k", int, "neighbours of the K-NN classifier"),
     ("--optimizer", "optimizer", str, "adamw or sgd"),
     ("--scheduler", "scheduler", str, "cosine, step or none"),
     ("--warmup-epochs", "warmup_epochs", float, "linear warm-up length in epochs"),
     ("--weight-decay", "weight_decay", float, "weight decay of the backbone"),
-    ("--grad-clip", "grad_clip", float, "clip the global gradient norm"),
+    ("--grad-clip", "grad_clip", float, "clip the global gradient norm (default: off)"),
     ("--device", "device", str, "cpu, cuda, cuda:N or auto"),
-    ("--num-threads", "num_threads", int, "torch intra-op threads"),
+    ("--num-threads", "num_threads", int, "torch intra-op threads (default: torch's default)"),
 )
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless there is none (``None``, ``False``)
+    or the text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and action.default not in (None, False, []):
+            action = copy.copy(action)  # an option without a help text still shows its default
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors that suggest the nearest valid flag or command."""
+    """argparse with one-line errors that suggest the nearest valid flag or command, and help
+    that shows the defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
@@ -73,10 +100,13 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
     )
     if with_loss:
         g.add_argument("--loss", metavar="LOSS", help="loss name (see `marginkit losses`)")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for flag, key, typ, help_ in OVERRIDES:
+        if "default" not in help_:  # the flag's own default is None: "take it from --config"
+            help_ = f"{help_} (default: {defaults[key]})"
         g.add_argument(flag, dest=f"opt_{key}", type=typ, metavar=key.upper(), help=help_)
     g.add_argument(
-        "--amp", dest="opt_amp", action="store_const", const=True, help="bf16 autocast (mixed precision)"
+        "--amp", dest="opt_amp", action="store_const", const=True, help="bf16 autocast (default: off)"
     )
     g.add_argument(
         "--set",
@@ -96,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _common(parser)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     p = sub.add_parser("train", help="train and evaluate one model", allow_abbrev=False)
@@ -118,19 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--data", metavar="DATA", help="evaluate on this data set (default: the run's)")
-    p.add_argument("--checkpoint", choices=("best", "last"), default="best")
+    p.add_argument("--checkpoint", choices=("best", "last"), default="best", help="which checkpoint")
     p.add_argument("--k", type=int, help="K of the K-NN classifier (default: the run's)")
     p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json FILE")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
 
     p = sub.add_parser("embed", help="write embeddings of a data set to .npz", allow_abbrev=False)
     _common(p)
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--data", metavar="DATA", help="data set (default: the run's)")
     p.add_argument("--out", required=True, metavar="FILE.npz")
-    p.add_argument("--split", choices=("train", "val", "test", "all"), default="all")
-    p.add_argument("--checkpoint", choices=("best", "last"), default="best")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--split", choices=("train", "val", "test", "all"), default="all", help="which split")
+    p.add_argument("--checkpoint", choices=("best", "last"), default="best", help="which checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
 
     p = sub.add_parser("predict", help="K-NN predictions for new inputs (x in an .npz)", allow_abbrev=False)
     _common(p)
@@ -139,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         "input", metavar="INPUT.npz", help="array `x` (raw inputs, like the training data's files)"
     )
     p.add_argument("--out", metavar="FILE", help="write predictions (.csv or .npz)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
 
     p = sub.add_parser("report", help="(re)write RUN_DIR/report.html", allow_abbrev=False)
     _common(p)
@@ -156,13 +190,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="compare 8 losses on mnist1d (a few minutes on CPU)", allow_abbrev=False)
     _common(p)
-    p.add_argument("--out", default="demo_out", metavar="DIR")
-    p.add_argument("--seeds", type=int, default=1)
-    p.add_argument("--epochs", type=int, help="override the demo's epoch budget")
-    p.add_argument("--losses", help="comma-separated subset of the demo's losses")
+    p.add_argument("--out", default="demo_out", metavar="DIR", help="where the runs, tables and report go")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per loss (mean ± std)")
+    p.add_argument("--epochs", type=int, help=f"epochs of every run (default: {DEMO_OPTIONS['epochs']})")
+    p.add_argument(
+        "--losses",
+        help=f"comma-separated subset of the demo's losses (default: all {len(DEMO_LOSSES)}: "
+        + ", ".join(DEMO_LOSSES)
+        + ")",
+    )
     p.add_argument("--jobs", type=int, help="runs trained at once (default: min(2, CPU cores))")
     p.add_argument("--overwrite", action="store_true", help="retrain runs already in DIR")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the table and its conditions for the README (to paste verbatim)",
+    )
 
     p = sub.add_parser("study", help="the reproducible study of docs/RESULTS.md", allow_abbrev=False)
     _common(p)
@@ -179,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("datasets", help="list the data set names and file formats", allow_abbrev=False)
     _common(p)
     return parser
+
+
+def _version() -> str:
+    """``marginkit X (torch Y, Python Z)``, without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from marginkit import __version__
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:  # pragma: no cover - torch is a dependency
+        torch = "not installed"
+    return f"marginkit {__version__} (torch {torch}, Python {platform.python_version()})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

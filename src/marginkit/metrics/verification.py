@@ -1,4 +1,4 @@
-"""Verification metrics (TAR@FAR, EER, AUC, minDCF) and blockwise genuine/impostor pair scores."""
+"""Verification metrics (TAR@FAR, EER, AUC, minDCF, subject-bootstrap intervals) and pair scores."""
 
 from __future__ import annotations
 
@@ -7,51 +7,62 @@ from collections.abc import Sequence
 
 import torch
 
-from marginkit._validation import compute_dtype, float_tensor, positive_float, positive_int
+from marginkit._validation import compute_dtype, positive_float, positive_int
 from marginkit.knn._search import check_embeddings, check_labels, prepare
+from marginkit.metrics import _roc
+from marginkit.metrics._roc import check_pairs
+from marginkit.metrics.bootstrap import check_groups, subject_bootstrap
 
 DEFAULT_FARS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
 
 
-def _check_pairs(scores: object, is_genuine: object) -> tuple[torch.Tensor, torch.Tensor]:
-    float_tensor(scores, "scores")
-    assert isinstance(scores, torch.Tensor)
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be a 1-D tensor of pair scores, got shape {tuple(scores.shape)}")
-    if not isinstance(is_genuine, torch.Tensor):
-        raise TypeError(f"is_genuine must be a torch.Tensor of bools, got {type(is_genuine).__name__}")
-    if is_genuine.dtype != torch.bool:
-        if torch.is_floating_point(is_genuine) or torch.is_complex(is_genuine):
-            raise TypeError(
-                f"is_genuine must be a bool (or 0/1 integer) tensor, got dtype {is_genuine.dtype}"
-            )
-        if bool(((is_genuine != 0) & (is_genuine != 1)).any()):
-            raise ValueError("is_genuine must contain only 0/1 (or bool) values")
-        is_genuine = is_genuine.to(torch.bool)
-    if is_genuine.shape != scores.shape:
-        raise ValueError(
-            f"is_genuine must have one entry per score: got scores of shape {tuple(scores.shape)} "
-            f"and is_genuine of shape {tuple(is_genuine.shape)}"
-        )
-    n_gen = int(is_genuine.sum())
-    if n_gen == 0:
-        raise ValueError("is_genuine has no genuine pair (no True): TAR, EER and AUC are undefined")
-    if n_gen == is_genuine.numel():
-        raise ValueError("is_genuine has no impostor pair (all True): FAR, EER and AUC are undefined")
-    return scores, is_genuine
+def _check_dcf(p_target: float, c_miss: float, c_fa: float) -> tuple[float, float, float]:
+    p_target = positive_float(p_target, "p_target")
+    if p_target >= 1:
+        raise ValueError(f"p_target must lie in (0, 1), got {p_target}")
+    return p_target, positive_float(c_miss, "c_miss"), positive_float(c_fa, "c_fa")
 
 
-def _auc(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
-    """Mann-Whitney AUC: P(genuine > impostor) + P(equal)/2, from mid-ranks."""
-    values, order = torch.sort(scores)
-    _, inverse, counts = torch.unique_consecutive(values, return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).to(torch.float64)
-    mid_rank = ends - (counts.to(torch.float64) - 1) / 2  # 1-based average rank of each tie group
-    genuine_sorted = is_genuine[order]
-    n_gen = int(is_genuine.sum())
-    n_imp = is_genuine.numel() - n_gen
-    rank_sum = mid_rank[inverse][genuine_sorted].sum()
-    return float((rank_sum - n_gen * (n_gen + 1) / 2) / (n_gen * n_imp))
+def eer(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
+    r"""Equal error rate of pair scores (accept iff score > t).
+
+    The ROC polyline through the operating points ``(FAR(t), FRR(t))``, ``t`` over ``-inf``
+    and every distinct score, intersected with ``FAR = FRR`` by linear interpolation.
+
+    Example:
+        >>> import torch
+        >>> eer(torch.tensor([0.6, 0.8, 0.2, 0.7]), torch.tensor([True, True, False, False]))
+        0.5
+    """
+    return _roc.eer(*_roc.sides(*check_pairs(scores, is_genuine)))
+
+
+def min_dcf(
+    scores: torch.Tensor,
+    is_genuine: torch.Tensor,
+    p_target: float = 0.01,
+    c_miss: float = 1.0,
+    c_fa: float = 1.0,
+) -> tuple[float, float]:
+    r"""Normalised minimum detection cost (NIST SRE) and the smallest threshold attaining it.
+
+    .. math::
+        \text{minDCF} = \min_t \frac{c_\text{miss}\, p\, \text{FRR}(t)
+        + c_\text{fa} (1 - p)\, \text{FAR}(t)}{\min(c_\text{miss} p,\ c_\text{fa} (1 - p))}
+
+    over ``t`` in ``-inf`` and every distinct score (accept iff score > t).
+
+    Returns:
+        ``(min_dcf, threshold)``.
+
+    Example:
+        >>> import torch
+        >>> min_dcf(torch.tensor([0.9, 0.8, 0.1]), torch.tensor([True, True, False]), p_target=0.5)
+        (0.0, 0.10000000149011612)
+    """
+    scores, is_genuine = check_pairs(scores, is_genuine)
+    p_target, c_miss, c_fa = _check_dcf(p_target, c_miss, c_fa)
+    return _roc.min_dcf(*_roc.sides(scores, is_genuine), p_target, c_miss, c_fa)
 
 
 def verification_metrics(
@@ -62,6 +73,10 @@ def verification_metrics(
     p_target: float = 0.01,
     c_miss: float = 1.0,
     c_fa: float = 1.0,
+    bootstrap: int = 0,
+    groups: torch.Tensor | None = None,
+    seed: int = 0,
+    confidence: float = 0.95,
 ) -> dict[str, object]:
     r"""TAR at fixed FARs (with thresholds), EER, ROC AUC and minDCF of pair scores.
 
@@ -77,23 +92,34 @@ def verification_metrics(
     below the target). A target ``FAR < 1/n`` cannot be measured with ``n`` impostor pairs:
     its TAR and threshold are ``None``, not a number.
 
-    EER: the ROC polyline through the operating points ``(FAR(t), FRR(t))``, ``t`` over
-    ``-inf`` and every distinct score, is intersected with ``FAR = FRR`` by linear
-    interpolation. AUC: the Mann-Whitney statistic ``P(g > i) + P(g = i)/2`` (equal to the
-    trapezoidal ROC area). minDCF (NIST SRE): the minimum over ``t`` of
-    ``c_miss p_target FRR(t) + c_fa (1 - p_target) FAR(t)``, divided by the cost of the
-    best trivial system ``min(c_miss p_target, c_fa (1 - p_target))``.
+    EER: see :func:`eer`. AUC: the Mann-Whitney statistic ``P(g > i) + P(g = i)/2`` (equal to
+    the trapezoidal ROC area). minDCF: see :func:`min_dcf`. Each class of scores is sorted
+    once; every metric is then binary searches over the two sorted copies.
+
+    Confidence intervals (``bootstrap=N`` with ``groups``): percentile intervals at level
+    ``confidence`` for TAR@FAR and EER from ``N`` replicates that resample *subjects*, see
+    :mod:`marginkit.metrics.bootstrap` (a pair is kept iff both its subjects are drawn, with
+    multiplicity). ``pair_scores(..., return_pairs=True)`` gives the pairs; ``labels[pairs]``
+    are their subjects.
 
     Args:
         scores: ``[P]`` pair scores, larger meaning more likely genuine (e.g. cosines).
         is_genuine: ``[P]`` bool (or 0/1) tensor; both kinds of pair must be present.
         fars: target false-accept rates in ``(0, 1)``.
         p_target, c_miss, c_fa: detection-cost parameters (stated in the output).
+        bootstrap: number of bootstrap replicates (0: no intervals).
+        groups: ``[P, 2]`` integer subject ids of each pair's two sides (or ``[P]``, one
+            subject per pair); required with ``bootstrap``.
+        seed: seed of the bootstrap draws.
+        confidence: interval level in ``(0, 1)``.
 
     Returns:
         ``{"tar_at_far": {far: float | None}, "thresholds": {far: float | None}, "eer",
         "auc", "min_dcf", "min_dcf_threshold": float, "dcf_params": {...},
-        "num_genuine", "num_impostor": int, "decision": "accept iff score > threshold"}``.
+        "num_genuine", "num_impostor": int, "decision": "accept iff score > threshold"}``,
+        plus ``"confidence_intervals"`` with ``bootstrap`` (``{"level", "method",
+        "replicates", "valid_replicates", "num_subjects", "seed", "tar_at_far": {far: (lo,
+        hi) | None}, "eer": (lo, hi)}``).
 
     Example:
         >>> import torch
@@ -103,64 +129,44 @@ def verification_metrics(
         >>> m["tar_at_far"], m["thresholds"][0.5]
         ({0.5: 1.0, 0.1: None}, 0.30000001192092896)
     """
-    scores, is_genuine = _check_pairs(scores, is_genuine)
+    scores, is_genuine = check_pairs(scores, is_genuine)
     fars = tuple(float(f) for f in fars)
     for far in fars:
         if not 0 < far < 1:
             raise ValueError(f"fars must lie in (0, 1), got {far}")
-    p_target = positive_float(p_target, "p_target")
-    if p_target >= 1:
-        raise ValueError(f"p_target must lie in (0, 1), got {p_target}")
-    c_miss, c_fa = positive_float(c_miss, "c_miss"), positive_float(c_fa, "c_fa")
+    p_target, c_miss, c_fa = _check_dcf(p_target, c_miss, c_fa)
+    bootstrap = positive_int(bootstrap, "bootstrap", minimum=0)
+    if bootstrap:
+        if groups is None:
+            raise ValueError("bootstrap needs groups: the subject ids of each pair (e.g. labels[pairs])")
+        groups = check_groups(groups, scores.numel()).to(scores.device)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        confidence = positive_float(confidence, "confidence")
+        if confidence >= 1:
+            raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
 
-    scores = scores.detach().to(torch.float64)
-    genuine = torch.sort(scores[is_genuine]).values
-    impostor = torch.sort(scores[~is_genuine]).values
-    n_g, n_i = genuine.numel(), impostor.numel()
-
-    def tar_above(t: torch.Tensor) -> torch.Tensor:
-        return (n_g - torch.searchsorted(genuine, t, right=True)).to(torch.float64) / n_g
-
-    tar_at_far: dict[float, float | None] = {}
-    thresholds: dict[float, float | None] = {}
-    for far in fars:
-        m = math.floor(far * n_i)
-        if (m + 1) <= far * n_i * (1 + 1e-12):  # far * n_i an integer up to rounding
-            m += 1
-        if m < 1:
-            tar_at_far[far] = thresholds[far] = None
-            continue
-        t = impostor[n_i - 1 - m] if m < n_i else torch.tensor(-math.inf, dtype=torch.float64)
-        thresholds[far] = float(t)
-        tar_at_far[far] = float(tar_above(t.reshape(1))[0])
-
-    # Operating points, threshold ascending: -inf (accept all), then every distinct score.
-    ts = torch.cat([torch.tensor([-math.inf], dtype=torch.float64), torch.unique(scores)])
-    far_t = (n_i - torch.searchsorted(impostor, ts, right=True)).to(torch.float64) / n_i
-    frr_t = 1 - tar_above(ts)
-    d = far_t - frr_t  # non-increasing, from 1 (t = -inf) to -1 (t = max score)
-    j = int(torch.nonzero(d <= 0)[0, 0])
-    if d[j] == 0:
-        eer = float(far_t[j])
-    else:
-        a = d[j - 1] / (d[j - 1] - d[j])
-        eer = float(far_t[j - 1] + a * (far_t[j] - far_t[j - 1]))
-
-    dcf = c_miss * p_target * frr_t + c_fa * (1 - p_target) * far_t
-    best = int(torch.argmin(dcf))
-    norm = min(c_miss * p_target, c_fa * (1 - p_target))
-    return {
+    genuine, impostor = _roc.sides(scores, is_genuine)
+    thresholds, tar_at_far = _roc.rates_at_targets(genuine, impostor, fars)
+    best, best_t = _roc.min_dcf(genuine, impostor, p_target, c_miss, c_fa)
+    out: dict[str, object] = {
         "tar_at_far": tar_at_far,
         "thresholds": thresholds,
-        "eer": eer,
-        "auc": _auc(scores, is_genuine),
-        "min_dcf": float(dcf[best]) / norm,
-        "min_dcf_threshold": float(ts[best]),
+        "eer": _roc.eer(genuine, impostor),
+        "auc": _roc.auc(genuine, impostor),
+        "min_dcf": best,
+        "min_dcf_threshold": best_t,
         "dcf_params": {"p_target": p_target, "c_miss": c_miss, "c_fa": c_fa, "normalized": True},
-        "num_genuine": n_g,
-        "num_impostor": n_i,
+        "num_genuine": genuine.count,
+        "num_impostor": impostor.count,
         "decision": "accept iff score > threshold",
     }
+    if bootstrap:
+        assert groups is not None
+        out["confidence_intervals"] = subject_bootstrap(
+            scores, is_genuine, groups, fars, bootstrap, seed=seed, level=confidence
+        )
+    return out
 
 
 def pair_scores(
@@ -195,7 +201,8 @@ def pair_scores(
     Returns:
         ``(scores, is_genuine)`` (``[P]`` float32, or float64 for float64 input, and bool),
         genuine pairs first, each group in increasing ``(i, j)`` order; plus ``pairs`` with
-        ``return_pairs=True``.
+        ``return_pairs=True``, whose subjects ``labels[pairs]`` are the ``groups`` of
+        :func:`verification_metrics`' subject bootstrap.
 
     Example:
         >>> import torch

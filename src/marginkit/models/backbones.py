@@ -218,8 +218,9 @@ def _norm2d(kind: str, channels: int) -> nn.Module:
 class CNN2d(EmbeddingModel):
     """A small VGG-style CNN for small images (8–64 px): ``input_shape`` ``(C, H, W)``.
 
-    One stage per entry of ``channels``: ``Conv3x3 -> BN -> GELU`` twice, then 2x2 max
-    pooling while both sides are still >= 4 px; global average pooling and the projection.
+    One stage per entry of ``channels``: ``convs_per_stage`` blocks ``Conv3x3 -> BN -> GELU``
+    (default 2), then 2x2 max pooling while both sides are still >= 4 px; global average
+    pooling and the projection.
     """
 
     name = "cnn2d"
@@ -231,15 +232,17 @@ class CNN2d(EmbeddingModel):
         normalize: bool,
         *,
         channels: Sequence[int] = (32, 64, 128),
+        convs_per_stage: int = 2,
         norm: str = "batch",
     ) -> None:
         super().__init__(input_shape, embedding_dim, normalize)
         in_ch, h, w = _image_shape(self.input_shape, "cnn2d", 4)
         channels = _ints(channels, "channels")
+        convs_per_stage = positive_int(convs_per_stage, "convs_per_stage")
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = []
         for out_ch in channels:
-            for _ in range(2):
+            for _ in range(convs_per_stage):
                 layers += [
                     nn.Conv2d(in_ch, out_ch, 3, padding=1, bias=norm == "none"),
                     _norm2d(norm, out_ch),
@@ -251,7 +254,7 @@ class CNN2d(EmbeddingModel):
                 h, w = h // 2, w // 2
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(in_ch, embedding_dim)
-        self.config = {"channels": list(channels), "norm": norm}
+        self.config = {"channels": list(channels), "convs_per_stage": convs_per_stage, "norm": norm}
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.trunk(x).mean(dim=(2, 3))
@@ -363,7 +366,7 @@ def build_model(
         normalize: L2-normalise the outputs (unit rows).
         **options: backbone-specific (see :func:`model_options`): ``mlp``: ``hidden``,
             ``dropout``, ``norm``; ``cnn1d``: ``channels``, ``kernel_size``, ``convs_per_stage``, ``norm``;
-            ``cnn2d``: ``channels``, ``norm``; ``resnet``: ``width``, ``blocks``,
+            ``cnn2d``: ``channels``, ``convs_per_stage``, ``norm``; ``resnet``: ``width``, ``blocks``,
             ``stem_stride``, ``norm``.
 
     Returns:

@@ -12,6 +12,8 @@ __getattr__, __dir__, __all__ = attach(
         "study_plan": "plan",
         "run_study": "runner",
         "run_job": "jobs",
+        "fake_quantized": "jobs",
+        "paired_bootstrap": "stats",
         "crammer_singer_hinge": "jobs",
     },
 )

@@ -1,198 +1,176 @@
-"""One verdict per claim of SPEC §8 (+ the transfer claim), computed from the study's numbers.
+"""One verdict per claim (SPEC §8, the MEP blog's low-precision scenario, issue 12's target),
+from paired comparisons over seeds (:mod:`marginkit.study.stats`; the rules are there).
 
-Rules (stated here and in RESULTS.md, decided before looking at the numbers): a comparison
-is "won" when the mean over seeds is higher. A claim is *supported* when it wins every
-comparison it makes (resp. ≥ 80 % of them for the many-cell claims), *not supported* when
-it wins ≤ 20 % (resp. none of the key ones), *mixed* otherwise.
+Which comparisons each claim makes is fixed here, before any run:
+
+- *local-margin triplet*: on every small-data setting (≤ 50 per class), its K-NN accuracy vs
+  the softmax head and vs plain triplet K-NN;
+- *Q-Margin at low FAR*: on ``identities``, Q-Margin vs ArcFace and vs CosFace at TAR@1e-4 and
+  TAR@1e-5, at the defaults and at the published settings; on Japanese Vowels' unseen speakers
+  at TAR@1e-3 vs both;
+- *Circle vs triplet*: MAP@R on every class-disjoint setting;
+- *margins survive low precision*: at bf16, fp16 and int8, MEP vs cross-entropy and vs the
+  hinge in test rows keeping the margin, and in test accuracy;
+- *embeddings beat raw pixels* (the target): on mnist-sample at 10 per class, Q-Margin and the
+  local-margin triplet vs raw-pixel 1-NN + 8 points (the comparison is shifted by 0.08);
+- *throughput*: Q-Margin ÷ ArcFace samples/s at the largest class count (ratio rule).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from marginkit.study.plan import StudyPlan
+from marginkit.study.jobs import PRECISIONS
+from marginkit.study.plan import StudyPlan, identity_rows
+from marginkit.study.stats import Comparison, compare, grade
 
 __all__ = ["verdicts"]
 
 
-def _pct(x: float | None) -> str:
-    return "n/m" if x is None else f"{100 * x:.1f}%"
+def _shift(values: dict[int, float | None], by: float) -> dict[int, float | None]:
+    return {k: None if v is None else v + by for k, v in values.items()}
 
 
-def _grade(wins: int, total: int) -> str:
-    if total == 0:
-        return "not measured"
-    share = wins / total
-    if share >= 0.8:
-        return "supported"
-    if share <= 0.2:
-        return "not supported"
-    return "mixed"
+def _claim(claim: str, comps: list[Comparison], extra: str = "") -> dict[str, Any]:
+    counts = {r: sum(c.result == r for c in comps) for r in ("win", "tie", "loss", "not measured")}
+    plural = {"win": "wins", "tie": "ties", "loss": "losses", "not measured": "not measured"}
+    tally = ", ".join(f"{v} {k if v == 1 else plural[k]}" for k, v in counts.items() if v)
+    text = "; ".join(c.text() for c in comps)
+    return {
+        "claim": claim,
+        "verdict": grade(comps),
+        "sentence": (text + f" — {tally or 'nothing measured'}." + (f" {extra}" if extra else "")).strip(),
+        "comparisons": [c.to_dict() for c in comps],
+    }
 
 
-def _mep(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
-    bits, brakes, acc_ok = [], 0, 0
-    for setting, objs in s["mep"].items():
-        z = objs["mep"]["train_zero_mep_grad_fraction"]["mean"]
-        acc = {o: objs[o]["test_accuracy"]["mean"] for o in objs}
-        sd = {o: objs[o]["test_accuracy"]["std"] or 0.0 for o in objs}
-        keep = {o: objs[o]["test_margin_fraction"]["mean"] for o in objs}
-        if z is None or acc["mep"] is None or acc["ce"] is None:
-            bits.append(f"{setting}: not run")
+def _local_triplet(plan: StudyPlan, res: Any) -> dict[str, Any]:
+    comps = []
+    for data, pc in plan.knn_settings:
+        if pc is None or pc > 50:
             continue
-        brakes += z is not None and z >= 0.5
-        acc_ok += acc["mep"] >= acc["ce"] - (sd["mep"] + sd["ce"])
-        bits.append(
-            f"{setting}: {_pct(z)} of training rows have exactly zero MEP gradient at the end; test accuracy "
-            f"MEP {_pct(acc['mep'])} vs cross-entropy {_pct(acc['ce'])} vs hinge {_pct(acc['hinge'])}; "
-            f"test rows keeping the margin MEP {_pct(keep['mep'])} / CE {_pct(keep['ce'])} "
-            f"/ hinge {_pct(keep['hinge'])}"
-        )
-    n = sum(not b.endswith("not run") for b in bits)
-    verdict = _grade(brakes + acc_ok, 2 * n)
-    return {
-        "claim": "MEP targets train a classifier that keeps a margin without over-training (brakes)",
-        "verdict": verdict,
-        "sentence": "; ".join(bits)
-        + f". Brakes (≥ 50 % zero-gradient rows) in {brakes}/{n} settings, accuracy "
-        f"within one std of cross-entropy or better in {acc_ok}/{n}.",
-    }
+        m = {"data": data, "per_class": pc, "row": "defaults"}
+        lt = res.per_seed("knn", "knn_accuracy", loss="local_triplet", **m)
+        head = res.per_seed("knn", "head_accuracy", loss="softmax", **m)
+        tri = res.per_seed("knn", "knn_accuracy", loss="triplet", **m)
+        setting = f"{data}-{pc}pc"
+        comps.append(compare(f"{setting}", "local-triplet K-NN", lt, "softmax head", head))
+        comps.append(compare(f"{setting}", "local-triplet K-NN", lt, "triplet K-NN", tri))
+    return _claim(
+        "Local-margin triplet + K-NN beats end-to-end softmax and plain triplet on small data", comps
+    )
 
 
-def _local_triplet(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
-    wins, total, bits = 0, 0, []
-    for data, pc, _ in plan.knn_settings:
-        if data == "mnist1d" and pc is None:
-            continue  # not small data
-        setting = f"{data}-{pc}pc" if pc else f"{data}-full"
-        cell = s["knn"][setting]
-        lt, head, tri = cell["local_triplet"]["mean"], cell["softmax_head"]["mean"], cell["triplet"]["mean"]
-        for other in (head, tri):
-            if lt is not None and other is not None:
-                wins += lt > other
-                total += 1
-        bits.append(
-            f"{setting}: local-triplet K-NN {_pct(lt)} vs softmax head {_pct(head)} "
-            f"vs triplet K-NN {_pct(tri)}"
-        )
-    return {
-        "claim": "Local-margin triplet + K-NN beats end-to-end softmax and plain triplet on small data",
-        "verdict": _grade(wins, total),
-        "sentence": "; ".join(bits) + f" — wins {wins}/{total} comparisons.",
-    }
+def _qmargin(plan: StudyPlan, res: Any) -> dict[str, Any]:
+    from marginkit.study.tuning import QMARGIN_SPEAKER
 
-
-def _qmargin(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
-    ver = s["verification"]
-
-    def best(prefixes: tuple[str, ...], far: float) -> tuple[float | None, str]:
-        cands = [
-            (v["tar"][str(far)]["mean"], k)
-            for k, v in ver.items()
-            if k.startswith(prefixes) and v["tar"][str(far)]["mean"] is not None
-        ]
-        return max(cands) if cands else (None, "")
-
-    wins, total, bits = 0, 0, []
-    for far in (1e-4, 1e-5):
-        q, qk = best(("Q-Margin",), far)
-        b, bk = best(("ArcFace", "CosFace"), far)
-        if q is None or b is None:
-            bits.append(f"TAR@{far:g} not measurable")
+    groups: dict[str, dict[str, str]] = {}
+    for label, _loss, options in identity_rows():
+        kind = "defaults" if not options else ("speaker" if options == QMARGIN_SPEAKER[1] else "paper")
+        groups.setdefault(kind, {})[label.partition(" (")[0]] = label
+    comps = []
+    for kind in ("defaults", "paper"):
+        g = groups.get(kind, {})
+        if "Q-Margin" not in g:
             continue
-        total += 1
-        wins += q > b
-        bits.append(f"TAR@{far:g}: best Q-Margin {_pct(q)} ({qk}) vs best ArcFace/CosFace {_pct(b)} ({bk})")
-    d16 = "Q-Margin α=1.25 s=16"
-    if d16 in ver:
-        bits.append(
-            f"at the default α=1.25, s=16: TAR@1e-4 {_pct(ver[d16]['tar'][str(1e-4)]['mean'])} "
-            "vs CosFace s=16 "
-            f"{_pct(ver.get('CosFace s=16', {}).get('tar', {}).get(str(1e-4), {}).get('mean'))}"
+        for far in (1e-4, 1e-5):
+            q = res.per_seed("identities", f"tar_at_far/{far}", label=g["Q-Margin"])
+            for other in ("ArcFace", "CosFace"):
+                if other in g:
+                    o = res.per_seed("identities", f"tar_at_far/{far}", label=g[other])
+                    comps.append(compare(f"identities {kind} TAR@{far:g}", "Q-Margin", q, other, o))
+    for data, pc in plan.disjoint_settings:
+        if data != "japanese-vowels":
+            continue
+        m = {"data": data, "per_class": pc}
+        q = res.per_seed("disjoint", "verification/tar_at_far/0.001", loss="qmargin", **m)
+        c = res.per_seed("disjoint", "verification/tar_at_far/0.001", loss="cosface", **m)
+        comps.append(compare("japanese-vowels unseen speakers TAR@0.001", "Q-Margin", q, "CosFace", c))
+    return _claim("Q-Margin beats ArcFace/CosFace at low FAR", comps)
+
+
+def _circle(plan: StudyPlan, res: Any) -> dict[str, Any]:
+    comps = []
+    for data, pc in plan.disjoint_settings:
+        m = {"data": data, "per_class": pc}
+        c = res.per_seed("disjoint", "map_at_r", loss="circle", **m)
+        t = res.per_seed("disjoint", "map_at_r", loss="triplet", **m)
+        comps.append(
+            compare(f"{data}{f'-{pc}pc' if pc else ''} unseen classes MAP@R", "Circle", c, "triplet", t)
         )
-    return {
-        "claim": "Q-Margin beats ArcFace/CosFace at low FAR",
-        "verdict": _grade(wins, total) if total else "not measured",
-        "sentence": "; ".join(bits)
-        + " (each family at its best scale of the sweep, chosen on the test identities "
-        "for all families alike).",
-    }
+    return _claim("Circle loss beats triplet on retrieval with a PK sampler", comps)
 
 
-def _speed(s: dict[str, Any]) -> dict[str, Any]:
-    text = s["throughput_text"]
-    found = re.findall(r"QMargin auto ([0-9.]+)×, QMargin topk=5% ([0-9.]+)×", text)
-    sizes = re.findall(r"### C = ([0-9][0-9,]*[0-9])", text)
-    if not found:
+def _precision(plan: StudyPlan, res: Any) -> dict[str, Any]:
+    comps = []
+    for data, pc in plan.margin_settings:
+        for p in PRECISIONS[1:]:
+            for key, what in (("test_margin_fraction", "rows keeping margin"), ("test_accuracy", "accuracy")):
+                mep = res.per_seed("margin", f"{p}/{key}", data=data, per_class=pc, objective="mep")
+                for other, name in (("ce", "cross-entropy"), ("hinge", "hinge")):
+                    o = res.per_seed("margin", f"{p}/{key}", data=data, per_class=pc, objective=other)
+                    comps.append(compare(f"{data} {p} {what}", "MEP", mep, name, o))
+    return _claim(
+        "Margins survive low precision: MEP keeps the margin and accuracy under bf16 / fp16 / int8 weights "
+        "better than cross-entropy and the hinge",
+        comps,
+    )
+
+
+def _target(plan: StudyPlan, res: Any, facts: dict[str, Any]) -> dict[str, Any]:
+    data, pc = plan.tune_data, plan.tune_per_class
+    raw = res.per_seed("baseline", "raw_1nn_l2", data=data, per_class=pc)
+    comps = []
+    for loss in ("qmargin", "local_triplet"):
+        acc = res.per_seed("knn", "knn_accuracy", data=data, per_class=pc, loss=loss, row="defaults")
+        comps.append(compare(f"{data}-{pc}pc", f"{loss} K-NN", acc, "raw 1-NN + 8 pts", _shift(raw, 0.08)))
+    t = facts.get("target", {})
+    best = t.get("best")
+    extra = (
+        f"Best loss at the defaults: {best} {100 * t['means'][best]:.1f} % (target ≥ 85 %)." if best else ""
+    )
+    return _claim(
+        "With the defaults, Q-Margin and the local-margin triplet beat raw-pixel 1-NN by ≥ 8 points "
+        f"on real MNIST digits at {pc} per class",
+        comps,
+        extra,
+    )
+
+
+def _speed(plan: StudyPlan, facts: dict[str, Any]) -> dict[str, Any]:
+    ratios = facts.get("throughput") or {}
+    claim = "Exact truncation keeps Q-Margin about as fast as ArcFace/CosFace"
+    if not ratios:
         return {
-            "claim": "Exact truncation keeps Q-Margin about as fast as CosFace/ArcFace",
+            "claim": claim,
             "verdict": "not measured",
-            "sentence": "the throughput benchmark did not run.",
+            "sentence": "the throughput job did not run.",
+            "comparisons": [],
         }
-    auto, top = (float(v) for v in found[-1])
-    cells = ", ".join(f"C={c}: auto {a}×, top-5% {t}×" for c, (a, t) in zip(sizes, found, strict=False))
-    best = max(auto, top)
+    largest = max(int(k.split("/")[0]) for k in ratios)
+    e2e, head = ratios[f"{largest}/e2e"], ratios[f"{largest}/head_loss"]
+    best = max(e2e, head)
     verdict = "supported" if best >= 0.9 else ("mixed" if best >= 0.7 else "not supported")
+    cells = ", ".join(f"C={k.split('/')[0]} {k.split('/')[1]} {v:.2f}×" for k, v in sorted(ratios.items()))
     return {
-        "claim": "Exact truncation keeps Q-Margin about as fast as CosFace/ArcFace",
+        "claim": claim,
         "verdict": verdict,
-        "sentence": f"Q-Margin throughput relative to head + ArcFace ({cells}; "
-        "paper: 0.73× full, 0.95× top-5 %); "
-        f"at the largest C measured the better variant runs at {best:.2f}×.",
+        "sentence": f"Q-Margin samples/s ÷ ArcFace's: {cells} (paper: 0.73× full, 0.95× with top-5 %); at "
+        f"C = {largest:,}: end-to-end {e2e:.2f}×, head + loss {head:.2f}×.",
+        "comparisons": [],
     }
 
 
-def _circle(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
-    wins, total, bits = 0, 0, []
-    for setting, cell in s["knn"].items():
-        if setting == "identities":
-            c, t = cell["Circle (pairs)"]["mean"], cell["Triplet (pairs)"]["mean"]
-        else:
-            c, t = cell["circle_map_at_r"]["mean"], cell["triplet_map_at_r"]["mean"]
-        if c is None or t is None:
-            continue
-        total += 1
-        wins += c > t
-        bits.append(f"{setting} {_pct(c)} vs {_pct(t)}")
-    return {
-        "claim": "Circle loss beats triplet on retrieval with a PK sampler",
-        "verdict": _grade(wins, total),
-        "sentence": "MAP@R Circle vs triplet: " + "; ".join(bits) + f" — Circle wins {wins}/{total}.",
-    }
-
-
-def _transfer(plan: StudyPlan, s: dict[str, Any]) -> dict[str, Any]:
-    wins, total, bits = 0, 0, []
-    for data, cell in s["transfer"].items():
-        for n in plan.transfer_refs:
-            raw = cell["raw"][str(n)]["mean"]
-            embs = {loss: cell[loss][str(n)]["mean"] for loss in plan.transfer_losses}
-            embs = {k: v for k, v in embs.items() if v is not None}
-            if raw is None or not embs:
-                bits.append(f"{data}, {n} ref/class: not run")
-                continue
-            wins += sum(v > raw for v in embs.values())
-            total += len(embs)
-            top = max(embs, key=lambda k: embs[k])
-            bits.append(
-                f"{data}, {n} ref/class: raw {_pct(raw)}, best embedding {top} {_pct(embs[top])}, "
-                f"worst {_pct(min(embs.values()))}"
-            )
-    return {
-        "claim": "Embeddings learned on half the classes transfer to the unseen half (K-NN, few references)",
-        "verdict": _grade(wins, total),
-        "sentence": "; ".join(bits) + f" — embeddings beat raw inputs in {wins}/{total} cells.",
-    }
-
-
-def verdicts(plan: StudyPlan, summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The claim list: ``{"claim", "verdict", "sentence"}`` each."""
-    return [
-        _mep(plan, summary),
-        _local_triplet(plan, summary),
-        _qmargin(plan, summary),
-        _speed(summary),
-        _circle(plan, summary),
-        _transfer(plan, summary),
+def verdicts(
+    plan: StudyPlan, res: Any, facts: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The claim list (``{"claim", "verdict", "sentence", "comparisons"}`` each) and every comparison."""
+    claims = [
+        _target(plan, res, facts),
+        _local_triplet(plan, res),
+        _qmargin(plan, res),
+        _circle(plan, res),
+        _precision(plan, res),
+        _speed(plan, facts),
     ]
+    return claims, [c for claim in claims for c in claim["comparisons"]]

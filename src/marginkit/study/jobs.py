@@ -1,29 +1,38 @@
-"""One unit of the study: a training run (via :func:`marginkit.train.train`), a custom
-margin-objective run (section 4: cross-entropy, Crammer–Singer hinge, MEP), a transfer
-run (section 6) or the throughput benchmark (section 3).
+"""One unit of the study. A job is a JSON-able dict; :func:`run_job` writes ``job.json`` (its
+full config) and ``result.json`` into ``OUT/runs/<name>/`` and returns the result.
 
-A job is a JSON-able dict; :func:`run_job` writes ``job.json`` (its full config) and
-``result.json`` into ``OUT/runs/<name>/`` and returns the result. Every job runs with one
-intra-op thread (these models are tiny; more threads only spin on shared cores).
+Kinds: ``tune`` (one loss's Optuna study, :mod:`marginkit.study.tuning`), ``knn`` (small-data
+K-NN classification through :func:`marginkit.train.train`), ``baseline`` (raw-input K-NN and a
+logistic regression on the same subset), ``disjoint`` (train on half of the classes, retrieve
+and verify on the unseen half), ``identities`` (open-set verification at very low FAR),
+``margin`` (cross-entropy, Crammer–Singer hinge and MEP, evaluated with fake-quantised weights)
+and ``e2e`` (training-step throughput, backbone + head + loss and head + loss alone).
+
+Every training run uses ``val_fraction = 0`` (the learner has only its N samples per class; the
+last checkpoint is kept) and one intra-op thread (the models are tiny; more threads only spin
+on shared cores). Nothing here ever looks at test data to choose anything.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-import subprocess
-import sys
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["FARS", "crammer_singer_hinge", "run_job"]
+__all__ = ["FARS", "PRECISIONS", "crammer_singer_hinge", "fake_quantized", "run_job"]
 
-#: False-accept rates of the verification table (a FAR below 1/impostor pairs is reported as None).
+#: False-accept rates of the verification tables (a FAR below 1/impostor pairs is reported as None).
 FARS = (1e-2, 1e-3, 1e-4, 1e-5)
+#: Weight precisions of the low-precision scenario.
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 
 
 def crammer_singer_hinge(scores: torch.Tensor, labels: torch.Tensor, margin: float) -> torch.Tensor:
@@ -47,49 +56,62 @@ def crammer_singer_hinge(scores: torch.Tensor, labels: torch.Tensor, margin: flo
     return torch.relu(margin + other - target)
 
 
+@torch.no_grad()
+def fake_quantized(module: nn.Module, precision: str) -> nn.Module:
+    """A copy of ``module`` whose weight matrices / kernels (parameters with ``ndim >= 2``) are
+    rounded to ``precision`` and stored back in float32 ("fake quantisation"); biases and
+    batch-norm parameters stay float32, as in common post-training quantisation.
+
+    ``bf16`` / ``fp16``: round to the nearest representable value. ``int8``: symmetric,
+    per output channel (row 0 of the weight), ``w ≈ s · round(w / s)`` with
+    ``s = max|w_row| / 127`` (Jacob et al., CVPR 2018, without the zero point).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    out = copy.deepcopy(module)
+    if precision == "fp32":
+        return out
+    for p in out.parameters():
+        if p.ndim < 2:
+            continue
+        w = p.data.float()
+        if precision == "int8":
+            scale = w.abs().flatten(1).amax(1).clamp_min(1e-12) / 127.0
+            shape = (-1,) + (1,) * (w.ndim - 1)
+            q = torch.round(w / scale.view(shape)).clamp(-127, 127) * scale.view(shape)
+        else:
+            q = w.to(torch.bfloat16 if precision == "bf16" else torch.float16).float()
+        p.data.copy_(q)
+    return out
+
+
 # ---------------------------------------------------------------------------- helpers
-def _epochs(n_train: int, batch: int, steps: int) -> int:
-    return max(1, math.ceil(steps / max(1, n_train // max(1, min(batch, n_train)))))
-
-
 def _load(data: str, seed: int, per_class: int | None, options: dict[str, Any] | None = None) -> Any:
     from marginkit.data import load_dataset
 
     return load_dataset(data, seed=seed, train_per_class=per_class, val_fraction=0.0, **(options or {}))
 
 
-def _batch_sizes(n_train: int, num_classes: int, loss_kind: str) -> dict[str, int]:
-    batch = 128 if n_train >= 1000 else 64
-    batch = min(batch, n_train)
-    if loss_kind == "pair":
-        k = max(4, min(16, batch // max(2, min(num_classes, 16))))
-        p = max(2, min(num_classes, batch // k))
-        return {"batch_size": p * k, "samples_per_class": k, "classes_per_batch": p}
-    return {"batch_size": batch}
-
-
 def _config(job: dict[str, Any], splits: Any) -> Any:
     from marginkit.train import TrainConfig
-    from marginkit.train.registry import LOSSES
+    from marginkit.train.config import apply_overrides
+    from marginkit.train.small_data import resolve_epochs
 
-    kind = LOSSES[job["loss"]].kind
-    sizes = _batch_sizes(len(splits.train), splits.num_classes, kind)
-    epochs = _epochs(len(splits.train), sizes["batch_size"], job["steps"])
-    return TrainConfig(
+    base = TrainConfig(
         data=job["data"],
         loss=job["loss"],
         seed=job["seed"],
         train_per_class=job.get("per_class"),
         val_fraction=0.0,
         data_options=job.get("data_options", {}),
-        loss_options=job.get("loss_options", {}),
-        epochs=epochs,
-        eval_every=epochs,
-        k=job.get("k", 5),
         num_threads=1,
         max_impostors=20_000,
-        **sizes,
-    ).validate()
+    )
+    overrides = dict(job.get("train_options", {}))
+    overrides.update({f"loss_options.{k}": v for k, v in job.get("loss_options", {}).items()})
+    cfg = resolve_epochs(apply_overrides(base, overrides), len(splits.train))
+    cfg.eval_every = cfg.epochs  # no validation split: evaluate once, keep the last weights
+    return cfg.validate()
 
 
 def _train(job: dict[str, Any], run_dir: Path, splits: Any) -> tuple[dict[str, Any], Any]:
@@ -101,23 +123,117 @@ def _train(job: dict[str, Any], run_dir: Path, splits: Any) -> tuple[dict[str, A
     return {"config": config.to_dict(), "metrics": result.metrics, "train_seconds": result.seconds}, run
 
 
+def _subset(split: Any, keep: torch.Tensor, offset: int = 0) -> Any:
+    from marginkit.data import Split
+
+    return Split(split.x[keep], split.y[keep] - offset)
+
+
+def _verification(
+    emb: torch.Tensor, labels: torch.Tensor, max_impostors: int | None = None
+) -> dict[str, Any]:
+    from marginkit.metrics import pair_scores, verification_metrics
+
+    scores, genuine = pair_scores(emb, labels, max_impostors=max_impostors)
+    ver = verification_metrics(scores, genuine, fars=FARS)
+    return {
+        "tar_at_far": {str(f): ver["tar_at_far"].get(f) for f in FARS},
+        "eer": float(ver["eer"]),
+        "min_dcf": float(ver["min_dcf"]),
+        "num_impostor_pairs": int(ver["num_impostor"]),
+        "num_genuine_pairs": int(ver["num_genuine"]),
+    }
+
+
+def _identification(emb: torch.Tensor, labels: torch.Tensor) -> dict[str, Any] | None:
+    """Hook for open-set identification (DIR at FPIR, CMC): filled in once
+    ``marginkit.metrics.identification_metrics`` (issue [4/6]) is in this build; ``None`` until then."""
+    import marginkit.metrics
+
+    if not hasattr(marginkit.metrics, "identification_metrics"):
+        return None
+    # [4/6] has landed: gallery/probe split and DIR@FPIR/CMC belong here; until then say so
+    return {"not_wired": "marginkit.metrics.identification_metrics exists; wire it into this hook"}
+
+
 # ---------------------------------------------------------------------------- job kinds
+def _job_tune(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    from marginkit.study.tuning import run_tuning
+
+    return run_tuning(job, run_dir)
+
+
 def _job_knn(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    splits = _load(job["data"], job["seed"], job.get("per_class"))
+    splits = _load(job["data"], job["seed"], job.get("per_class"), job.get("data_options"))
     out, _ = _train(job, run_dir, splits)
     m = out["metrics"]
     out["result"] = {
-        "knn_accuracy": m.get("knn_accuracy"),
-        "head_accuracy": m.get("head_accuracy"),
-        "map_at_r": m.get("map_at_r"),
-        "precision_at_1": m.get("precision_at_1"),
-        "num_train": m.get("num_train"),
+        key: m.get(key)
+        for key in ("knn_accuracy", "head_accuracy", "map_at_r", "precision_at_1", "num_train")
     }
+    out["result"]["epochs"] = out["config"]["epochs"]
+    return out
+
+
+def _job_baseline(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Raw inputs on the same subset: 1-NN (Euclidean), the embeddings' K-NN (cosine, k), and
+    an L2-regularised logistic regression (scikit-learn, C = 1, on the model's input scale)."""
+    from sklearn.linear_model import LogisticRegression
+
+    from marginkit.metrics import knn_accuracy
+
+    splits = _load(job["data"], job["seed"], job.get("per_class"), job.get("data_options"))
+    tr, te = splits.train.x.flatten(1), splits.test.x.flatten(1)
+    lr = LogisticRegression(C=1.0, max_iter=2000).fit(tr.double().numpy(), splits.train.y.numpy())
+    return {
+        "config": job,
+        "result": {
+            "raw_1nn_l2": knn_accuracy(te, splits.test.y, tr, splits.train.y, k=1, metric="l2"),
+            "raw_knn_cosine": knn_accuracy(
+                te, splits.test.y, tr, splits.train.y, k=job["k"], metric="cosine"
+            ),
+            "logistic_regression": float(lr.score(te.double().numpy(), splits.test.y.numpy())),
+            "num_train": len(splits.train),
+        },
+    }
+
+
+def _job_disjoint(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Train on classes ``0..H-1`` (H = C // 2); query the unseen classes' test rows among
+    themselves (retrieval, Musgrave et al. 2020) and score their pairs (open-set verification)."""
+    import dataclasses
+
+    from marginkit.metrics import retrieval_metrics
+    from marginkit.train.evaluate import embed
+
+    full = _load(job["data"], job["seed"], job.get("per_class"), job.get("data_options"))
+    half = full.num_classes // 2
+    seen_tr, seen_te = full.train.y < half, full.test.y < half
+    splits = dataclasses.replace(
+        full,
+        train=_subset(full.train, seen_tr),
+        val=_subset(full.train, torch.zeros_like(seen_tr)),
+        test=_subset(full.test, seen_te),
+        num_classes=half,
+        class_names=None,
+    )
+    res: dict[str, Any] = {"seen_classes": half, "unseen_classes": full.num_classes - half}
+    query = _subset(full.test, ~seen_te, half)
+    out: dict[str, Any] = {"config": job}
+    x = query.x.flatten(1)  # loss "raw": the inputs themselves, the baseline
+    if job["loss"] != "raw":
+        out, run = _train(job, run_dir, splits)
+        x = embed(run["model"], query.x)
+    ret = retrieval_metrics(x, query.y, metric="cosine")
+    res["map_at_r"], res["precision_at_1"] = float(ret["map_at_r"]), float(ret["precision_at_1"])
+    res["verification"] = _verification(x, query.y)
+    res["identification"] = _identification(x, query.y)
+    out["result"] = res
     return out
 
 
 def _job_identities(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    from marginkit.metrics import pair_scores, retrieval_metrics, verification_metrics
+    from marginkit.metrics import retrieval_metrics
     from marginkit.train.evaluate import embed
     from marginkit.train.registry import LOSSES, build_loss
 
@@ -125,23 +241,14 @@ def _job_identities(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     out, run = _train(job, run_dir, splits)
     model, head, config = run["model"], run["head"], run["config"]
     test = embed(model, splits.test.x)
-    scores, genuine = pair_scores(test, splits.test.y, max_impostors=None)
-    ver = verification_metrics(scores, genuine, fars=FARS)
-    res: dict[str, Any] = {
-        "tar_at_far": {str(f): ver["tar_at_far"].get(f) for f in FARS},
-        "eer": float(ver["eer"]),
-        "min_dcf": float(ver["min_dcf"]),
-        "num_impostor_pairs": int(ver["num_impostor"]),
-        "num_genuine_pairs": int(ver["num_genuine"]),
-    }
+    res = _verification(test, splits.test.y)
     ret = retrieval_metrics(test, splits.test.y)
     res["map_at_r"], res["precision_at_1"] = float(ret["map_at_r"]), float(ret["precision_at_1"])
+    res["identification"] = _identification(test, splits.test.y)
     if head is not None and LOSSES[config.loss].alpha:
-        train_emb = embed(model, splits.train.x)
         with torch.no_grad():
-            cos = head(train_emb)
             loss = build_loss(config.loss, config.loss_options, k=config.k)
-            loss(cos, splits.train.y)
+            loss(head(embed(model, splits.train.x)), splits.train.y)
         res["active_class_fraction"] = float(loss.last_support_size.double().mean()) / splits.num_classes
     out["result"] = res
     return out
@@ -155,41 +262,42 @@ def _shuffled(n: int, batch: int, seed: int, epoch: int) -> list[torch.Tensor]:
 
 
 def _job_margin(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """Section 4: one backbone + cosine head trained with CE, the hinge or MEP on s·cos."""
+    """Backbone + cosine head trained with CE, the hinge or MEP on s·cos; evaluated with its
+    weights at each precision of :data:`PRECISIONS` (the MEP blog's first scenario)."""
     from marginkit.heads import CosineHead
     from marginkit.losses import MEPLoss
-    from marginkit.metrics import knn_accuracy
     from marginkit.models import build_model
     from marginkit.ops import margin_gap, mep
     from marginkit.train.evaluate import embed
-    from marginkit.train.trainer import recalibrate_batchnorm
+    from marginkit.train.trainer import recalibrate_batchnorm, resolve_model_name
 
     splits = _load(job["data"], job["seed"], job.get("per_class"))
     s, m, objective = job["scale"], job["margin"], job["objective"]
-    model_name = {"mnist1d": "cnn1d", "digits": "cnn2d"}.get(job["data"], "mlp")
+    from marginkit.train import TrainConfig
+
+    model_name = resolve_model_name(TrainConfig(data=job["data"]), splits.input_shape, job["data"])
     torch.manual_seed(job["seed"])
     model = build_model(model_name, splits.input_shape, embedding_dim=64)
     head = CosineHead(splits.num_classes, 64)
     n = len(splits.train)
-    batch = min(128 if n >= 1000 else 64, n)
-    epochs = _epochs(n, batch, job["steps"])
-    total = epochs * max(1, n // batch)
+    batch = min(128, n)
+    total = job["epochs"] * max(1, n // batch)
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     opt = torch.optim.AdamW(
         [
-            {"params": decay, "weight_decay": 5e-4},
+            {"params": decay, "weight_decay": job["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},
             {"params": list(head.parameters()), "weight_decay": 0.0},
         ],
-        lr=1e-3,
+        lr=job["lr"],
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total) / total))
     )
     mep_loss = MEPLoss(margin=m)
     x_train, y_train = splits.train.x, splits.train.y
-    for epoch in range(epochs):
+    for epoch in range(job["epochs"]):
         model.train()
         for idx in _shuffled(n, batch, job["seed"], epoch):
             scores = s * head(model(x_train[idx]))
@@ -207,125 +315,140 @@ def _job_margin(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     recalibrate_batchnorm(
         model, x_train, batch_size=batch, max_samples=4096, seed=job["seed"], device=torch.device("cpu")
     )
+    res: dict[str, Any] = {}
     with torch.no_grad():
-        tr, te = embed(model, x_train), embed(model, splits.test.x)
-        s_tr, s_te = s * head(tr), s * head(te)
-        gap_tr, gap_te = margin_gap(s_tr, y_train), margin_gap(s_te, splits.test.y)
-        # MEP gradient 2(x - MEP(x)) is exactly zero on a row iff MEP leaves it bit-identical
-        zero_mep = (mep(s_tr, y_train, m) == s_tr).all(1)
-        zero_hinge = crammer_singer_hinge(s_tr, y_train, m) == 0
+        s_tr = s * head(embed(model, x_train))
+        res["train_margin_fraction"] = float((margin_gap(s_tr, y_train) >= m).double().mean())
+        # MEP's gradient 2(x - MEP(x)) is exactly zero on a row iff MEP leaves it bit-identical
+        res["train_zero_mep_grad_fraction"] = float((mep(s_tr, y_train, m) == s_tr).all(1).double().mean())
+        for precision in PRECISIONS:
+            q_model, q_head = fake_quantized(model, precision), fake_quantized(head, precision)
+            s_te = s * q_head(embed(q_model, splits.test.x))
+            gap = margin_gap(s_te, splits.test.y)
+            res[precision] = {
+                "test_accuracy": float((s_te.argmax(1) == splits.test.y).double().mean()),
+                "test_margin_fraction": float((gap >= m).double().mean()),
+                "test_gap_median": float(gap.median()),
+            }
     config = {
         **job,
         "model": model_name,
         "batch_size": batch,
-        "epochs": epochs,
-        "lr": 1e-3,
-        "weight_decay": 5e-4,
         "optimizer": "adamw",
         "scheduler": "cosine (per step)",
     }
-    return {
-        "config": config,
-        "result": {
-            "train_accuracy": float((s_tr.argmax(1) == y_train).double().mean()),
-            "test_accuracy": float((s_te.argmax(1) == splits.test.y).double().mean()),
-            "knn_accuracy": knn_accuracy(te, splits.test.y, tr, y_train, k=5),
-            "test_margin_fraction": float((gap_te >= m).double().mean()),
-            "train_margin_fraction": float((gap_tr >= m).double().mean()),
-            "train_zero_mep_grad_fraction": float(zero_mep.double().mean()),
-            "train_zero_hinge_fraction": float(zero_hinge.double().mean()),
-        },
-    }
+    return {"config": config, "result": res}
 
 
-def _subset(split: Any, keep: torch.Tensor, offset: int = 0) -> Any:
-    from marginkit.data import Split
+def _job_e2e(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Median time of one training step (forward, backward, AdamW step) per method and class
+    count, rounds interleaved across methods so that load drifts hit all alike; with the
+    backbone (``mlp`` on ``input_dim`` features) and without it (head + loss on fixed embeddings)."""
+    from marginkit.heads import CosineHead
+    from marginkit.models import build_model
+    from marginkit.train.registry import build_loss
 
-    return Split(split.x[keep], split.y[keep] - offset)
-
-
-def _job_transfer(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """Section 6: train on classes 0..H-1, K-NN on the unseen classes H..C-1 from few references."""
-    import dataclasses
-
-    from marginkit.metrics import knn_accuracy
-    from marginkit.train.evaluate import embed
-
-    full = _load(job["data"], job["seed"], None)
-    half = full.num_classes // 2
-    seen_tr, seen_te = full.train.y < half, full.test.y < half
-    splits = dataclasses.replace(
-        full,
-        train=_subset(full.train, seen_tr),
-        val=_subset(full.train, torch.zeros_like(seen_tr)),
-        test=_subset(full.test, seen_te),
-        num_classes=half,
-        class_names=None,
-    )
-    out, run = _train(job, run_dir, splits)
-    model = run["model"]
-    pool = _subset(full.train, ~seen_tr, half)
-    query = _subset(full.test, ~seen_te, half)
-    emb_pool, emb_query = embed(model, pool.x), embed(model, query.x)
-    raw_pool, raw_query = pool.x.flatten(1), query.x.flatten(1)
-    res: dict[str, Any] = {
-        "seen_classes": list(range(half)),
-        "unseen_classes": list(range(half, full.num_classes)),
-    }
-    for r in job["refs"]:
-        acc_e, acc_r = [], []
-        for draw in range(job["draws"]):
-            g = torch.Generator().manual_seed(job["seed"] * 1000 + draw)
-            keys = torch.rand(len(pool.y), generator=g) + pool.y.double() * 2  # per-class random order
-            order = torch.argsort(keys)
-            rank = torch.empty_like(order)
-            counts = torch.bincount(pool.y, minlength=half)
-            starts = torch.cumsum(counts, 0) - counts
-            rank[order] = torch.arange(len(order)) - starts[pool.y[order]]
-            pick = rank < r
-            acc_e.append(knn_accuracy(emb_query, query.y, emb_pool[pick], pool.y[pick], k=1))
-            acc_r.append(knn_accuracy(raw_query, query.y, raw_pool[pick], pool.y[pick], k=1))
-        res[f"embedding_1nn_{r}ref"] = sum(acc_e) / len(acc_e)
-        res[f"raw_1nn_{r}ref"] = sum(acc_r) / len(acc_r)
-    out["result"] = res
-    return out
-
-
-def _job_bench(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    script = Path(job["script"])
-    if not script.is_file():
-        return {"config": job, "result": {"available": False, "text": f"{script} not found"}}
-    proc = subprocess.run(
-        [sys.executable, str(script), *job["args"]], capture_output=True, text=True, check=False
-    )
-    text = proc.stdout + (f"\n(stderr)\n{proc.stderr[-2000:]}" if proc.returncode else "")
-    return {"config": job, "result": {"available": proc.returncode == 0, "text": text}}
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {}
+    for classes in job["classes"]:
+        x = torch.randn(job["batch"], job["input_dim"], generator=g)
+        y = torch.randint(0, classes, (job["batch"],), generator=g)
+        setups = {}
+        for label, (loss_name, options) in job["methods"].items():
+            torch.manual_seed(0)
+            backbone = build_model("mlp", (job["input_dim"],), embedding_dim=job["dim"], hidden=job["hidden"])
+            head = CosineHead(classes, job["dim"])
+            loss = build_loss(loss_name, options)
+            opt_e2e = torch.optim.AdamW([*backbone.parameters(), *head.parameters()], lr=1e-3)
+            emb = torch.nn.functional.normalize(torch.randn(job["batch"], job["dim"], generator=g), dim=1)
+            emb.requires_grad_(True)
+            opt_head = torch.optim.AdamW([*head.parameters(), emb], lr=1e-3)
+            setups[label] = (backbone, head, loss, opt_e2e, emb, opt_head)
+        times: dict[str, dict[str, list[float]]] = {k: {"e2e": [], "head_loss": []} for k in setups}
+        for _ in range(job["rounds"]):
+            for label, (backbone, head, loss, opt_e2e, emb, opt_head) in setups.items():
+                for what in ("e2e", "head_loss"):
+                    t0 = time.perf_counter()
+                    if what == "e2e":
+                        value = loss(head(backbone(x)), y)
+                        opt_e2e.zero_grad(set_to_none=True)
+                        value.backward()
+                        opt_e2e.step()
+                    else:
+                        value = loss(head(emb), y)
+                        opt_head.zero_grad(set_to_none=True)
+                        value.backward()
+                        opt_head.step()
+                    times[label][what].append(time.perf_counter() - t0)
+        out[str(classes)] = {
+            label: {what: job["batch"] / statistics.median(ts[1:] or ts) for what, ts in per.items()}
+            for label, per in times.items()
+        }  # samples per second (the first round is warm-up)
+    return {"config": job, "result": {"samples_per_second": out, "threads": torch.get_num_threads()}}
 
 
 _KINDS = {
+    "tune": _job_tune,
     "knn": _job_knn,
+    "baseline": _job_baseline,
+    "disjoint": _job_disjoint,
     "identities": _job_identities,
     "margin": _job_margin,
-    "transfer": _job_transfer,
-    "bench": _job_bench,
+    "e2e": _job_e2e,
 }
 
 
+def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The library defaults a training job depends on (TrainConfig, the loss's registry options,
+    the small-data rules): stored with its result, so a changed default is never reused."""
+    if job.get("loss") in (None, "raw"):
+        return None
+    from marginkit.train import TrainConfig
+    from marginkit.train import small_data as sd
+    from marginkit.train.registry import resolved_options
+
+    return {
+        "train": TrainConfig().to_dict(),
+        "loss": resolved_options(job["loss"]),
+        "small_data": [sd.AUTO_MIN_EPOCHS, sd.AUTO_MIN_SAMPLES, sd.MIN_VAL_PER_CLASS],
+    }
+
+
+def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | None:
+    """The finished result of exactly this job (same job dict and library defaults), else None."""
+    done = Path(out_dir) / "runs" / job["name"] / "result.json"
+    if not done.is_file():
+        return None
+    stored = json.loads(done.read_text(encoding="utf-8"))
+    if stored.get("job") != job:
+        return None
+    if "defaults" in stored and stored["defaults"] != json.loads(json.dumps(library_defaults(job))):
+        return None
+    stored["reused"] = True
+    return stored
+
+
 def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    """Run one job into ``out_dir/runs/<job name>/``; reuse a finished result of the same job."""
+    """Run one job into ``out_dir/runs/<job name>/``; reuse a finished result of the same job.
+
+    ``seconds`` is the job's wall time, ``cpu_seconds`` its own process CPU time (on a shared
+    machine the wall time also counts other work)."""
     run_dir = Path(out_dir) / "runs" / job["name"]
-    done = run_dir / "result.json"
-    if done.is_file():
-        stored = json.loads(done.read_text(encoding="utf-8"))
-        if stored.get("job") == job:
-            stored["reused"] = True
-            return stored
+    stored = stored_result(job, out_dir)
+    if stored is not None:
+        return stored
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n", encoding="utf-8")
     torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    out = _KINDS[job["kind"]](job, run_dir)
+    t0, c0 = time.perf_counter(), time.process_time()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # tiny-data notices; the job's config records all
+        out = _KINDS[job["kind"]](job, run_dir)
     out["job"] = job
+    out["defaults"] = library_defaults(job)
     out["seconds"] = round(time.perf_counter() - t0, 3)
+    out["cpu_seconds"] = round(time.process_time() - c0, 3)
     (run_dir / "result.json").write_text(json.dumps(out, indent=2, default=str) + "\n", encoding="utf-8")
     return out

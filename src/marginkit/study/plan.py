@@ -1,45 +1,48 @@
-"""What the study runs: data settings, losses, seeds and the training budget of each mode."""
+"""What the study runs: data settings, losses, seeds, tuning budget and protocols of each mode."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["KNN_LOSSES", "StudyPlan", "study_plan"]
+__all__ = ["KNN_LOSSES", "StudyPlan", "identity_rows", "study_plan"]
 
-#: Losses of section 1 (small-data K-NN), in table order.
+#: Losses of the small-data and retrieval sections, in table order.
 KNN_LOSSES = ("softmax", "cosface", "qmargin", "mep", "circle", "triplet", "local_triplet")
-#: Losses of section 6 (transfer to unseen classes).
-TRANSFER_LOSSES = ("softmax", "cosface", "circle", "triplet", "local_triplet")
 
 
 @dataclass
 class StudyPlan:
     """Every knob of one study run (saved as ``plan.json`` next to the results).
 
-    ``steps`` is the optimiser-step budget of one training run: a run's epochs are
-    ``ceil(steps / steps_per_epoch)``, so tiny training sets are not under-trained.
-    ``knn_settings`` are ``(data, train_per_class or None, seeds)``.
+    Settings are ``(data, train_per_class or None)``; every setting runs ``seeds`` seeds
+    (seed = data subset + initialisation + batch order), the same seeds for every loss, so
+    comparisons are paired. ``train_options`` override the library defaults for every
+    training run (the quick mode's tiny budget); the full study runs the defaults.
     """
 
     mode: str
-    steps: int
-    knn_settings: list[tuple[str, int | None, int]]
-    knn_losses: tuple[str, ...] = KNN_LOSSES
-    identity_seeds: int = 3
+    seeds: int
+    tune_data: str
+    tune_per_class: int
+    tune_val_fraction: float
+    trials: int
+    startup_trials: int
+    knn_settings: list[tuple[str, int | None]]
+    paper_settings: list[tuple[str, int | None]]
+    disjoint_settings: list[tuple[str, int | None]]
+    margin_settings: list[tuple[str, int | None]]
     identity_options: dict[str, Any] = field(default_factory=dict)
-    qmargin_alphas: tuple[float, ...] = (1.25, 1.5)
-    qmargin_scales: tuple[float, ...] = (8.0, 16.0, 32.0)
-    identity_steps: int = 300
-    mep_settings: list[tuple[str, int | None, int]] = field(default_factory=list)
-    mep_margin: float = 4.0
-    mep_scale: float = 16.0
-    transfer_data: tuple[str, ...] = ("digits", "mnist1d")
-    transfer_losses: tuple[str, ...] = TRANSFER_LOSSES
-    transfer_seeds: int = 3
-    transfer_refs: tuple[int, ...] = (1, 5)
-    transfer_draws: int = 5
-    bench_args: list[str] = field(default_factory=list)
+    knn_losses: tuple[str, ...] = KNN_LOSSES
+    tune_losses: tuple[str, ...] = KNN_LOSSES
+    dev_seed: int = 100
+    sampler_seed: int = 0
+    train_options: dict[str, Any] = field(default_factory=dict)
+    margin_scale: float = 16.0
+    margin_margin: float = 4.0
+    margin_epochs: int = 50
+    margin_lr: float = 3e-3
+    e2e: dict[str, Any] = field(default_factory=dict)
     jobs: int = 2
     k: int = 5
 
@@ -47,55 +50,86 @@ class StudyPlan:
         return asdict(self)
 
 
+_E2E = {
+    "classes": [10_000, 100_000],
+    "batch": 256,
+    "input_dim": 256,
+    "hidden": [512, 512],
+    "dim": 128,
+    "rounds": 5,
+    "methods": {"CosFace": ["cosface", {}], "ArcFace": ["arcface", {}], "Q-Margin": ["qmargin", {}]},
+}
+
+
 def study_plan(quick: bool = False, jobs: int = 2) -> StudyPlan:
-    """The full study (budgeted for ~60 min on 2 cores) or the ``--quick`` CI smoke version."""
+    """The full study or the ``--quick`` CI smoke version (same sections, tiny budget)."""
     if quick:
         return StudyPlan(
             mode="quick",
-            steps=8,
-            knn_settings=[("mnist1d", 50, 1), ("digits", 10, 1), ("breast_cancer", None, 1)],
-            identity_seeds=1,
+            seeds=3,
+            tune_data="digits",
+            tune_per_class=10,
+            tune_val_fraction=0.1,
+            trials=2,
+            startup_trials=1,
+            knn_settings=[("digits", 10)],
+            paper_settings=[("digits", 10)],
+            disjoint_settings=[("digits", 10)],
+            margin_settings=[("digits", 10)],
+            knn_losses=("softmax", "qmargin", "triplet", "local_triplet"),
+            tune_losses=("softmax", "local_triplet"),
             identity_options={
-                "num_train_identities": 40,
-                "train_samples_per_identity": 10,
-                "num_val_identities": 10,
-                "num_test_identities": 30,
-                "test_samples_per_identity": 6,
+                "num_train_identities": 30,
+                "train_samples_per_identity": 6,
+                "num_val_identities": 5,
+                "num_test_identities": 20,
+                "test_samples_per_identity": 5,
             },
-            qmargin_scales=(8.0, 16.0),
-            identity_steps=8,
-            mep_settings=[("digits", 10, 1)],
-            transfer_data=("digits",),
-            transfer_seeds=1,
-            transfer_draws=2,
-            bench_args=["--quick", "--threads", "1", "--entmax-max-classes", "0"],
+            train_options={"epochs": 3},
+            margin_epochs=3,
+            e2e={**_E2E, "classes": [1000], "rounds": 2, "batch": 32, "hidden": [64]},
             jobs=jobs,
         )
     return StudyPlan(
         mode="full",
-        steps=300,
+        seeds=5,
+        tune_data="mnist-sample",
+        tune_per_class=10,
+        tune_val_fraction=0.05,
+        trials=6,
+        startup_trials=3,
         knn_settings=[
-            ("mnist1d", 50, 3),
-            ("mnist1d", 100, 3),
-            ("mnist1d", None, 3),
-            ("digits", 10, 5),
-            ("digits", 30, 5),
-            ("breast_cancer", None, 5),
+            ("mnist-sample", 10),
+            ("japanese-vowels", 10),
+            ("japanese-vowels", None),
+            ("digits", 10),
+            ("digits", 50),
+            ("digits", 100),
+            ("mnist1d", 10),
+            ("mnist1d", 50),
+            ("mnist1d", 100),
+            ("breast_cancer", 10),
+            ("breast_cancer", 50),
+            ("breast_cancer", 100),
         ],
-        identity_seeds=5,
-        identity_steps=300,
-        mep_settings=[("mnist1d", 100, 3), ("digits", 30, 5)],
-        bench_args=[
-            "--classes",
-            "10000",
-            "100000",
-            "1000000",
-            "--repeats",
-            "3",
-            "--threads",
-            "1",
-            "--entmax-max-classes",
-            "0",
-        ],
+        paper_settings=[("mnist-sample", 10)],
+        disjoint_settings=[("japanese-vowels", None), ("digits", None), ("mnist1d", 100)],
+        margin_settings=[("mnist-sample", 10)],
+        identity_options={"num_test_identities": 150},  # 1,500 test samples: 1.1e6 impostor pairs
+        e2e=dict(_E2E),
         jobs=jobs,
     )
+
+
+def identity_rows() -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, loss, loss_options) of the verification section: defaults, then published settings."""
+    from marginkit.study.tuning import PAPER, QMARGIN_SPEAKER
+
+    rows = [
+        (f"{name} (defaults)", loss, {})
+        for name, loss in (("ArcFace", "arcface"), ("CosFace", "cosface"), ("Q-Margin", "qmargin"))
+    ]
+    for name, loss in (("ArcFace", "arcface"), ("CosFace", "cosface"), ("Q-Margin", "qmargin")):
+        rows.append((f"{name} ({PAPER[loss][0].split(': ', 1)[1]})", loss, PAPER[loss][1]))
+    rows.append((f"Q-Margin ({QMARGIN_SPEAKER[0].split(': ', 1)[1]})", "qmargin", QMARGIN_SPEAKER[1]))
+    return rows

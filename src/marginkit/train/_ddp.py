@@ -100,17 +100,27 @@ def _comm_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if device.type != "cuda" else device
 
 
-def init_distributed(device_name: str) -> DistContext:
+def init_distributed(config: Any) -> DistContext:
     """Join the process group: an initialised one (tests, a caller), or ``torchrun``'s environment.
 
     Without either (``WORLD_SIZE`` unset or 1), a one-process context. The backend is NCCL when
-    the run uses CUDA, gloo otherwise.
+    the run (``config``, a :class:`~marginkit.train.config.TrainConfig`, or ``None`` for the
+    defaults) uses CUDA, gloo otherwise. A group created here times every collective out after
+    ``config.collective_timeout`` seconds, and a rank started by torchrun dies with its agent: a
+    stalled or vanished peer ends the run instead of hanging it.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return DistContext(torch.distributed.get_rank(), torch.distributed.get_world_size(), False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or not torch.distributed.is_available():
         return DistContext()
+    from marginkit.train.config import TrainConfig
+    from marginkit.train.processes import die_with_parent
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by a torchrun agent: end with it
+        die_with_parent()
+    config = config if config is not None else TrainConfig()
+    device_name = config.device
     cuda = (device_name in ("cuda", "auto") and torch.cuda.is_available()) or device_name.startswith("cuda:")
     backend = "nccl" if cuda else "gloo"
     if cuda:
@@ -118,8 +128,32 @@ def init_distributed(device_name: str) -> DistContext:
     from marginkit.distributed import _prepare_process_group_init
 
     _prepare_process_group_init()
-    torch.distributed.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    timeout = datetime.timedelta(seconds=float(config.collective_timeout))
+    torch.distributed.init_process_group(backend, timeout=timeout)
     return DistContext(torch.distributed.get_rank(), torch.distributed.get_world_size(), True)
+
+
+# What gloo and NCCL say when a peer does not answer in time, or has gone.
+_TIMED_OUT = ("timed out", "timeout")
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+
+
+def peer_failure(ctx: DistContext, exc: BaseException) -> str | None:
+    """A one-line explanation when ``exc`` is a collective that failed because a peer stalled
+    or died; ``None`` for any other error."""
+    from marginkit.train.errors import TrainingError
+
+    if not ctx.active or not isinstance(exc, RuntimeError) or isinstance(exc, TrainingError):
+        return None
+    text = str(exc).lower()
+    if any(s in text for s in _TIMED_OUT):
+        return (
+            f"rank {ctx.rank}: a peer process did not answer within the collective timeout "
+            "(it stalled, was stopped or is much slower; see collective_timeout)"
+        )
+    if any(s in text for s in _PEER_GONE):
+        return f"rank {ctx.rank}: a peer process died or closed its connection"
+    return None
 
 
 def run_device(device: torch.device, ctx: DistContext) -> torch.device:

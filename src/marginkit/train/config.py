@@ -12,13 +12,12 @@ Unknown keys are an error that names the key and suggests the nearest valid one:
     >>> apply_overrides(TrainConfig(), {"learning_rate": 0.1})
     Traceback (most recent call last):
     ...
-    marginkit.train.config.ConfigError: unknown config key 'learning_rate' (did you mean 'lr'?)
+    marginkit.train.errors.ConfigError: unknown config key 'learning_rate' (did you mean 'lr'?)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import types
@@ -27,6 +26,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from marginkit.train.errors import ConfigError, suggest
 
 __all__ = [
     "MODEL_NAMES",
@@ -46,11 +47,7 @@ SCHEDULERS = ("cosine", "step", "none")
 KNN_METRICS = ("cosine", "l2")
 KNN_WEIGHTS = ("uniform", "distance")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
-RUNTIME_KEYS = frozenset({"device", "num_threads", "eval_batch_size"})
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names it."""
+RUNTIME_KEYS = frozenset({"device", "num_threads", "eval_batch_size", "collective_timeout"})
 
 
 @dataclass
@@ -70,7 +67,8 @@ class TrainConfig:
         ``loss`` — a name from :data:`marginkit.train.registry.LOSSES`; ``loss_options`` —
         keyword arguments overriding the registry's defaults (``scale``, ``margin``, ...).
     Optimisation
-        ``epochs``, ``batch_size``, ``optimizer`` (adamw | sgd), ``lr``, ``head_lr`` (the
+        ``epochs`` (``None``: :func:`marginkit.train.small_data.auto_epochs` of the training
+        set's size), ``batch_size``, ``optimizer`` (adamw | sgd), ``lr``, ``head_lr`` (the
         class centres' learning rate, default ``lr``), ``weight_decay``, ``momentum`` (sgd),
         ``scheduler`` (cosine | step | none, stepped per iteration), ``warmup_epochs``
         (linear warm-up, may be fractional), ``step_epochs``/``step_gamma`` (step schedule),
@@ -87,8 +85,11 @@ class TrainConfig:
         ``knn_weights`` (uniform | distance);
         ``max_impostors`` — cap on impostor pairs for verification metrics.
     Runtime
-        ``seed``, ``device`` (cpu | cuda | auto), ``num_threads``, ``deterministic``
-        (``torch.use_deterministic_algorithms``), ``eval_batch_size``.
+        ``seed``, ``device`` (cpu | cuda | auto), ``num_threads`` (default: the available cores
+        divided by the processes sharing them), ``deterministic``
+        (``torch.use_deterministic_algorithms``), ``eval_batch_size``, ``collective_timeout``
+        (seconds a data-parallel rank waits for its peers before the run ends with an error;
+        must exceed the longest validation or evaluation, which rank 0 runs alone).
     """
 
     data: str = "mnist1d"
@@ -102,10 +103,10 @@ class TrainConfig:
     normalize: bool = True
     model_options: dict[str, Any] = field(default_factory=dict)
     loss_options: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 10
+    epochs: int | None = None
     batch_size: int = 128
     optimizer: str = "adamw"
-    lr: float = 1e-3
+    lr: float = 2e-3
     head_lr: float | None = None
     weight_decay: float = 5e-4
     momentum: float = 0.9
@@ -116,7 +117,7 @@ class TrainConfig:
     grad_clip: float | None = None
     amp: bool = False
     precise_bn: int = 4096
-    samples_per_class: int = 4
+    samples_per_class: int = 10
     classes_per_batch: int | None = None
     k: int = 5
     eval_every: int = 1
@@ -127,6 +128,7 @@ class TrainConfig:
     num_threads: int | None = None
     deterministic: bool = True
     eval_batch_size: int = 1024
+    collective_timeout: float = 600.0
 
     # ------------------------------------------------------------------ helpers
     @classmethod
@@ -173,7 +175,6 @@ class TrainConfig:
         _choice(self.knn_metric, "knn_metric", KNN_METRICS)
         _choice(self.knn_weights, "knn_weights", KNN_WEIGHTS)
         for name in (
-            "epochs",
             "batch_size",
             "embedding_dim",
             "k",
@@ -183,7 +184,7 @@ class TrainConfig:
         ):
             _at_least(getattr(self, name), name, 1)
         _at_least(self.seed, "seed", 0)
-        for name in ("train_per_class", "classes_per_batch", "max_impostors", "num_threads"):
+        for name in ("epochs", "train_per_class", "classes_per_batch", "max_impostors", "num_threads"):
             if getattr(self, name) is not None:
                 _at_least(getattr(self, name), name, 1)
         _at_least(self.eval_batch_size, "eval_batch_size", 1)
@@ -202,9 +203,11 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.step_gamma <= 1:
             raise ConfigError(f"step_gamma must be in (0, 1], got {self.step_gamma}")
+        if not self.collective_timeout > 0:
+            raise ConfigError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError(f"grad_clip must be > 0 or null, got {self.grad_clip}")
-        if self.warmup_epochs > self.epochs:
+        if self.epochs is not None and self.warmup_epochs > self.epochs:
             raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) must not exceed epochs ({self.epochs})")
         dev = self.device
         if not (dev in ("cpu", "auto", "cuda", "mps") or dev.startswith("cuda:")):
@@ -290,53 +293,6 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
-
-
-# ---------------------------------------------------------------------- suggestions
-def suggest(key: str, valid: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the nearest valid name, or ``""`` if none is close.
-
-    Tried in order: a known alias (``learning_rate`` → ``lr``), the longest valid name the
-    key starts with (``lr_rate`` → ``lr``), a valid name starting with the key (``epo`` →
-    ``epochs``), then :func:`difflib.get_close_matches`.
-    """
-    valid = list(valid)
-    norm = key.lower().replace("-", "_")
-    alias = _ALIASES.get(norm)
-    if alias in valid:
-        return f" (did you mean {alias!r}?)"
-    heads = sorted((v for v in valid if len(v) >= 2 and norm.startswith(v.lower())), key=len, reverse=True)
-    tails = [v for v in valid if len(norm) >= 3 and v.lower().startswith(norm)]
-    close = heads[:1] or tails[:1] or difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if not close:
-        lowered = {v.lower().replace("-", "_"): v for v in valid}
-        close = [lowered[c] for c in difflib.get_close_matches(norm, list(lowered), n=1, cutoff=0.5)]
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-_ALIASES = {
-    "learning_rate": "lr",
-    "rate": "lr",
-    "n_epochs": "epochs",
-    "num_epochs": "epochs",
-    "bs": "batch_size",
-    "dim": "embedding_dim",
-    "emb_dim": "embedding_dim",
-    "embed_dim": "embedding_dim",
-    "neighbors": "k",
-    "neighbours": "k",
-    "knn_k": "k",
-    "dataset": "data",
-    "backbone": "model",
-    "arch": "model",
-    "criterion": "loss",
-    "clip": "grad_clip",
-    "wd": "weight_decay",
-    "warmup": "warmup_epochs",
-    "lr_schedule": "scheduler",
-    "schedule": "scheduler",
-    "optim": "optimizer",
-}
 
 
 def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> ConfigError:

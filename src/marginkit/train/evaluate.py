@@ -28,7 +28,7 @@ within the validation identities (open set).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -261,24 +261,21 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def evaluate_run(
+def evaluate_checkpoint(
     run_dir: str | Path,
     *,
     splits: Any = None,
     device: torch.device | str = "cpu",
     which: str = "best",
     k: int | None = None,
-    write: bool = True,
-    report: bool = True,
-    spec: Any = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, np.ndarray], Any, bool]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
 
-    With ``write`` (and the run's own data), writes ``metrics.json``, ``eval.npz``, the
-    K-NN reference index ``knn_index.npz`` (training embeddings + model fingerprint) and,
-    with ``report``, ``report.html``. Returns the metrics.
+    Returns the (JSON-able) metrics, the report's arrays, the K-NN index fitted on the
+    training embeddings, and whether ``splits`` is the run's own data set; writes nothing.
     """
-    from marginkit.train.trainer import _read_history, load_run, load_splits
+    from marginkit.train.components import load_splits, resolve_model_name
+    from marginkit.train.rundir import load_run, read_history
 
     run_dir = Path(run_dir)
     run = load_run(run_dir, which, device)
@@ -300,27 +297,39 @@ def evaluate_run(
     metrics["epoch"] = int(ckpt["epoch"])
     metrics["best_epoch"] = int(ckpt.get("best_epoch", ckpt["epoch"]))
     metrics["fingerprint"] = run["fingerprint"]
-    metrics["model"] = _model_name(config, run["facts"])
+    facts = run["facts"]
+    metrics["model"] = resolve_model_name(config, tuple(facts["input_shape"]), facts.get("name", ""))
     metrics["embedding_dim"] = config.embedding_dim
     metrics["seed"] = config.seed
     history_path = run_dir / "metrics.jsonl"
     if history_path.is_file():
-        rows = _read_history(history_path)
+        rows = read_history(history_path)
         metrics["train_seconds"] = round(sum(r.get("epoch_seconds", 0.0) for r in rows), 3)
-    if write and own_data:
-        (run_dir / "metrics.json").write_text(
-            json.dumps(_jsonable(metrics), indent=2) + "\n", encoding="utf-8"
+    return _jsonable(metrics), arrays, knn, own_data
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    *,
+    splits: Any = None,
+    device: torch.device | str = "cpu",
+    which: str = "best",
+    k: int | None = None,
+    write: bool = True,
+    report: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
+
+    With ``write`` (and the run's own data), writes ``metrics.json``, ``eval.npz``, the
+    K-NN reference index ``knn_index.npz`` (training embeddings + model fingerprint) and,
+    with ``report``, ``report.html``, holding the run directory's lock. Returns the metrics.
+    """
+    from marginkit.train.rundir import RunDir
+
+    with RunDir(run_dir, create=False) if write else contextlib.nullcontext() as rundir:
+        metrics, arrays, knn, own_data = evaluate_checkpoint(
+            run_dir, splits=splits, device=device, which=which, k=k
         )
-        np.savez_compressed(run_dir / "eval.npz", **arrays)
-        knn.save(run_dir / "knn_index.npz")
-        if report:
-            from marginkit.report import write_run_report
-
-            write_run_report(run_dir)
-    return _jsonable(metrics)
-
-
-def _model_name(config: TrainConfig, facts: dict[str, Any]) -> str:
-    from marginkit.train.trainer import resolve_model_name
-
-    return resolve_model_name(config, tuple(facts["input_shape"]), facts.get("name", ""))
+        if rundir is not None and own_data:
+            rundir.write_results(metrics, arrays, knn, report=report)
+    return metrics

@@ -1,16 +1,27 @@
-"""A minimal progress bar on stderr: epoch, step, running loss, throughput and ETA.
+"""Progress on stderr: a tqdm bar on a terminal, plain lines (or nothing) elsewhere.
 
-No dependency (no tqdm). It draws only when the stream is a terminal and ``enabled`` is
-true; otherwise every call is a no-op, so logs and pipes stay clean.
+- :class:`ProgressBar` — the steps of one training run (epoch, running loss, throughput, ETA).
+- :class:`RunsProgress` — the runs of a comparison, demo or study: one overall bar with ETA
+  that advances with every finished epoch of any run (read from the runs' ``metrics.jsonl``,
+  so it also sees runs trained in worker processes), and one line per finished run. Off a
+  terminal only the lines are written, each with the elapsed time and the ETA.
+
+Bars are drawn only when the stream is a terminal, so logs and pipes stay clean.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
-from typing import TextIO
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
 
-__all__ = ["ProgressBar", "format_duration"]
+__all__ = ["ProgressBar", "RunsProgress", "format_duration"]
+
+T = TypeVar("T")
 
 
 def format_duration(seconds: float) -> str:
@@ -23,8 +34,35 @@ def format_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def _tqdm(**kwargs: Any) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("training needs tqdm for its progress bars: pip install 'marginkit[cli]'") from exc
+    return tqdm(**kwargs)
+
+
+def _width(stream: Any) -> dict[str, Any]:
+    """tqdm's width options: follow the terminal, or 100 columns where it reports none (a
+    terminal of size 0, as ``script`` or some ``docker exec -t`` give, would hide the bar)."""
+    try:
+        if os.get_terminal_size(stream.fileno()).columns > 0:
+            return {"dynamic_ncols": True}
+    except (AttributeError, OSError, ValueError):
+        pass
+    return {"ncols": 100}
+
+
+def _is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(callable(isatty) and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
 class ProgressBar:
-    """Progress over ``total`` steps (all epochs together) drawn on one terminal line.
+    """Progress over ``total`` steps (all epochs of one run together) on one terminal line.
 
     Args:
         total: number of steps in the whole run (for the ETA).
@@ -32,6 +70,7 @@ class ProgressBar:
         enabled: draw at all; drawing also requires ``stream.isatty()``.
         width: bar width in characters.
         min_interval: seconds between redraws.
+        initial: steps already done (a resumed run); the ETA counts only the steps from here.
     """
 
     def __init__(
@@ -45,55 +84,195 @@ class ProgressBar:
         initial: int = 0,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", None)
-        self.active = bool(enabled and callable(isatty) and isatty())
-        self.total = max(1, int(total))
-        self.done = int(initial)
-        self._start_done = self.done
-        self.width = width
-        self.min_interval = min_interval
-        self._t0 = time.perf_counter()
-        self._last_draw = 0.0
-        self._samples = 0
+        self.active = bool(enabled and _is_terminal(self.stream))
         self._loss: float | None = None
-        self.prefix = ""
+        self._samples = 0
+        self._t0 = time.perf_counter()
+        self._bar = _tqdm(
+            total=max(1, int(total)),
+            initial=int(initial),
+            file=self.stream,
+            disable=not self.active,
+            mininterval=min_interval,
+            delay=min_interval,  # nothing drawn at creation: a log line may come first
+            **_width(self.stream),
+            bar_format=f"{{desc}} |{{bar:{width}}}| {{percentage:5.1f}}%{{postfix}} ETA {{remaining}}",
+        )
 
     def update(
         self, steps: int = 1, *, samples: int = 0, loss: float | None = None, prefix: str = ""
     ) -> None:
         """Advance by ``steps``; ``loss`` feeds an exponential moving average (0.9)."""
-        self.done += steps
+        if not self.active:
+            return
         self._samples += samples
         if loss is not None:
             self._loss = loss if self._loss is None else 0.9 * self._loss + 0.1 * loss
         if prefix:
-            self.prefix = prefix
-        if not self.active:
-            return
-        now = time.perf_counter()
-        if now - self._last_draw >= self.min_interval or self.done >= self.total:
-            self._last_draw = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        elapsed = max(now - self._t0, 1e-9)
-        frac = min(1.0, self.done / self.total)
-        filled = round(frac * self.width)
-        bar = "█" * filled + "·" * (self.width - filled)
-        rate = self._samples / elapsed
-        steps_done = self.done - self._start_done
-        eta = (self.total - self.done) * elapsed / steps_done if steps_done else float("nan")
-        loss = f" loss {self._loss:.4f}" if self._loss is not None else ""
-        line = (
-            f"\r{self.prefix} |{bar}| {100 * frac:5.1f}%{loss} {rate:,.0f} samples/s "
-            f"ETA {format_duration(eta)}"
-        )
-        self.stream.write(line + "\x1b[K")
-        self.stream.flush()
+            self._bar.desc = prefix
+        rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
+        loss_text = f"loss {self._loss:.4f} " if self._loss is not None else ""
+        self._bar.postfix = f"{loss_text}{rate:,.0f} samples/s"
+        self._bar.update(steps)
 
     def close(self, *, clear: bool = False) -> None:
         """Finish the line (only if anything was drawn), or erase it with ``clear``."""
-        if self.active and self._last_draw:
-            self.stream.write("\r\x1b[K" if clear else "\n")
-            self.stream.flush()
-            self._last_draw = 0.0
+        self._bar.leave = not clear
+        self._bar.close()
+
+
+class RunsProgress:
+    """Overall progress of a set of runs trained one after another or in worker processes.
+
+    ``tasks`` maps each run's key to ``(units, log)``: its amount of work (its epochs) and the
+    ``metrics.jsonl`` it appends one line to per finished epoch (``None``: the run counts
+    only when finished). A running run counts at most ``units - 1``: its last unit is its
+    evaluation, done when :meth:`finish` is called. Lines of those files written before this
+    object was made (an earlier run in the same directory) are not counted. Iterate over the
+    work through :meth:`wrap` (which also closes the bar, whatever ends the loop) and call
+    :meth:`finish` for every run that ends.
+
+    Args:
+        tasks: key → ``(units, metrics.jsonl path or None)``.
+        desc: label of the bar.
+        unit: name of the units (``"epochs"``).
+        enabled: show anything at all (``False`` for ``--quiet``).
+        stream: where to draw and write (default ``sys.stderr``).
+        write: where the per-run lines go instead of ``stream`` (e.g. a logger).
+        poll_interval: seconds between looks at the runs' logs (terminal only).
+    """
+
+    def __init__(
+        self,
+        tasks: Mapping[Hashable, tuple[int, Path | None]],
+        *,
+        desc: str,
+        unit: str = "epochs",
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        write: Callable[[str], None] | None = None,
+        poll_interval: float = 0.5,
+    ) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.active = bool(enabled and _is_terminal(self.stream))
+        self._tasks = {k: (max(1, int(u)), None if p is None else Path(p)) for k, (u, p) in tasks.items()}
+        self._write = write
+        self._poll_interval = poll_interval
+        self._since = time.time() - 0.1  # file systems stamp with a coarse clock
+        self._t0 = time.perf_counter()
+        self._finished: dict[Hashable, int] = {}  # key -> units it counted for when it ended
+        self._skipped = 0  # units of reused runs: no work, so not in the ETA
+        self._runs_done = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._bar = _tqdm(
+            total=self.total_units,
+            file=self.stream,
+            disable=not self.active,
+            desc=desc,
+            unit=unit,
+            **_width(self.stream),
+            mininterval=0.2,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit}{postfix} "
+            "[{elapsed}<{remaining}]",
+            postfix=self._runs_text(),
+        )
+
+    @property
+    def total_units(self) -> int:
+        return sum(u for u, _ in self._tasks.values())
+
+    def _runs_text(self) -> str:
+        if all(u == 1 and p is None for u, p in self._tasks.values()):
+            return ""  # one unit per run: the count is the bar itself
+        return f"{self._runs_done}/{len(self._tasks)} runs done"
+
+    def _units_of(self, key: Hashable) -> int:
+        if key in self._finished:
+            return self._finished[key]
+        units, log = self._tasks[key]
+        if log is None:
+            return 0
+        try:
+            if log.stat().st_mtime < self._since:
+                return 0
+            with log.open("rb") as fh:
+                lines = fh.read().count(b"\n")  # complete lines only
+        except OSError:
+            return 0
+        # a run's last unit counts when it ends: its evaluation follows its last epoch
+        return min(units - 1, lines)
+
+    def units_done(self) -> int:
+        """Units finished so far (finished runs, and the epochs logged by running ones)."""
+        return sum(self._units_of(k) for k in self._tasks)
+
+    def _sync(self) -> None:
+        with self._lock:
+            done = self.units_done() - self._skipped
+            self._bar.total = max(1, self.total_units - self._skipped)
+            if done > self._bar.n:
+                self._bar.update(done - self._bar.n)
+            else:
+                self._bar.refresh()  # the elapsed time moves on
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._poll_interval):
+            self._sync()
+
+    def wrap(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield from ``iterable`` while the bar is shown; closes it when the loop ends."""
+        if self.active and self._thread is None:
+            self._thread = threading.Thread(target=self._poll, name="marginkit-progress", daemon=True)
+            self._thread.start()
+        try:
+            yield from iterable
+        finally:
+            self.close()
+
+    def finish(self, key: Hashable, text: str, *, reused: bool = False) -> None:
+        """Record that run ``key`` ended and write ``[i/N] text`` (plus elapsed and ETA off a terminal)."""
+        units = self._tasks[key][0]
+        with self._lock:
+            self._finished[key] = units
+            self._runs_done += 1
+            if reused:
+                self._skipped += units
+            self._bar.postfix = self._runs_text()
+        line = f"[{self._runs_done}/{len(self._tasks)}] {text}"
+        if not self.enabled:
+            return
+        if self.active:
+            self._sync()
+            if self._write is None:
+                self._bar.write(line, file=self.stream)
+            else:
+                with self._bar.external_write_mode(file=self.stream):
+                    self._write(line)
+            return
+        elapsed = time.perf_counter() - self._t0
+        done = self.units_done() - self._skipped
+        left = self.total_units - self._skipped - done
+        eta = elapsed * left / done if done > 0 else float("nan")
+        line += f" · {format_duration(elapsed)} elapsed, ETA {format_duration(eta) if left else '0:00'}"
+        if self._write is None:
+            print(line, file=self.stream, flush=True)
+        else:
+            self._write(line)
+
+    def close(self) -> None:
+        """Stop watching the runs and finish the bar's line (idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self.active and not self._bar.disable:
+            self._sync()
+        self._bar.close()
+
+    def __enter__(self) -> RunsProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -26,6 +26,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from marginkit.train.errors import ConfigError, suggest
+
 __all__ = ["LOSSES", "LossSpec", "ScaledScoresLoss", "build_loss", "check_loss_options", "loss_names"]
 
 
@@ -138,9 +140,7 @@ def _accepted(spec: LossSpec) -> tuple[set[str], bool]:
 
 
 def check_loss_options(name: str, options: Mapping[str, Any]) -> None:
-    """Raise :class:`~marginkit.train.config.ConfigError` for an option the loss does not take."""
-    from marginkit.train.config import ConfigError, suggest
-
+    """Raise :class:`~marginkit.train.errors.ConfigError` for an option the loss does not take."""
     spec = LOSSES[name]
     try:
         names, var_kw = _accepted(spec)
@@ -174,8 +174,6 @@ def build_loss(name: str, options: Mapping[str, Any] | None = None, *, k: int | 
     neighbourhood of ``local_triplet``.
     """
     if name not in LOSSES:
-        from marginkit.train.config import suggest
-
         raise ValueError(f"unknown loss {name!r}{suggest(name, LOSSES)}; valid: {', '.join(LOSSES)}")
     check_loss_options(name, options or {})
     spec = LOSSES[name]

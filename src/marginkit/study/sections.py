@@ -1,0 +1,358 @@
+"""The study's tables (one per section) and ``RESULTS.md``, from the finished jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from marginkit.study.jobs import FARS, PRECISIONS
+from marginkit.study.plan import StudyPlan, identity_rows
+from marginkit.study.tables import markdown_table, stat
+
+__all__ = ["TABLES", "build_tables", "results_markdown"]
+
+TITLES = {
+    "tuning": "1. Fair tuning: the same TPE budget per loss (development draw, validation from training)",
+    "target": "2. The target: defaults on the real MNIST sample, 10 training images per class",
+    "knn": "3. Small-data K-NN classification, defaults, no augmentation (test accuracy %, k = 5, cosine)",
+    "paper": "4. Defaults vs each loss's published settings (mnist-sample, 10 per class; K-NN accuracy %)",
+    "disjoint": "5. Class-disjoint retrieval and open-set verification (train on half the classes)",
+    "verification": "6. Open-set verification at very low FAR: the `identities` simulation",
+    "precision": "7. Margins under low precision: fake-quantised weights (MEP vs cross-entropy vs hinge)",
+    "throughput": "8. Throughput: training step, backbone + head + loss and head + loss alone",
+}
+
+
+#: Table files every study writes, in RESULTS.md order (the CI test checks them).
+TABLES = tuple(TITLES)
+
+
+def _setting(data: str, pc: int | None) -> str:
+    return f"{data}-{pc}pc" if pc else f"{data}-full"
+
+
+def _fmt(values: dict[int, float | None], scale: float = 100.0, digits: int = 1) -> str:
+    return stat(values.values()).fmt(scale, digits)
+
+
+def _mean(values: dict[int, float | None]) -> float | None:
+    return stat(values.values()).mean
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _tuning(plan: StudyPlan, res: Any) -> tuple[str, dict[str, Any]]:
+    rows, facts = [], {}
+    for loss in plan.tune_losses:
+        found = res.select("tune", loss=loss)
+        if not found:
+            rows.append([loss, "not run", "", "", ""])
+            continue
+        r = found[0]["result"]
+        params = ", ".join(
+            f"{k.removeprefix('loss_options.')}={_short(v)}" for k, v in r["best_params"].items()
+        )
+        values = [t["val_knn_accuracy"] for t in r["trials"]]
+        rows.append(
+            [
+                loss,
+                f"{100 * r['best_value']:.1f}",
+                f"{100 * min(values):.1f}–{100 * max(values):.1f}",
+                f"{len(values)} of {plan.trials}" + (" (unfinished)" if r.get("partial") else ""),
+                params,
+            ]
+        )
+        facts[loss] = r
+    setting = _setting(plan.tune_data, plan.tune_per_class)
+    note = (
+        f"\nSetting: {setting}, development seed {plan.dev_seed} (never an evaluation seed); validation = "
+        f"{plan.tune_val_fraction:g} of each class of the training pool, disjoint from the training subset "
+        f"and from the test split; score = K-NN accuracy (k = {plan.k}, cosine) of the final weights. "
+        f"{plan.trials} trials per loss, Optuna TPE (multivariate, seed {plan.sampler_seed}, "
+        f"{plan.startup_trials} random start-up trials). Every trial: "
+        f"`OUT/runs/tune/{setting}/LOSS/trials.json`. "
+        "Search spaces: `marginkit/study/tuning.py` (lr, weight decay, epochs, and each loss's "
+        "own options).\n"
+    )
+    header = ["loss", "best val K-NN acc (%)", "range over trials", "trials", "best parameters"]
+    return markdown_table(header, rows) + note, facts
+
+
+def _baselines(res: Any, data: str, pc: int | None) -> dict[str, dict[int, float | None]]:
+    return {
+        key: res.per_seed("baseline", key, data=data, per_class=pc)
+        for key in ("raw_1nn_l2", "raw_knn_cosine", "logistic_regression")
+    }
+
+
+def _knn(plan: StudyPlan, res: Any) -> str:
+    rows = []
+    for data, pc in plan.knn_settings:
+        base = _baselines(res, data, pc)
+        head = res.per_seed("knn", "head_accuracy", data=data, per_class=pc, loss="softmax", row="defaults")
+        ntrain = next(
+            (r["result"]["num_train"] for r in res.select("baseline", data=data, per_class=pc)), "?"
+        )
+        row = [f"{_setting(data, pc)} (n={ntrain})"] + [_fmt(base[k]) for k in base] + [_fmt(head)]
+        row += [
+            _fmt(res.per_seed("knn", "knn_accuracy", data=data, per_class=pc, loss=loss, row="defaults"))
+            for loss in plan.knn_losses
+        ]
+        rows.append(row)
+    header = [
+        "data (train size)",
+        "raw 1-NN (L2)",
+        f"raw {plan.k}-NN (cos)",
+        "logistic regr.",
+        "softmax head",
+    ]
+    header += [f"K-NN {loss}" for loss in plan.knn_losses]
+    note = (
+        f"\nMean ± std over {plan.seeds} seeds (seed = training subset + initialisation + batch order; "
+        "the test split is fixed). Every loss at the library's defaults (`marginkit compare` with no options "
+        "on a data set of this size: no validation split below 10 per class, the last checkpoint, "
+        "`epochs: auto`); baselines on the same subsets and inputs. japanese-vowels: 12 LPC cepstra "
+        "resampled to 16 frames, `cnn1d`; breast_cancer: standardised features, `mlp`.\n"
+    )
+    return markdown_table(header, rows) + note
+
+
+def _target(plan: StudyPlan, res: Any, facts: dict[str, Any]) -> str:
+    data, pc = plan.tune_data, plan.tune_per_class
+    raw = res.per_seed("baseline", "raw_1nn_l2", data=data, per_class=pc)
+    per_loss = {
+        loss: res.per_seed("knn", "knn_accuracy", data=data, per_class=pc, loss=loss, row="defaults")
+        for loss in plan.knn_losses
+    }
+    means = {k: _mean(v) for k, v in per_loss.items() if _mean(v) is not None}
+    raw_mean = _mean(raw)
+    best = max(means, key=lambda k: means[k]) if means else None
+    facts["target"] = {"raw": raw_mean, "means": means, "best": best}
+    rows = [["raw-pixel 1-NN (L2)", _fmt(raw), "—"]]
+    for loss, values in per_loss.items():
+        rows.append([loss, _fmt(values), "best" if loss == best else ""])
+    checks = []
+    if best is not None and raw_mean is not None:
+        checks.append(
+            f"best loss ≥ 85.0 %: {best} {100 * means[best]:.1f} % → "
+            + ("met" if means[best] >= 0.85 else "NOT met")
+        )
+        for loss in ("qmargin", "local_triplet"):
+            if loss in means:
+                ok = means[loss] >= raw_mean + 0.08
+                checks.append(
+                    f"{loss} ≥ raw 1-NN + 8 pts ({100 * (raw_mean + 0.08):.1f} %): {100 * means[loss]:.1f} % "
+                    f"→ {'met' if ok else 'NOT met'}"
+                )
+    note = (
+        "\n"
+        + ("; ".join(checks) if checks else "not measured")
+        + (". Means over the study's seeds; the paired intervals are in the verdicts.\n")
+    )
+    return markdown_table([f"{_setting(data, pc)}", "K-NN accuracy (%)", ""], rows) + note
+
+
+def _paper(plan: StudyPlan, res: Any) -> str:
+    from marginkit.study.stats import compare
+    from marginkit.study.tuning import PAPER
+
+    rows = []
+    for data, pc in plan.paper_settings:
+        for loss in plan.knn_losses:
+            d = res.per_seed("knn", "knn_accuracy", data=data, per_class=pc, loss=loss, row="defaults")
+            p = res.per_seed("knn", "knn_accuracy", data=data, per_class=pc, loss=loss, row="paper")
+            c = compare(loss, "defaults", d, "paper", p)
+            delta = (
+                "not measured"
+                if c.diff is None
+                else f"{100 * c.diff:+.1f} [{100 * c.lo:+.1f}, {100 * c.hi:+.1f}]"
+            )
+            rows.append([f"{_setting(data, pc)} {loss}", _fmt(d), _fmt(p), delta, PAPER[loss][0]])
+    header = [
+        "setting / loss",
+        "defaults",
+        "published settings",
+        "Δ defaults − published (95 % CI)",
+        "published",
+    ]
+    return (
+        markdown_table(header, rows)
+        + "\nSame schedule (the defaults' epochs, lr, weight decay) in both rows.\n"
+    )
+
+
+def _disjoint(plan: StudyPlan, res: Any) -> str:
+    rows = []
+    for data, pc in plan.disjoint_settings:
+        for loss in ("raw", *plan.knn_losses):
+            m = {"data": data, "per_class": pc, "loss": loss}
+            found = res.select("disjoint", **m)
+            n_imp = next((r["result"]["verification"]["num_impostor_pairs"] for r in found), None)
+            rows.append(
+                [
+                    f"{_setting(data, pc)} {'raw input' if loss == 'raw' else loss}",
+                    _fmt(res.per_seed("disjoint", "map_at_r", **m)),
+                    _fmt(res.per_seed("disjoint", "precision_at_1", **m)),
+                    _fmt(res.per_seed("disjoint", "verification/tar_at_far/0.001", **m)),
+                    _fmt(res.per_seed("disjoint", "verification/eer", **m), 100, 2),
+                    str(n_imp) if n_imp is not None else "—",
+                ]
+            )
+    header = ["data / embedding", "MAP@R", "P@1", "TAR@FAR=1e-3", "EER (%)", "impostor pairs"]
+    note = (
+        "\nTraining on classes 0..C/2−1 only (japanese-vowels: speakers 1–4 of 9); queries and pairs are the "
+        "test rows of the unseen classes, each query against the other unseen test rows "
+        "(Musgrave et al. 2020). "
+        "Identification (DIR@FPIR, CMC) is not reported yet: `marginkit.metrics.identification_metrics` "
+        "(issue [4/6]) has landed but is not wired into the hook `marginkit.study.jobs._identification`.\n"
+    )
+    return markdown_table(header, rows) + note
+
+
+def _verification(plan: StudyPlan, res: Any) -> str:
+    rows, n_imp = [], set()
+    for label, _loss, _opts in identity_rows():
+        found = res.select("identities", label=label)
+        n_imp |= {r["result"]["num_impostor_pairs"] for r in found}
+        act = res.per_seed("identities", "active_class_fraction", label=label)
+        rows.append(
+            [label]
+            + [_fmt(res.per_seed("identities", f"tar_at_far/{f}", label=label)) for f in FARS]
+            + [
+                _fmt(res.per_seed("identities", "eer", label=label), 100, 2),
+                _fmt(act) if any(v is not None for v in act.values()) else "—",
+            ]
+        )
+    header = ["loss (settings)"] + [f"TAR@FAR={f:g} (%)" for f in FARS] + ["EER (%)", "active classes (%)"]
+    note = (
+        f"\nImpostor pairs per seed: {sorted(n_imp)} (all pairs of the test identities); a FAR "
+        "below 1/pairs is "
+        "'not measurable'. `identities` is a SIMULATION (marginkit.data.IdentitySimulator), not face or "
+        "speaker data. Active classes: mean support of the alpha loss's posterior on the training rows.\n"
+    )
+    return markdown_table(header, rows) + note
+
+
+def _precision(plan: StudyPlan, res: Any) -> str:
+    names = {"ce": "cross-entropy", "hinge": "Crammer–Singer hinge", "mep": "MEP (L2)"}
+    rows = []
+    for data, pc in plan.margin_settings:
+        for obj in ("ce", "hinge", "mep"):
+            m = {"data": data, "per_class": pc, "objective": obj}
+            row = [f"{_setting(data, pc)} {names[obj]}"]
+            for p in PRECISIONS:
+                row.append(
+                    f"{_fmt(res.per_seed('margin', f'{p}/test_accuracy', **m))} / "
+                    f"{_fmt(res.per_seed('margin', f'{p}/test_margin_fraction', **m))}"
+                )
+            row.append(_fmt(res.per_seed("margin", "train_zero_mep_grad_fraction", **m)))
+            rows.append(row)
+    header = ["setting / objective"] + [f"{p}: acc / rows keeping margin" for p in PRECISIONS]
+    header.append("train rows with zero MEP gradient")
+    note = (
+        f"\nAll three on s·cos with s = {plan.margin_scale:g}, margin m = {plan.margin_margin:g} "
+        "in score units "
+        f"(= {plan.margin_margin / plan.margin_scale:g} in cosine), {plan.margin_epochs} epochs, AdamW lr "
+        f"{plan.margin_lr:g}. Weight matrices and kernels rounded to the precision (int8: "
+        "symmetric per output "
+        "channel), biases and batch-norm in float32; a test row keeps the margin when "
+        "s·(c_y − max_{j≠y} c_j) ≥ m.\n"
+    )
+    return markdown_table(header, rows) + note
+
+
+def _throughput(plan: StudyPlan, res: Any, facts: dict[str, Any]) -> str:
+    found = res.select("e2e")
+    if not found:
+        return "(the throughput job was not run)\n"
+    sps = found[0]["result"]["samples_per_second"]
+    methods = list(plan.e2e["methods"])
+    rows, ratios = [], {}
+    for classes, per in sps.items():
+        for what, label in (("e2e", "backbone + head + loss"), ("head_loss", "head + loss")):
+            row = [f"C = {int(classes):,}: {label}"] + [f"{per[m][what]:.0f}" for m in methods]
+            q = per["Q-Margin"][what]
+            row += [f"{q / per['CosFace'][what]:.2f}×", f"{q / per['ArcFace'][what]:.2f}×"]
+            ratios[f"{classes}/{what}"] = q / per["ArcFace"][what]
+            rows.append(row)
+    facts["throughput"] = ratios
+    e = plan.e2e
+    header = (
+        ["classes: measured"]
+        + [f"{m} samples/s" for m in methods]
+        + ["Q-Margin ÷ CosFace", "Q-Margin ÷ ArcFace"]
+    )
+    note = (
+        f"\nOne training step (forward, backward, AdamW) at batch {e['batch']}, median of {e['rounds'] - 1} "
+        f"rounds after one warm-up, methods interleaved per round, one thread; backbone: `mlp` "
+        f"{e['input_dim']} → {e['hidden']} → {e['dim']} (unit embeddings); losses at the library defaults "
+        "(Q-Margin with its exact candidate filter, `topk=auto`). Ratios of two timings taken side by side; "
+        "absolute numbers depend on the (shared) machine. The detailed head + loss benchmark is "
+        "`benchmarks/bench_qmargin.py` (docs/throughput.md).\n"
+    )
+    return markdown_table(header, rows) + note
+
+
+def build_tables(plan: StudyPlan, res: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """Every table of :data:`marginkit.study.runner.TABLES` (Markdown) and facts for the verdicts."""
+    facts: dict[str, Any] = {}
+    tables = {}
+    tables["tuning"], facts["tuning"] = _tuning(plan, res)
+    tables["target"] = _target(plan, res, facts)
+    tables["knn"] = _knn(plan, res)
+    tables["paper"] = _paper(plan, res)
+    tables["disjoint"] = _disjoint(plan, res)
+    tables["verification"] = _verification(plan, res)
+    tables["precision"] = _precision(plan, res)
+    tables["throughput"] = _throughput(plan, res, facts)
+    return tables, facts
+
+
+def results_markdown(
+    plan: StudyPlan, tables: dict[str, str], claims: list[dict[str, Any]], cost: dict[str, Any], jobs: int
+) -> str:
+    import torch
+
+    cmd = "python benchmarks/study.py --out study_out" + (" --quick" if plan.mode == "quick" else "")
+    partial = ""
+    if cost["missing"]:
+        listing = "; ".join(f"{k} ({v})" for k, v in sorted(cost["missing_groups"].items()))
+        partial = (
+            f"**PARTIAL RESULTS: {cost['missing']} job(s) of this plan did not finish and are "
+            "absent from the "
+            f"tables (cells show 'not measurable' or fewer seeds):** {listing}. Rerun the "
+            "command to complete "
+            "them (finished runs are reused).\n"
+        )
+    cpu = ", ".join(f"{k} {v / 60:.1f} min" for k, v in cost["cpu_by_kind"].items())
+    parts = [
+        "# marginkit study: the seeds' losses on real small data, measured\n",
+        f"Generated by `{cmd}` (mode **{plan.mode}**, {jobs} worker process(es), one torch thread each). "
+        f"Wall time of this invocation {cost['wall_seconds'] / 60:.1f} min; {cost['reused']} of "
+        f"{cost['jobs']} "
+        f"jobs reused from an earlier invocation into the same OUT. The jobs' own CPU time sums to "
+        f"{cost['job_cpu_seconds'] / 60:.1f} min ({cpu}); load average (1, 5, 15 min) "
+        f"{cost['load_average_start']} at the start and {cost['load_average_end']} at the end "
+        f"(the 2 cores were shared with other work). torch {torch.__version__}, Python {cost['python']}, "
+        f"{cost['machine']}. {plan.seeds} seeds per cell, no augmentation, nothing selected on test data. "
+        "Each run's config is saved next to its result under `OUT/runs/`.\n",
+        partial,
+        "## Verdicts\n",
+        "Rules fixed in code before the run (`marginkit/study/stats.py`, `claims.py`): each comparison is "
+        "paired over seeds (same subset, initialisation and batch order), with a 95 % percentile-bootstrap "
+        "interval of the mean per-seed difference; it is a *win* only when the interval excludes zero in the "
+        "claim's favour, a *loss* when it excludes zero against it, else a *tie*. A claim is "
+        "*supported* with "
+        "≥ 80 % wins and no loss, *contradicted* with ≥ 50 % losses, *not supported* with no win, *mixed* "
+        "otherwise. Throughput has no seeds: supported at ≥ 0.9× ArcFace, mixed at ≥ 0.7×.\n",
+    ]
+    for c in claims:
+        parts.append(f"- **{c['claim']}** — *{c['verdict']}*. {c['sentence']}")
+    parts.append("")
+    for name in TABLES:
+        parts.append(f"## {TITLES[name]}\n")
+        parts.append(tables[name])
+    return "\n".join(parts) + "\n"

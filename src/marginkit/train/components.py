@@ -1,0 +1,210 @@
+"""What a run is built from: its device, data, model, head, loss, optimiser and learning-rate schedule.
+
+Both the trainer and the evaluation (which rebuilds a run's model from its checkpoint) build
+them here, from a :class:`~marginkit.train.config.TrainConfig` and the data facts stored in the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from marginkit.schedules import Constant, CosineDecay, Join, LinearWarmup
+from marginkit.train.config import TrainConfig
+from marginkit.train.errors import ConfigError
+from marginkit.train.registry import LOSSES, build_loss
+from marginkit.train.small_data import MIN_VAL_PER_CLASS
+
+__all__ = [
+    "LRSchedule",
+    "build_components",
+    "build_optimizer",
+    "data_facts",
+    "load_splits",
+    "resolve_device",
+    "resolve_model_name",
+]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → CUDA if available, else MPS if available, else CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; use device=cpu")
+    return dev
+
+
+def resolve_model_name(config: TrainConfig, input_shape: tuple[int, ...], data_name: str = "") -> str:
+    """The backbone for ``model: auto``: ``cnn1d`` for mnist1d / ``(C, L)`` inputs, ``cnn2d``
+    for ``(C, H, W)`` images, ``mlp`` for feature vectors."""
+    if config.model != "auto":
+        return config.model
+    if len(input_shape) >= 3:
+        return "cnn2d"
+    if len(input_shape) == 2 or data_name == "mnist1d" or config.data == "mnist1d":
+        return "cnn1d"
+    return "mlp"
+
+
+_SPLIT_CACHE: dict[tuple, Any] = {}
+
+
+def load_splits(config: TrainConfig, *, cache: bool = False) -> Any:
+    """Load the data set of ``config`` (``DatasetSplits``); ``cache`` memoises in-process
+    (``compare`` trains several losses on the same data)."""
+    from marginkit.data import load_dataset
+
+    key = (
+        config.data,
+        config.seed,
+        config.train_per_class,
+        config.val_fraction,
+        json.dumps(config.data_options, sort_keys=True),
+    )
+    if cache and key in _SPLIT_CACHE:
+        return _SPLIT_CACHE[key]
+    splits = load_dataset(
+        config.data,
+        seed=config.seed,
+        train_per_class=config.train_per_class,
+        val_fraction=config.val_fraction,
+        min_val_per_class=MIN_VAL_PER_CLASS,
+        **config.data_options,
+    )
+    if cache:
+        _SPLIT_CACHE.clear()
+        _SPLIT_CACHE[key] = splits
+    return splits
+
+
+def data_facts(splits: Any) -> dict[str, Any]:
+    """The facts about a data set that a checkpoint needs to rebuild the model."""
+    return {
+        "name": str(getattr(splits, "name", "")),
+        "num_classes": int(splits.num_classes),
+        "input_shape": [int(s) for s in splits.input_shape],
+        "open_set": bool(getattr(splits, "open_set", False)),
+        "class_names": [str(c) for c in (getattr(splits, "class_names", None) or [])],
+        "kind": str(getattr(splits, "kind", "vector")),
+        "mean": getattr(splits, "mean", None),
+        "std": getattr(splits, "std", None),
+    }
+
+
+def build_components(
+    config: TrainConfig, facts: dict[str, Any], device: torch.device
+) -> tuple[nn.Module, nn.Module | None, nn.Module]:
+    """``(model, head or None, loss)`` for ``config`` on data with ``facts``."""
+    from marginkit.models import build_model
+
+    spec = LOSSES[config.loss]
+    input_shape = tuple(facts["input_shape"])
+    model_name = resolve_model_name(config, input_shape, facts.get("name", ""))
+    try:
+        model = build_model(
+            model_name,
+            input_shape,
+            embedding_dim=config.embedding_dim,
+            normalize=config.normalize,
+            **config.model_options,
+        ).to(device)
+    except (ValueError, TypeError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"cannot build model {model_name!r} for input shape {input_shape}: {first}"
+        ) from None
+    head = None
+    if spec.kind == "class":
+        from marginkit.heads import CosineHead
+
+        head = CosineHead(facts["num_classes"], config.embedding_dim).to(device)
+    loss = build_loss(config.loss, config.loss_options, k=config.k).to(device)
+    return model, head, loss
+
+
+def _param_groups(config: TrainConfig, model: nn.Module, head: nn.Module | None) -> list[dict[str, Any]]:
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": config.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    if head is not None:
+        groups.append(
+            {"params": list(head.parameters()), "weight_decay": 0.0, "lr": config.head_lr or config.lr}
+        )
+    return groups
+
+
+def build_optimizer(config: TrainConfig, model: nn.Module, head: nn.Module | None) -> torch.optim.Optimizer:
+    """AdamW or SGD (momentum) over the model and head; no weight decay on biases, norms and centres."""
+    groups = _param_groups(config, model, head)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+    return torch.optim.AdamW(groups, lr=config.lr)
+
+
+class LRSchedule(Join):
+    r"""The learning-rate factor of step ``t`` (one per iteration): a :class:`~marginkit.schedules.Join`.
+
+    Linear warm-up over the first ``W = warmup_steps`` steps, :math:`f(t) = (t + 1) / W`, then
+
+    - ``cosine``: :math:`\tfrac12 (1 + \cos(\pi \min(1, (t - W) / (T - W))))` down to 0 at the
+      last step ``T = total_steps`` (SGDR's annealing without restarts);
+    - ``step``: :math:`\gamma^{\lfloor t / (S \cdot E) \rfloor}` with ``S = steps_per_epoch``
+      and ``E = step_epochs`` (the decay counts from step 0, warm-up included);
+    - ``none``: 1.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        total_steps: int,
+        warmup_steps: int,
+        steps_per_epoch: int,
+        step_epochs: int,
+        gamma: float,
+    ) -> None:
+        total, warm = int(total_steps), int(warmup_steps)
+        pieces: list[Any] = []
+        bounds: list[int] = []
+        if warm >= 1:  # f(t) = (t + 1) / W: from 1/W at step 0 to 1 at step W - 1
+            pieces.append(LinearWarmup(1.0 / warm, 1.0, warm - 1) if warm > 1 else Constant(1.0))
+            bounds.append(warm)
+        if kind == "cosine":
+            pieces.append(CosineDecay(1.0, 0.0, max(1, total - warm)))
+        elif kind == "step":
+            period = int(steps_per_epoch) * int(step_epochs)
+            pieces.append(Constant(float(gamma) ** (warm // period)))
+            for k in range(warm // period + 1, total // period + 1):
+                pieces.append(Constant(float(gamma) ** k))
+                bounds.append(k * period)
+        else:
+            pieces.append(Constant(1.0))
+        super().__init__(pieces, bounds)
+
+
+def lr_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Any:
+    """``LambdaLR`` stepping :class:`LRSchedule` once per iteration.
+
+    The factor is handed over as a plain function, so ``state_dict()`` holds only the step
+    counter (a callable object's attributes would be pickled into every checkpoint).
+    """
+    schedule = LRSchedule(
+        config.scheduler,
+        steps_per_epoch * config.epochs,
+        round(config.warmup_epochs * steps_per_epoch),
+        steps_per_epoch,
+        config.step_epochs,
+        config.step_gamma,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step))
