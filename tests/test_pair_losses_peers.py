@@ -33,6 +33,7 @@ from marginkit.losses import (
 )
 from marginkit.mining import MemoryBank, multi_similarity_pairs
 from marginkit.ops import contrastive_loss, multi_similarity_loss, ntxent_loss, supcon_loss
+from pair_inputs import assert_batch_errors
 from test_triplet import _SyncCounter
 
 TOL = {"atol": 1e-9, "rtol": 1e-9}
@@ -610,24 +611,7 @@ def test_one_host_sync_per_forward(gen, monkeypatch, make):
 def test_bad_inputs_name_the_argument(gen, make):
     emb, labels = _batch(gen, n=6, dtype=torch.float32)
     loss = make()
-    with pytest.raises(ValueError, match="labels must have shape"):
-        loss(emb, labels[:4])
-    with pytest.raises(TypeError, match="labels must be an integer"):
-        loss(emb, labels.double())
-    with pytest.raises(ValueError, match="embeddings must be 2-D"):
-        loss(emb[0], labels[:1])
-    bad = emb.clone()
-    bad[0, 0] = math.nan
-    with pytest.raises(ValueError, match="NaN"):
-        loss(bad, labels)
-    with pytest.raises(ValueError, match="NaN"):
-        loss(emb, labels, bad, labels)
-    with pytest.raises(ValueError, match="ref_embeddings was given without ref_labels"):
-        loss(emb, labels, emb.clone())
-    with pytest.raises(ValueError, match="embedding dimension"):
-        loss(emb, labels, emb[:, :2], labels)
-    with pytest.raises(ValueError, match="labels must be given"):
-        loss(emb)
+    assert_batch_errors(loss, emb, labels)
     one, two = torch.tensor([0]), torch.tensor([1])
     with pytest.raises(ValueError, match="indices out of range"):
         loss(emb, indices=(one, torch.tensor([6]), one, two))

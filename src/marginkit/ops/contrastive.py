@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from marginkit._validation import cosine_tensor, float_tensor, positive_float
+from marginkit._validation import cosine_tensor, float_tensor, mask_tensor, positive_float
 
 __all__ = ["contrastive_loss", "multi_similarity_loss", "ntxent_loss", "supcon_loss"]
 
@@ -167,19 +167,7 @@ def _check(matrix: Any, name: str, pos_mask: Any, neg_mask: Any, *, cosines: boo
     else:
         float_tensor(matrix, name, min_dim=1, allow_empty=True)
     for mask_name, mask in (("pos_mask", pos_mask), ("neg_mask", neg_mask)):
-        if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
-            raise TypeError(
-                f"{mask_name} must be a bool tensor or integer multiplicities, "
-                f"got {getattr(mask, 'dtype', type(mask).__name__)}"
-            )
-        try:
-            torch.broadcast_shapes(mask.shape, matrix.shape)
-        except RuntimeError as err:
-            raise ValueError(
-                f"{mask_name} of shape {tuple(mask.shape)} does not broadcast to {name} {tuple(matrix.shape)}"
-            ) from err
-        if mask.dtype != torch.bool and mask.numel() and bool((mask < 0).any()):
-            raise ValueError(f"{mask_name} multiplicities must be >= 0")
+        mask_tensor(mask, mask_name, matrix, name, counts=True)
     work = torch.float64 if matrix.dtype == torch.float64 else torch.float32
     matrix = matrix.to(work)
     return matrix.clamp(-1.0, 1.0) if cosines else matrix
