@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from entmax import EntmaxBisectLoss
 
 from marginkit.losses import QMarginLoss
-from marginkit.ops import alpha as alpha_impl
+from marginkit.ops.alpha import _candidates as candidates_impl
+from marginkit.ops.alpha import _newton as newton_impl
 
 
 def cosines(kind: str, b: int, c: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +73,10 @@ def iteration_counts(quick: bool) -> None:
             for dtype in (torch.float32, torch.float64):
                 x = x64.to(dtype)
                 beta = torch.full((rows,), alpha - 1, dtype=dtype)
-                problem = alpha_impl._Problem(alpha_impl._Entries(rows, n), x, None, beta, alpha - 1)
-                lo, hi = alpha_impl._lower_bound(problem), alpha_impl._upper_bound(problem)
+                problem = newton_impl._Problem(candidates_impl._Entries(rows, n), x, None, beta, alpha - 1)
+                lo, hi = newton_impl._lower_bound(problem), newton_impl._upper_bound(problem)
                 trace: list[torch.Tensor] = []
-                tau, _, _ = alpha_impl._find_tau(problem, lo, hi, hybrid=alpha > 2, trace=trace)
+                tau, _, _, _ = newton_impl._find_tau(problem, lo, hi, hybrid=alpha > 2, trace=trace)
                 done = torch.stack(trace)
                 first = torch.where(done.any(0), done.int().argmax(0) + 1, len(trace) + 1).double()
                 tol = 4 * torch.finfo(dtype).eps * (1 + tau.abs())

@@ -16,7 +16,7 @@ Columns, per rank (the maximum over ranks where they differ):
   cores shared with other jobs: 2 and 4 processes contend for them, so these times show the
   communication and contention overheads, not a speed-up;
 - ``collectives`` / ``KiB/step``: calls and payload bytes of the collectives one step issues
-  (counted by :func:`marginkit._sharded.record_collectives`; all-reduce: the buffer, all-gather:
+  (counted by :func:`marginkit.distributed.record_collectives`; all-reduce: the buffer, all-gather:
   the gathered output). They do not depend on ``C``.
 
 Rows: CosFace (softmax type: the same traffic for NormSoftmax/ArcFace/ClassCircle), Q-Margin
@@ -41,10 +41,13 @@ import time
 
 import torch
 
-from marginkit._sharded import record_collectives
-from marginkit.distributed import _spawn_for_test
+from marginkit.distributed import record_collectives
 from marginkit.heads import ShardedCosineHead
 from marginkit.losses import CosFaceLoss, QMarginLoss
+
+# The test suite's spawn harness (gloo on loopback; the spawned processes inherit sys.path).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+from dist_utils import run_distributed
 
 DIM = 128
 GLOBAL_BATCH = 64
@@ -125,7 +128,7 @@ def run(worlds: list[int], num_classes: int, steps: int) -> list[dict]:
     for world in worlds:
         for name in CONFIGS:
             with tempfile.TemporaryDirectory() as out_dir:
-                _spawn_for_test(_worker, world, name, num_classes, steps, out_dir, timeout_s=1800.0)
+                run_distributed(_worker, world, name, num_classes, steps, out_dir, timeout_s=1800.0)
                 per = []
                 for r in range(world):
                     with open(os.path.join(out_dir, f"rank{r}.json")) as file:

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 from alpha_reference import brute_force
 from marginkit.losses import EntmaxLoss, QMarginLoss, SparsemaxLoss
-from marginkit.ops import alpha as alpha_impl
 from marginkit.ops import alpha_divergence_loss, alpha_softargmax
+from marginkit.ops.alpha import _candidates as candidates_impl
+from marginkit.ops.alpha import _memory as memory_impl
+from marginkit.ops.alpha import _solve as solve_impl
 
 
 def divergence_definition(theta: np.ndarray, y: np.ndarray, alpha: float, q: np.ndarray) -> np.ndarray:
@@ -224,7 +226,7 @@ def test_solver_restores_the_thread_count(gen):
         y = torch.randint(0, 5000, (32,), generator=gen)
         QMarginLoss()(cos.requires_grad_(), y).backward()
         assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError, match="boom"), alpha_impl._serial(10, torch.device("cpu")):
+        with pytest.raises(RuntimeError, match="boom"), memory_impl._serial(10, torch.device("cpu")):
             assert torch.get_num_threads() == 1
             raise RuntimeError("boom")
         assert torch.get_num_threads() == 2
@@ -374,15 +376,15 @@ def test_qmargin_candidate_paths_with_many_near_equal_cosines(alpha, gen):
         assert torch.equal(support, results[0][2])
     # the path under test: the first bound leaves most blocks as candidates (dense pre-filter),
     # the block-maxima bound removes most candidates
-    blocks, beta = alpha_impl._Blocks(cos), torch.full((16,), alpha - 1)
+    blocks, beta = candidates_impl._Blocks(cos), torch.full((16,), alpha - 1)
     scale, log_qy = 8.75 / (alpha - 1), torch.full((16,), -8.75 / (alpha - 1) * 0.2)
-    lo, hi = alpha_impl._row_bounds(cos, blocks, scale, beta, torch.float32, None, y, log_qy)
-    thr = alpha_impl._threshold(lo, beta, scale)
+    lo, hi = candidates_impl._row_bounds(cos, blocks, scale, beta, torch.float32, None, y, log_qy)
+    thr = candidates_impl._threshold(lo, beta, scale)
     assert not blocks.sparse(thr)
-    refined = alpha_impl._block_subset_bound(blocks, cos, scale, beta, alpha - 1, y, log_qy, lo, hi)
-    exact = alpha_impl._solve_dense(cos.double(), scale, beta.double(), alpha - 1, None, y, log_qy.double())
+    refined = solve_impl._block_subset_bound(blocks, cos, scale, beta, alpha - 1, y, log_qy, lo, hi)
+    exact = solve_impl._solve_dense(cos.double(), scale, beta.double(), alpha - 1, None, y, log_qy.double())
     assert bool((refined >= lo).all()) and bool((refined.double() <= exact.tau).all())
-    thr_refined = alpha_impl._threshold(refined, beta, scale)
+    thr_refined = candidates_impl._threshold(refined, beta, scale)
     assert int((cos > thr_refined[:, None]).sum()) < 0.5 * int((cos > thr[:, None]).sum())
 
 

@@ -10,8 +10,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from alpha_reference import brute_force, rounding_tolerance
-from marginkit.ops import alpha as alpha_impl
 from marginkit.ops import alpha_divergence_loss, alpha_softargmax
+from marginkit.ops.alpha import _candidates as candidates_impl
+from marginkit.ops.alpha import _newton as newton_impl
+from marginkit.ops.alpha import _solve as solve_impl
 
 ALPHAS = [1.1, 1.25, 1.5, 2.0, 3.0]
 
@@ -109,8 +111,8 @@ def test_candidate_filter_and_topk_equal_full_rows(alpha, gen):
         torch.testing.assert_close(alpha_softargmax(x, alpha, q=q, **kwargs), full, atol=1e-12, rtol=0)
     # The candidate path really works on a compact set (flat or padded rows, far fewer than n).
     beta = torch.full((6,), alpha - 1, dtype=torch.float64)
-    sol = alpha_impl._solve(
-        x, alpha_impl._Blocks(x), scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log()
+    sol = solve_impl._solve(
+        x, candidates_impl._Blocks(x), scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log()
     )
     assert sol.entries.is_flat or sol.entries.col is not None
     assert sol.p.numel() < 6 * 3000 // 4
@@ -226,11 +228,11 @@ def test_newton_iteration_counts(alpha, dtype, gen):
     # Regression guard for the counts documented in docs/qmargin.md (monotone Newton, α ≤ 2).
     x = (torch.randn(32, 500, generator=gen, dtype=torch.float64) * 4).to(dtype)
     beta = torch.full((32,), alpha - 1, dtype=dtype)
-    entries = alpha_impl._Entries(32, 500)
-    problem = alpha_impl._Problem(entries, x, None, beta, alpha - 1)
-    lo, hi = alpha_impl._lower_bound(problem), alpha_impl._upper_bound(problem)
+    entries = candidates_impl._Entries(32, 500)
+    problem = newton_impl._Problem(entries, x, None, beta, alpha - 1)
+    lo, hi = newton_impl._lower_bound(problem), newton_impl._upper_bound(problem)
     trace: list[torch.Tensor] = []
-    alpha_impl._find_tau(problem, lo, hi, hybrid=False, trace=trace)
+    newton_impl._find_tau(problem, lo, hi, hybrid=False, trace=trace)
     first_done = torch.stack(trace).int().argmax(0) + 1
     assert bool(trace[-1].all()) and int(first_done.max()) <= 8
     expected = entmax_bisect(x.double(), alpha, n_iter=80)
@@ -242,10 +244,10 @@ def test_newton_iteration_counts(alpha, dtype, gen):
 def test_alpha_above_two_uses_few_iterations(gen):
     x = torch.randn(64, 500, generator=gen, dtype=torch.float64) * 4
     beta = torch.full((64,), 2.0, dtype=torch.float64)
-    problem = alpha_impl._Problem(alpha_impl._Entries(64, 500), x, None, beta, 2.0)
-    lo, hi = alpha_impl._lower_bound(problem), alpha_impl._upper_bound(problem)
+    problem = newton_impl._Problem(candidates_impl._Entries(64, 500), x, None, beta, 2.0)
+    lo, hi = newton_impl._lower_bound(problem), newton_impl._upper_bound(problem)
     trace: list[torch.Tensor] = []
-    alpha_impl._find_tau(problem, lo, hi, hybrid=True, trace=trace)
+    newton_impl._find_tau(problem, lo, hi, hybrid=True, trace=trace)
     assert bool(trace[-1].all()) and len(trace) <= 30  # bisection needs ~47 from that bracket
 
 
@@ -291,7 +293,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("n", [40, 64, 1000, 4160, 5003])
 def test_block_prefilter_and_max_excluding(n, gen):
     x = torch.randn(6, n, generator=gen)
-    blocks = alpha_impl._Blocks(x)
+    blocks = candidates_impl._Blocks(x)
     torch.testing.assert_close(blocks.rowmax, x.amax(-1), rtol=0, atol=0)
     for quantile in (0.5, 0.99, 0.9999):  # dense and block-sparse regimes
         thr = torch.quantile(x, quantile, dim=-1) - 1e-3 * torch.rand(6, generator=gen)
@@ -304,7 +306,7 @@ def test_block_prefilter_and_max_excluding(n, gen):
     xt[2, 3] = xt[2].max() + 1  # a tie between the label and another column
     xt[2, 7] = xt[2, 3]
     label[2] = 3
-    blocks = alpha_impl._Blocks(xt)
+    blocks = candidates_impl._Blocks(xt)
     masked = xt.scatter(1, label[:, None], -math.inf)
     torch.testing.assert_close(blocks.max_excluding(label), masked.amax(-1), rtol=0, atol=0)
     # block maxima with the label left out of its block (the subset bound's entries)
@@ -321,9 +323,9 @@ def test_integer_power_support_equals_the_log_domain(alpha, dtype, gen):
     x = (torch.randn(16, 300, generator=gen, dtype=torch.float64) * 3).to(dtype)
     x[:, :5] = -math.inf
     beta = torch.full((16,), alpha - 1, dtype=dtype)
-    fast = alpha_impl._Problem(alpha_impl._Entries(16, 300), x, None, beta, alpha - 1)
+    fast = newton_impl._Problem(candidates_impl._Entries(16, 300), x, None, beta, alpha - 1)
     assert fast.int_power == round(1 / (alpha - 1))
-    slow = alpha_impl._Problem(alpha_impl._Entries(16, 300), x, None, beta, alpha - 1)
+    slow = newton_impl._Problem(candidates_impl._Entries(16, 300), x, None, beta, alpha - 1)
     slow.int_power = None
     tau = x.amax(-1) - 0.5
     for a, b in zip(fast.support(tau), slow.support(tau), strict=True):
@@ -334,7 +336,7 @@ def test_integer_power_support_equals_the_log_domain(alpha, dtype, gen):
     (p, w, u), (_, _, u_slow) = fast.support(tau), slow.support(tau)
     assert torch.equal(u == 0, u_slow == 0) and bool((u[:, :5] == 0).all())
     assert bool((p[u == 0] == 0).all()) and bool((w[u == 0] == 0).all())  # exact zeros off the support
-    assert alpha_impl._integer_power(0.3) is None and alpha_impl._integer_power(None) is None
+    assert newton_impl._integer_power(0.3) is None and newton_impl._integer_power(None) is None
 
 
 @pytest.mark.parametrize("alpha", [1.25, 2.0, 3.0])
@@ -345,11 +347,11 @@ def test_block_subset_bound_is_a_valid_tight_lower_bound(alpha, gen):
     y = torch.randint(0, 20_000, (8,), generator=gen)
     log_qy = torch.full((8,), -3.0, dtype=torch.float64)
     beta = torch.full((8,), alpha - 1, dtype=torch.float64)
-    blocks = alpha_impl._Blocks(x)
-    lo, hi = alpha_impl._row_bounds(x, blocks, scale, beta, torch.float64, None, y, log_qy)
-    refined = alpha_impl._block_subset_bound(blocks, x, scale, beta, alpha - 1, y, log_qy, lo, hi)
+    blocks = candidates_impl._Blocks(x)
+    lo, hi = candidates_impl._row_bounds(x, blocks, scale, beta, torch.float64, None, y, log_qy)
+    refined = solve_impl._block_subset_bound(blocks, x, scale, beta, alpha - 1, y, log_qy, lo, hi)
     q = torch.ones_like(x).scatter_(1, y[:, None], log_qy.exp()[:, None])
-    sol = alpha_impl._solve(scale * x, None, scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log())
+    sol = solve_impl._solve(scale * x, None, scale=1.0, beta=beta, beta_scalar=alpha - 1, logq=q.log())
     assert bool((refined >= lo).all()) and bool((refined <= sol.tau + 1e-12).all())
     assert float((sol.tau - refined).mean()) < 0.5 * float((sol.tau - lo).mean())
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
+from dist_utils import SpawnedRankError, run_distributed
 from marginkit.distributed import (
-    SpawnedRankError,
     all_gather_no_grad,
     all_gather_with_grad,
     find_free_port,

@@ -14,11 +14,14 @@ also checks checkpoints and errors; CPU, loopback) runs every check (spawning co
 - class sampling (``sample_rate < 1``): the loss equals the one-process loss restricted to the
   union of the ranks' sampled classes, and every positive class is among them;
 - the pair losses through :class:`GatheredPairLoss`: value and embedding gradients;
-- the collectives: the softmax-type losses issue 2 all-reduces of ``(B, ·)``, never the logits.
+- the collectives: the softmax-type losses issue 2 all-reduces of ``(B, ·)``, never the logits;
+- a loss written here in a few lines on the class axis (:class:`AxisSoftmaxLoss`, plain autograd
+  over ``ClassBlock.max/sum/target``) is sharded for free: N ranks == one process.
 
 The references are the losses' own single-process paths on ``cosine_similarity_matrix`` of
 the concatenated batch (tested elsewhere against independent float64 brute force, entmax and
-pytorch-metric-learning); the sharded code shares none of their class-dimension reductions.
+pytorch-metric-learning); the sharded runs differ from them in the class axis only (the
+all-reduces), which is what these tests compare.
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from marginkit._sharded import record_collectives
-from marginkit.distributed import all_gather_no_grad
+from marginkit.distributed import all_gather_no_grad, record_collectives
 from marginkit.heads.cosine import cosine_similarity_matrix
 from marginkit.heads.sharded import ShardedCosineHead
 from marginkit.losses import (
@@ -45,8 +47,20 @@ from marginkit.losses import (
     SparsemaxLoss,
     TripletMarginLoss,
 )
+from marginkit.ops.classes import class_block
 
 NUM_CLASSES, DIM, SEED = 23, 8, 11
+
+
+class AxisSoftmaxLoss(torch.nn.Module):
+    """Cross-entropy on the logits ``6c + 2c²``, written once on the class axis with autograd."""
+
+    def forward(self, cosines, labels):
+        block = class_block(cosines, labels)  # a tensor, or a ShardedCosineHead's output
+        z = 6.0 * block.scores + 2.0 * block.scores.square()
+        shift = block.max(z)
+        log_total = block.sum((z - shift[:, None]).exp()).log() + shift
+        return (log_total - block.target(z)).mean()
 
 
 def _call(loss, out, labels):
@@ -199,6 +213,27 @@ def check_communication(me, world):
     assert newton >= 2 and qmargin.bytes["all_reduce_sum"] == newton * 4 * (4 * b + 1) + 4 * b * DIM
 
 
+def check_loss_on_the_axis(me, world, expected_weight, sizes, tol):
+    head = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, grad_reduction="sum", dtype=torch.float64)
+    full = head.full_state_dict()["weight"]
+    assert torch.equal(full, expected_weight.double())
+    e_all, y_all = global_data(full, sizes, torch.float64, 4)
+    start = sum(sizes[:me])
+    rows = slice(start, start + sizes[me])
+    loss = AxisSoftmaxLoss()
+    ref_value, ref_ge, ref_gw, _ = reference(loss, e_all, y_all, full)
+    cos = cosine_similarity_matrix(e_all, full)
+    plain = torch.nn.functional.cross_entropy(6.0 * cos + 2.0 * cos.square(), y_all)
+    assert_close(ref_value, plain, 1e-12, "the axis loss in one process")
+    e = e_all[rows].clone().requires_grad_(True)
+    value = loss(head(e), y_all[rows])
+    value.backward()
+    assert_close(value.detach(), ref_value, tol, "axis loss value")
+    assert_close(e.grad, ref_ge[rows], tol, "axis loss embedding grad")
+    mine = slice(head.class_offset, head.class_offset + head.num_local)
+    assert_close(head.weight.grad, ref_gw[mine], tol, "axis loss weight grad")
+
+
 def _worker(me, world, expected_weight):
     torch.manual_seed(1234 + me)  # the code under test must not depend on the global RNG per rank
     sizes = [3 + (r * 2) % 5 for r in range(world)]  # unequal local batches
@@ -207,6 +242,7 @@ def _worker(me, world, expected_weight):
     empty_first = [0] + [4] * (world - 1)  # rank 0 contributes no rows
     check_class_losses(me, world, expected_weight, torch.float64, 1e-10, "mean", empty_first, 3)
     check_sampling(me, world, expected_weight, 1e-10)
+    check_loss_on_the_axis(me, world, expected_weight, sizes, 1e-10)
     check_pair_losses(me, world, 1e-10)
     check_communication(me, world)
     dist.barrier()
@@ -226,6 +262,7 @@ def test_one_process_sharded_head_equals_plain_losses(gen):
     expected = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, dtype=torch.float64).weight.detach()
     check_class_losses(0, 1, expected, torch.float64, 1e-12, "mean", [9], 1)
     check_class_losses(0, 1, expected, torch.float32, 1e-6, "sum", [9], 2)
+    check_loss_on_the_axis(0, 1, expected, [9], 1e-12)
     check_pair_losses(0, 1, 1e-12)
 
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import marginkit.heads.sharded as sharded_mod
 from dist_utils import run_distributed
-from marginkit._sharded import ShardedCosines, record_collectives, sharded_loss
-from marginkit.heads import CosineHead, ShardedCosineHead
+from marginkit.distributed import record_collectives
+from marginkit.heads import CosineHead, ShardedCosineHead, ShardedCosines
 from marginkit.heads.cosine import cosine_similarity_matrix
 from marginkit.heads.sharded import INIT_BLOCK, balanced_slices
 from marginkit.losses import (
@@ -33,16 +33,14 @@ from marginkit.losses import (
 from test_distributed_losses import DIM, NUM_CLASSES, SEED
 from test_distributed_losses import _worker as losses_worker
 
-# Every class-level loss dispatches a ShardedCosines to marginkit._sharded.sharded_loss itself.
+# Every class-level loss reads a ShardedCosines through marginkit.ops.classes.class_block.
 HOOKED = (
     NormSoftmaxLoss, CosFaceLoss, ArcFaceLoss, ClassCircleLoss, QMarginLoss, EntmaxLoss, SparsemaxLoss,
 )  # fmt: skip
 
 
 def _call(loss, out, labels):
-    if isinstance(loss, HOOKED):
-        return loss(out, labels)  # the public call
-    return sharded_loss(loss, out, labels)  # e.g. MEPLoss: the dispatcher's own error
+    return loss(out, labels)  # the public call (e.g. MEPLoss: its own error)
 
 
 def through_both_heads(gen, loss, num_classes=15, dtype=torch.float64):

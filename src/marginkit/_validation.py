@@ -1,8 +1,17 @@
-"""Argument checks shared by every public function.
+"""Argument checks shared by every public function: one line per argument at the call site.
 
 Bad input must fail loudly with the argument's name and what was expected, never as a
-silent NaN. Numerics run in float32 or better whatever the input dtype: use
-:func:`compute_dtype` / :func:`float_tensor` to get the working precision.
+silent NaN. Each check returns the (converted) value, so a call site reads
+``self.rate = real(rate, "rate", low=0, high=1, open_low=True)``:
+
+- scalars: :func:`real` (a finite number in an interval; :func:`positive_float` is its
+  ``> 0`` / ``>= 0`` case), :func:`positive_int`, :func:`choice`;
+- tensors: :func:`float_tensor` (type, dims, optionally finite values), :func:`label_tensor`
+  (integer ids: dtype, shape, range), :func:`same_batch`, :func:`cosine_tensor` /
+  :func:`cosine_range` (cosines in ``[-1, 1]`` from a full pass or from extremes at hand).
+
+Numerics run in float32 or better whatever the input dtype: :func:`compute_dtype` gives the
+working precision.
 """
 
 from __future__ import annotations
@@ -75,8 +84,16 @@ def label_tensor(
     return labels
 
 
-def positive_float(value: Any, name: str, *, allow_zero: bool = False) -> float:
-    """Check a finite scalar ``> 0`` (or ``>= 0`` with ``allow_zero``) and return it as float."""
+def real(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    open_high: bool = False,
+) -> float:
+    """Check a finite real scalar (a 1-element tensor too) in ``[low, high]`` (ends open on request)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
@@ -84,10 +101,23 @@ def positive_float(value: Any, name: str, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
+    above = low is None or (value > low if open_low else value >= low)
+    below = high is None or (value < high if open_high else value <= high)
+    if not (math.isfinite(value) and above and below):
+        if low is None and high is None:
+            raise ValueError(f"{name} must be finite, got {value}")
+        if high is None:
+            raise ValueError(
+                f"{name} must be a finite number {'>' if open_low else '>='} {low:g}, got {value}"
+            )
+        interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+        raise ValueError(f"{name} must lie in {interval}, got {value}")
     return value
+
+
+def positive_float(value: Any, name: str, *, allow_zero: bool = False) -> float:
+    """Check a finite scalar ``> 0`` (or ``>= 0`` with ``allow_zero``) and return it as float."""
+    return real(value, name, low=0.0, open_low=not allow_zero)
 
 
 def positive_int(value: Any, name: str, *, minimum: int = 1) -> int:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from marginkit._validation import float_tensor, positive_int
+from marginkit._validation import float_tensor, positive_int, real
 
 __all__ = ["CosineHead", "accepts_sparse_grad", "cosine_similarity_matrix"]
 
@@ -130,6 +130,12 @@ def accepts_sparse_grad(cosines: torch.Tensor) -> bool:
     )
 
 
+def head_arguments(num_classes: Any, embedding_dim: Any, eps: Any) -> tuple[int, int, float]:
+    """The checked ``(num_classes, embedding_dim, eps)`` of a cosine head."""
+    eps = real(eps, "eps", low=0, high=1, open_low=True, open_high=True)
+    return positive_int(num_classes, "num_classes"), positive_int(embedding_dim, "embedding_dim"), eps
+
+
 def cosine_similarity_matrix(
     embeddings: torch.Tensor, centres: torch.Tensor, eps: float = _EPS
 ) -> torch.Tensor:
@@ -190,11 +196,7 @@ class CosineHead(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.num_classes = positive_int(num_classes, "num_classes")
-        self.embedding_dim = positive_int(embedding_dim, "embedding_dim")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
-            raise ValueError(f"eps must be a number in (0, 1), got {eps!r}")
-        self.eps = float(eps)
+        self.num_classes, self.embedding_dim, self.eps = head_arguments(num_classes, embedding_dim, eps)
         self.weight = nn.Parameter(torch.empty(num_classes, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 

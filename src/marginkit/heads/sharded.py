@@ -4,11 +4,13 @@ With 10⁵–10⁷ identities the class centres ``[C, D]``, their gradient, thei
 the ``[B, C]`` logits outgrow one device. :class:`ShardedCosineHead` splits the classes into
 ``world_size`` balanced contiguous slices (rank ``r`` owns ``C//W + (r < C%W)`` of them, as
 insightface's PartialFC), all-gathers the embeddings with autograd, and returns a
-:class:`~marginkit._sharded.ShardedCosines` holding the cosines between the *global* batch and
-the *local* centres. Every class-level loss of :mod:`marginkit.losses` accepts it and returns
-exactly the single-process loss on the concatenated batch (``docs/distributed.md``): one call
-site, ``loss(head(embeddings), labels)``, serves :class:`~marginkit.heads.CosineHead` and
-:class:`ShardedCosineHead`.
+:class:`ShardedCosines`: a plain record of the cosines between the *global* batch and the
+*local* centres, the global ids of its columns and its class axis
+(:class:`~marginkit.distributed.ShardedAxis`). Every class-level loss of
+:mod:`marginkit.losses` reads its input through :func:`marginkit.ops.classes.class_block`, so it
+runs on that axis and returns exactly the single-process loss on the concatenated batch
+(``docs/distributed.md``): one call site, ``loss(head(embeddings), labels)``, serves
+:class:`~marginkit.heads.CosineHead` and :class:`ShardedCosineHead`.
 
 Keep the head **outside** ``DistributedDataParallel`` (its parameters differ per rank; wrap only
 the backbone). Checkpoints do not depend on the world size: :meth:`ShardedCosineHead.full_state_dict`
@@ -18,39 +20,26 @@ accepts either that full weight (re-sliced for this rank) or this rank's own sli
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from marginkit._sharded import (
-    ShardedCosines,
-    _all_gather,
-    _gather_padded,
-    comm_device,
-    gather_rows_with_grad,
-)
-from marginkit._validation import choice, positive_int
-from marginkit.distributed import is_distributed, rank, world_size
-from marginkit.heads.cosine import _EPS, cosine_similarity_matrix
+from marginkit._validation import choice, real
+from marginkit.distributed import ShardedAxis, balanced_slices, is_distributed, rank, world_size
+from marginkit.distributed._collectives import exchange, gather_rows, gather_rows_with_grad, where_rank
+from marginkit.distributed._group import FLOAT_DTYPES, Group, comm_device
+from marginkit.heads.cosine import _EPS, cosine_similarity_matrix, head_arguments
+from marginkit.ops.classes import ClassBlock
 
-__all__ = ["ShardedCosineHead", "balanced_slices"]
-
-Group = Any
+__all__ = ["ShardedCosineHead", "ShardedCosines", "balanced_slices", "supports_sharding"]
 
 #: Classes per initialisation block: centres are drawn block by block from generators seeded by
 #: ``(seed, block)``, so the full weight is the same whatever the world size.
 INIT_BLOCK = 4096
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _OK, _NOT_TENSOR, _NOT_FLOAT, _BAD_SHAPE, _NOT_FINITE = 0, 1, 2, 3, 4
-
-
-def balanced_slices(num_classes: int, world: int) -> list[tuple[int, int]]:
-    """``(offset, size)`` of every rank's class slice: ``size = C//W + (r < C%W)``, contiguous."""
-    base, extra = divmod(num_classes, world)
-    return [(r * base + min(r, extra), base + (r < extra)) for r in range(world)]
 
 
 def _mix(seed: int, block: int) -> int:
@@ -63,7 +52,7 @@ class ShardedCosineHead(nn.Module):
     .. math:: c_{bj} = \cos\angle(e_b, w_j),\qquad b \in \text{global batch},\ j \in \text{local slice}
 
     ``forward(e)`` all-gathers every rank's embeddings ``[B_r, D]`` in rank order (with autograd)
-    and returns a :class:`~marginkit._sharded.ShardedCosines`; pass it with the *local* labels to
+    and returns a :class:`ShardedCosines`; pass it with the *local* labels to
     a class-level loss. Every rank gets the same value, the single-process loss on the
     concatenated batch; call ``backward()`` on it on every rank. The local centres then receive
     exactly :math:`\partial L/\partial W_r`, and the local embeddings
@@ -128,17 +117,9 @@ class ShardedCosineHead(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.num_classes = positive_int(num_classes, "num_classes")
-        self.embedding_dim = positive_int(embedding_dim, "embedding_dim")
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)):
-            raise TypeError(f"sample_rate must be a real number, got {type(sample_rate).__name__}")
-        if not (0.0 < float(sample_rate) <= 1.0):
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
-        self.sample_rate = float(sample_rate)
+        self.num_classes, self.embedding_dim, self.eps = head_arguments(num_classes, embedding_dim, eps)
+        self.sample_rate = real(sample_rate, "sample_rate", low=0, high=1, open_low=True)
         self.grad_reduction = choice(grad_reduction, "grad_reduction", ("mean", "sum"))
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
-            raise ValueError(f"eps must be a number in (0, 1), got {eps!r}")
-        self.eps = float(eps)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be None or a non-negative int, got {seed!r}")
         self.group = group
@@ -202,10 +183,10 @@ class ShardedCosineHead(nn.Module):
         status, shape, dtype_code = _OK, (), -1
         if not isinstance(embeddings, Tensor):
             status = _NOT_TENSOR
-        elif not torch.is_floating_point(embeddings) or embeddings.dtype not in _DTYPES:
+        elif not torch.is_floating_point(embeddings) or embeddings.dtype not in FLOAT_DTYPES:
             status, shape = _NOT_FLOAT, tuple(embeddings.shape)
         else:
-            shape, dtype_code = tuple(embeddings.shape), _DTYPES.index(embeddings.dtype)
+            shape, dtype_code = tuple(embeddings.shape), FLOAT_DTYPES.index(embeddings.dtype)
             if embeddings.dim() != 2 or embeddings.shape[1] != self.embedding_dim:
                 status = _BAD_SHAPE
             elif embeddings.numel() and not bool(torch.isfinite(embeddings).all()):
@@ -213,13 +194,9 @@ class ShardedCosineHead(nn.Module):
         rows = [(status, shape, dtype_code)]
         if is_distributed(self.group):
             device = embeddings.device if isinstance(embeddings, Tensor) else self.weight.device
-            meta = torch.full((6,), -1, dtype=torch.long)
             dims = [*shape[:3], -1, -1, -1][:3]
-            meta[:] = torch.tensor([status, len(shape), *dims, dtype_code])
-            parts = _all_gather(meta.to(comm_device(self.group, device)), self.world_size, self.group)
             rows = []
-            for p in parts:
-                m = p.tolist()
+            for m in exchange([status, len(shape), *dims, dtype_code], self.group, device):
                 dims_r = tuple(m[2 : 2 + min(m[1], 3)]) + (("...",) if m[1] > 3 else ())
                 rows.append((m[0], dims_r, m[5]))
         self._raise_embedding_errors(rows, embeddings)
@@ -228,7 +205,7 @@ class ShardedCosineHead(nn.Module):
     def _raise_embedding_errors(self, rows: list[tuple[int, tuple[Any, ...], int]], embeddings: Any) -> None:
         many = len(rows) > 1
         for r, (status, _shape, _) in enumerate(rows):
-            where = f" on rank {r}" if many else ""
+            where = where_rank(r, len(rows))
             if status == _NOT_TENSOR:
                 got = "another type" if many else type(embeddings).__name__
                 raise TypeError(f"embeddings{where} must be a torch.Tensor, got {got}")
@@ -249,7 +226,7 @@ class ShardedCosineHead(nn.Module):
             )
         codes = {code for _, _, code in rows}
         if len(codes) > 1:
-            listed = ", ".join(f"rank {r}: {_DTYPES[c]}" for r, (_, _, c) in enumerate(rows))
+            listed = ", ".join(f"rank {r}: {FLOAT_DTYPES[c]}" for r, (_, _, c) in enumerate(rows))
             raise TypeError(f"embeddings must have the same dtype on every rank, got {listed}")
 
     def _sampling(self) -> bool:
@@ -264,13 +241,18 @@ class ShardedCosineHead(nn.Module):
         sizes = self._exchange_and_check(embeddings)
         if is_distributed(self.group):
             scale = float(self.world_size) if self.grad_reduction == "mean" else 1.0
-            gathered = gather_rows_with_grad(embeddings, sizes, self.rank, self.group, scale)
+            gathered = gather_rows_with_grad(embeddings, sizes, self.group, scale)
         else:
             gathered = embeddings
         sample = self._sampling()
-        cosines = None if sample else self._cosines(gathered, None)
         return ShardedCosines(
-            head=self, embeddings=gathered, batch_sizes=sizes, cosines=cosines, sample=sample
+            embeddings=gathered,
+            batch_sizes=sizes,
+            axis=ShardedAxis(self.group, self.rank, self.world_size, self.num_classes),
+            class_offset=self.class_offset,
+            num_local=self.num_local,
+            cosines=None if sample else self._cosines(gathered, None),
+            sample=self._sampled_block if sample else None,
         )
 
     def logits(self, embeddings: Tensor) -> ShardedCosines:
@@ -280,6 +262,11 @@ class ShardedCosineHead(nn.Module):
     def _cosines(self, embeddings: Tensor, index: Tensor | None) -> Tensor:
         weight = self.weight if index is None else self.weight.index_select(0, index)
         return cosine_similarity_matrix(embeddings, weight, self.eps)
+
+    def _sampled_block(self, embeddings: Tensor, positives: Tensor) -> tuple[Tensor, Tensor]:
+        """Sampled columns (sorted local ids) for these local positives, and their cosines."""
+        index = self._sample_index(positives)
+        return index, self._cosines(embeddings, index)
 
     @torch.no_grad()
     def _sample_index(self, positives: Tensor) -> Tensor:
@@ -305,7 +292,7 @@ class ShardedCosineHead(nn.Module):
         Ties go to the lowest class id (as :meth:`CosineHead.predict`). A collective.
         """
         sizes = self._exchange_and_check(embeddings)
-        gathered = _gather_padded(embeddings, sizes, self.group) if is_distributed(self.group) else embeddings
+        gathered = gather_rows(embeddings, sizes, self.group) if is_distributed(self.group) else embeddings
         best, arg = self._cosines(gathered, None).max(dim=1)
         ids = arg + self.class_offset
         if is_distributed(self.group):
@@ -327,7 +314,7 @@ class ShardedCosineHead(nn.Module):
             )
         if not is_distributed(self.group):
             return local.detach().clone()
-        return _gather_padded(local.detach().contiguous(), self.slice_sizes(), self.group)
+        return gather_rows(local.detach(), self.slice_sizes(), self.group)
 
     def local_rows(self, full: Tensor) -> Tensor:
         """This rank's rows ``[num_local, ...]`` of a full ``[num_classes, ...]`` tensor."""
@@ -408,3 +395,192 @@ class ShardedCosineHead(nn.Module):
             f"rank={self.rank}/{self.world_size}, sample_rate={self.sample_rate:g}, "
             f"grad_reduction={self.grad_reduction!r}"
         )
+
+
+# ------------------------------------------------------------------------------- the output
+_LABEL_OK, _LABEL_NOT_TENSOR, _LABEL_NOT_INT, _LABEL_SHAPE = 0, 1, 2, 3
+Sampler = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+class ShardedCosines:
+    """Output of :class:`ShardedCosineHead`: this rank's block of the cosines, its columns and axis.
+
+    Pass it, with this rank's own labels, to any class-level loss of :mod:`marginkit.losses`:
+    ``loss(head(embeddings), labels)``, the same call as with a
+    :class:`~marginkit.heads.CosineHead`. The loss asks for :meth:`class_block` (a collective:
+    the labels are gathered) and runs on its :attr:`axis`.
+
+    Attributes:
+        embeddings: the global batch ``[B, D]`` (all ranks' embeddings in rank order, with
+            autograd back to each rank's own rows).
+        batch_sizes: every rank's local batch size (``B = sum(batch_sizes)``).
+        axis: the class axis (:class:`~marginkit.distributed.ShardedAxis`: group, rank, size).
+        rank, world_size, group: this rank's position in the head's process group.
+        class_offset: global id of the first local class; the slice is
+            ``[class_offset, class_offset + num_local)``.
+        num_local, num_classes: local and global class counts.
+        class_index: ``None`` (every local class, in order) or, when the head samples classes
+            (``sample_rate < 1``, training mode), the sorted local ids of the sampled columns
+            (chosen at the first :meth:`class_block`, which knows the labels).
+    """
+
+    def __init__(
+        self,
+        *,
+        embeddings: Tensor,
+        batch_sizes: list[int],
+        axis: ShardedAxis,
+        class_offset: int,
+        num_local: int,
+        cosines: Tensor | None,
+        sample: Sampler | None = None,
+    ) -> None:
+        self.embeddings, self.batch_sizes, self.axis = embeddings, batch_sizes, axis
+        self.rank, self.world_size, self.group = axis.rank, axis.world, axis.group
+        self.class_offset, self.num_local, self.num_classes = class_offset, num_local, axis.num_classes
+        self._cosines, self._sample = cosines, sample
+        self.class_index: Tensor | None = None
+
+    @property
+    def local_rows(self) -> slice:
+        """This rank's rows of the global batch."""
+        start = sum(self.batch_sizes[: self.rank])
+        return slice(start, start + self.batch_sizes[self.rank])
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.batch_sizes)
+
+    @property
+    def cosines(self) -> Tensor:
+        """The local block ``[B_global, num_local]`` (float32, float64 for float64 inputs).
+
+        With class sampling the block exists only once a loss has chosen the columns.
+        """
+        if self._cosines is None:
+            raise RuntimeError(
+                "this ShardedCosines samples its class centres (sample_rate < 1, training mode): "
+                "the cosines are computed by the loss, which knows the labels"
+            )
+        return self._cosines
+
+    @property
+    def columns(self) -> Tensor:
+        """Global class id of every column of :attr:`cosines`."""
+        local = torch.arange(self.num_local, device=self.embeddings.device)
+        return self.class_offset + (local if self.class_index is None else self.class_index)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedCosines(global_batch={self.global_batch}, classes=[{self.class_offset}, "
+            f"{self.class_offset + self.num_local}) of {self.num_classes}, rank={self.rank}/"
+            f"{self.world_size}, sampled={self._sample is not None})"
+        )
+
+    def gather_labels(self, labels: Any) -> Tensor:
+        """This rank's labels ``[B_local]`` → the global labels ``[B]`` (int64), validated.
+
+        Every rank raises the same error when any rank's labels are malformed or out of
+        ``[0, num_classes)`` (a collective: every rank must call it).
+        """
+        n_local = self.batch_sizes[self.rank]
+        device = self.embeddings.device
+        status, shape = _LABEL_OK, ()
+        if not isinstance(labels, Tensor):
+            status = _LABEL_NOT_TENSOR
+        elif labels.dtype == torch.bool or torch.is_floating_point(labels) or torch.is_complex(labels):
+            status, shape = _LABEL_NOT_INT, tuple(labels.shape)
+        elif tuple(labels.shape) != (n_local,):
+            status, shape = _LABEL_SHAPE, tuple(labels.shape)
+        if self.world_size == 1:
+            _raise_label_status([(status, shape)], [n_local], labels)
+            y = labels.to(device=device, dtype=torch.long)
+        else:
+            payload = torch.zeros(max(self.batch_sizes), dtype=torch.long, device=device)
+            if status == _LABEL_OK:
+                payload[:n_local] = labels.to(device=device, dtype=torch.long)
+            rows = exchange([status, len(shape), *[*shape[:2], -1, -1][:2]], self.group, device, payload)
+            statuses = [
+                (m[0], tuple(m[2 : 2 + min(m[1], 2)]) + (("...",) if m[1] > 2 else ())) for m, _ in rows
+            ]
+            _raise_label_status(statuses, self.batch_sizes, labels)
+            y = torch.cat([p[:n] for (_, p), n in zip(rows, self.batch_sizes, strict=True)]).to(device)
+        if y.numel():
+            lo, hi = int(y.min()), int(y.max())
+            if lo < 0 or hi >= self.num_classes:
+                bad = int(((y < 0) | (y >= self.num_classes)).nonzero()[0, 0])
+                where = int(
+                    torch.searchsorted(
+                        torch.tensor(self.batch_sizes).cumsum(0), torch.tensor(bad), right=True
+                    )
+                )
+                raise ValueError(
+                    f"labels must lie in [0, {self.num_classes}) (num_classes of the head), got values in "
+                    f"[{lo}, {hi}]; the first one out of range is on rank {where}"
+                )
+        return y
+
+    def class_block(self, labels: Any) -> ClassBlock:
+        """This rank's :class:`~marginkit.ops.classes.ClassBlock` for these local labels (collective).
+
+        With sampling, the columns are chosen here at the first call (all the local positives of
+        the global batch, plus random negatives); later calls must pass the same labels.
+        """
+        y = self.gather_labels(labels)
+        local = y - self.class_offset
+        owned = (local >= 0) & (local < self.num_local)
+        if self._cosines is None:
+            assert self._sample is not None
+            self.class_index, self._cosines = self._sample(self.embeddings, local[owned])
+        if self.class_index is None:
+            column = local
+        else:  # positions of the labels among the sampled columns (every positive is sampled)
+            index = self.class_index
+            column = torch.searchsorted(index, local.clamp(0, self.num_local - 1)).clamp_max(
+                index.shape[0] - 1
+            )
+            if bool((owned & (index[column] != local)).any()):
+                raise ValueError(
+                    "labels contain classes that were not sampled for this ShardedCosines: the columns "
+                    "are sampled (sample_rate < 1) from the labels of the first loss call; pass the same "
+                    "labels to every loss applied to one head output"
+                )
+        column = torch.where(owned, column, 0)
+        return ClassBlock(self._cosines, y, column, owned, self.axis, (y.shape[0],))
+
+    @torch.no_grad()
+    def gather_cosines(self) -> Tensor:
+        """The full ``[B, C]`` cosine matrix on every rank (no gradient; for small ``C``: tests)."""
+        cos = self.cosines
+        if self.class_index is not None:
+            raise RuntimeError("gather_cosines needs every class column (no sampling)")
+        if self.world_size == 1:
+            return cos.clone()
+        sizes = [n for _, n in balanced_slices(self.num_classes, self.world_size)]
+        return gather_rows(cos.t(), sizes, self.group).t().contiguous()
+
+
+def _raise_label_status(statuses: list[tuple[int, tuple[Any, ...]]], sizes: list[int], labels: Any) -> None:
+    many = len(statuses) > 1
+    for r, (status, shape) in enumerate(statuses):
+        where = where_rank(r, len(statuses))
+        if status == _LABEL_NOT_TENSOR:
+            name = "another type" if many else type(labels).__name__
+            raise TypeError(f"labels{where} must be a torch.Tensor of integer class ids, got {name}")
+        if status == _LABEL_NOT_INT:
+            detail = "" if many else f", got dtype {labels.dtype}"
+            raise TypeError(f"labels{where} must be an integer tensor{detail}")
+        if status == _LABEL_SHAPE:
+            raise ValueError(
+                f"labels{where} must have shape ({sizes[r]},) (one label per local embedding), "
+                f"got shape {shape}"
+            )
+
+
+def supports_sharding(loss: Any) -> bool:
+    """Does ``loss`` read its input through :func:`marginkit.ops.classes.class_block`?
+
+    Such a loss accepts a :class:`ShardedCosineHead`'s output (and then runs on its class axis);
+    the class-level losses of :mod:`marginkit.losses` say so with ``reads_class_blocks = True``.
+    """
+    return bool(getattr(loss, "reads_class_blocks", False))

@@ -22,52 +22,16 @@ Biometric Verification"); Roulet et al., ICML 2025 (arXiv 2501.18537).
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
 from torch import Tensor, nn
 
-from marginkit._sharded import ShardedCosines, sharded_loss
-from marginkit._validation import (
-    REDUCTIONS,
-    choice,
-    cosine_range,
-    cosine_tensor,
-    label_tensor,
-    positive_float,
-    reduce,
-    same_batch,
-)
+from marginkit._validation import REDUCTIONS, choice, positive_float, real, reduce
 from marginkit.heads.cosine import accepts_sparse_grad
-from marginkit.ops.alpha import _alpha_loss_on_scores, _Blocks, _topk_count
+from marginkit.ops.alpha import qmargin_loss
+from marginkit.ops.classes import class_block
 
 __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
-
-
-def _checked_cosines(cosines: Any, labels: Any) -> tuple[Tensor, Tensor, _Blocks]:
-    """Validate ``cosines [..., C]`` and ``labels [...]``; return 2-D cosines, flat labels, block maxima.
-
-    The value check is :func:`cosine_range` on the minimum and the largest row maximum (NaN and
-    inf propagate through them): the maxima are needed anyway, the minimum costs one pass.
-    """
-    if not isinstance(cosines, Tensor) or not torch.is_floating_point(cosines) or cosines.dim() < 1:
-        cosine_tensor(cosines, "cosines")  # raises the type/shape error
-    if cosines.shape[-1] == 0:
-        raise ValueError(f"cosines must have a non-empty last dimension, got shape {tuple(cosines.shape)}")
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
-    if cosines.dim() >= 2 and labels.dim() >= 1:
-        same_batch(cosines, "cosines", labels, "labels")
-    label_tensor(labels, "labels", shape=cosines.shape[:-1], num_classes=cosines.shape[-1])
-    # a [B, C] contiguous input is used as is (no view node: a sparse gradient reaches its producer)
-    x2d = cosines if cosines.dim() == 2 else cosines.reshape(-1, cosines.shape[-1])
-    x2d = x2d.contiguous()
-    blocks = _Blocks(x2d)
-    if x2d.shape[0]:
-        cosine_range(x2d.amin(), blocks.rowmax.amax(), "cosines")
-    y = labels.reshape(-1).to(device=cosines.device, dtype=torch.long)
-    return x2d, y, blocks
 
 
 class _AlphaCosineLoss(nn.Module):
@@ -76,6 +40,7 @@ class _AlphaCosineLoss(nn.Module):
     alpha: float
     scale: float
     margin: float
+    reads_class_blocks: ClassVar[bool] = True  # accepts a ShardedCosineHead's output
 
     def __init__(
         self,
@@ -97,41 +62,35 @@ class _AlphaCosineLoss(nn.Module):
         self.last_support_size: Tensor | None = None
 
     def _check_hyper(self) -> tuple[float, float, float]:
-        alpha = self.alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
-        if not (math.isfinite(alpha) and alpha >= 1):
-            raise ValueError(f"alpha must be a finite number >= 1, got {alpha}")
-        scale = positive_float(self.scale, "scale")
-        margin = positive_float(self.margin, "margin", allow_zero=True)
-        return float(alpha), scale, margin
+        alpha = real(self.alpha, "alpha", low=1)
+        return (
+            alpha,
+            positive_float(self.scale, "scale"),
+            positive_float(self.margin, "margin", allow_zero=True),
+        )
 
-    def forward(self, cosines: Tensor | ShardedCosines, labels: Tensor) -> Tensor:
+    def forward(self, cosines: Any, labels: Tensor) -> Tensor:
         """Loss of ``cosines`` ``[..., C]`` (in ``[-1, 1]``) against integer ``labels`` ``[...]``.
 
         Returns the reduced loss (``"none"``: one value per example, float32 or float64) and
         stores the number of active classes per example in ``last_support_size`` (a tensor,
-        no host synchronisation). A :class:`~marginkit.heads.ShardedCosineHead`'s output runs the
-        class-sharded version (a global τ; ``docs/distributed.md``).
+        no host synchronisation). A :class:`~marginkit.heads.ShardedCosineHead`'s output (with
+        this rank's labels) gives the same loss over every rank's classes (a global τ;
+        ``docs/distributed.md``).
         """
-        if isinstance(cosines, ShardedCosines):
-            return sharded_loss(self, cosines, labels)
         alpha, scale, margin = self._check_hyper()
-        x2d, y, blocks = _checked_cosines(cosines, labels)
-        k = _topk_count(self.topk, x2d.shape[1])
-        loss, support = _alpha_loss_on_scores(
-            x2d,
-            y,
-            blocks,
-            alpha=alpha,
-            scale=scale,
-            log_q_label=-scale * margin,
-            k=k,
+        block = class_block(cosines, labels, batch_dims=True)
+        loss, support = qmargin_loss(
+            block,
+            alpha,
+            scale,
+            margin,
+            topk=self.topk,
             candidates=bool(self.candidates),
-            sparse_grad=x2d is cosines and accepts_sparse_grad(cosines),
+            sparse_grad=accepts_sparse_grad(block.scores),
         )
-        self.last_support_size = support.reshape(cosines.shape[:-1])
-        return reduce(loss.reshape(cosines.shape[:-1]), self.reduction)
+        self.last_support_size = support.reshape(block.batch_shape)
+        return reduce(loss.reshape(block.batch_shape), self.reduction)
 
     def extra_repr(self) -> str:
         topk = "" if self.topk is None else f", topk={self.topk}"

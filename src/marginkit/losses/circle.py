@@ -6,13 +6,14 @@ CVPR 2020 (arXiv:2002.10857). The maths lives in :func:`marginkit.ops.circle_los
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from marginkit._sharded import ShardedCosines, sharded_loss
 from marginkit._validation import REDUCTIONS, choice, cosine_tensor, label_tensor, positive_float, reduce
-from marginkit.ops.circle import _circle_loss, _class_circle_logits
+from marginkit.ops.circle import _circle_loss, _class_circle_logits, class_circle_loss
+from marginkit.ops.classes import class_block
 from marginkit.ops.pairs import (
     collapsed_flag,
     cosine_similarity_matrix,
@@ -126,8 +127,9 @@ class ClassCircleLoss(nn.Module):
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
 
     Shape:
-        cosines ``[B, C]`` in ``[-1, 1]`` (e.g. a ``CosineHead``'s output), labels ``[B]`` in
-        ``[0, C)``. Output: scalar or ``[B]``, float32 (float64 for float64 cosines).
+        cosines ``[B, C]`` in ``[-1, 1]`` (a ``CosineHead``'s output, or a ``ShardedCosineHead``'s
+        with this rank's labels), labels ``[B]`` in ``[0, C)``. Output: scalar or ``[B]``,
+        float32 (float64 for float64 cosines).
 
     Example:
         >>> import torch
@@ -136,6 +138,8 @@ class ClassCircleLoss(nn.Module):
         >>> ClassCircleLoss(gamma=32.0)(cos, torch.tensor([0, 1])).shape
         torch.Size([])
     """
+
+    reads_class_blocks: ClassVar[bool] = True  # accepts a ShardedCosineHead's output
 
     def __init__(self, margin: float = 0.25, gamma: float = 256.0, reduction: str = "mean") -> None:
         super().__init__()
@@ -157,10 +161,8 @@ class ClassCircleLoss(nn.Module):
         work = torch.float64 if cosines.dtype == torch.float64 else torch.float32
         return _class_circle_logits(cosines.to(work).clamp(-1.0, 1.0), labels, margin, gamma)
 
-    def forward(self, cosines: torch.Tensor | ShardedCosines, labels: torch.Tensor) -> torch.Tensor:
-        if isinstance(cosines, ShardedCosines):  # a ShardedCosineHead's output: docs/distributed.md
-            return sharded_loss(self, cosines, labels)
-        z = self.logits(cosines, labels)
-        # the class-dimension reduction, a separate step (a sharded log-sum-exp can replace it)
-        loss = F.cross_entropy(z, labels.long(), reduction="none")
+    def forward(self, cosines: Any, labels: torch.Tensor) -> torch.Tensor:
+        margin = positive_float(self.margin, "margin", allow_zero=True)
+        gamma = positive_float(self.gamma, "gamma")
+        loss = class_circle_loss(class_block(cosines, labels), margin, gamma)
         return reduce(loss, self.reduction)

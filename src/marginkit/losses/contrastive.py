@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import choice, reduce
+from marginkit._validation import choice, real, reduce
 from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
-from marginkit.ops.contrastive import _contrastive, _count, _finite
+from marginkit.ops.contrastive import _contrastive, _count
 from marginkit.ops.pairs import DISTANCES
 
 __all__ = ["ContrastiveLoss"]
@@ -75,8 +75,8 @@ class ContrastiveLoss(PairMatrixLoss):
         validate: bool = True,
     ) -> None:
         super().__init__(reduction, validate)
-        self.pos_margin = _finite(pos_margin, "pos_margin")
-        self.neg_margin = _finite(neg_margin, "neg_margin")
+        self.pos_margin = real(pos_margin, "pos_margin")
+        self.neg_margin = real(neg_margin, "neg_margin")
         self.distance = choice(distance, "distance", DISTANCES)
         self.normalize = bool(normalize)
         self.average = choice(average, "average", AVERAGES)
@@ -88,8 +88,8 @@ class ContrastiveLoss(PairMatrixLoss):
         )
 
     def _check_hyperparameters(self) -> None:
-        _finite(self.pos_margin, "pos_margin")
-        _finite(self.neg_margin, "neg_margin")
+        real(self.pos_margin, "pos_margin")
+        real(self.neg_margin, "neg_margin")
 
     def _loss(self, pm: PairMatrix) -> torch.Tensor:
         sums = _contrastive(pm.matrix, pm.pos, pm.neg, self.pos_margin, self.neg_margin)

@@ -12,20 +12,11 @@ with ``f(c) = c`` (NormFace, Wang et al. 2017), ``f(c) = c - m`` (CosFace, Wang 
 and ``f(c) = cos(arccos(c) + m)`` (ArcFace, Deng et al. 2019, extended monotonically past
 ``θ = π - m``).
 
-Implementation (one fused autograd function shared by the three losses):
-
-- one ``[B, C]`` buffer per call: the forward pass writes the logits into it (``s·c``, the
-  target column replaced by ``s·f(c_y)``), takes the exact row max, exponentiates in place
-  and sums; the backward pass scales the same buffer in place into the gradient ``s·p_j·g``
-  and writes the target column. ``F.cross_entropy`` on margin-modified logits allocates about
-  five ``[B, C]`` tensors for the same work; on CPU each fresh allocation's page faults cost
-  more than the arithmetic (docs/throughput.md);
-- the margin function ``f`` acts on the ``B`` target cosines only, and its derivative is taken
-  by autograd on that ``[B]`` vector, so the gradient always flows through the margin;
-- the class-dimension reductions are separate small steps (:func:`_target_gather`,
-  :func:`_shifted_exp` for the row max, :func:`_rest_sum`): a sharded head (each rank
-  owning a slice of classes) only has to all-reduce the row max (MAX) and the rest-sum (SUM)
-  and fetch the target cosine from its owner; the backward pass stays local.
+All three run :func:`marginkit.ops.softmax.class_cross_entropy` with the logits ``s·c`` and the
+target ``s·f(c_y)``, on the class axis of their input (a ``[B, C]`` tensor, or a
+:class:`~marginkit.heads.ShardedCosineHead`'s output: then the same code reduces over every
+rank's classes). The margin acts on the ``B`` target cosines only and its derivative comes from
+autograd on that vector, so the gradient always flows through the margin.
 
 Numerics run in float32 (float64 for float64 input); float16/bfloat16 cosines are upcast.
 """
@@ -34,133 +25,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.autograd.function import FunctionCtx, once_differentiable
 
-from marginkit._sharded import ShardedCosines, sharded_loss
-from marginkit._validation import (
-    REDUCTIONS,
-    choice,
-    compute_dtype,
-    cosine_range,
-    label_tensor,
-    positive_float,
-    reduce,
-    same_batch,
-)
+from marginkit._validation import REDUCTIONS, choice, positive_float, reduce
+from marginkit.ops.classes import class_block
+from marginkit.ops.softmax import ScaledLogits, class_cross_entropy
 
 __all__ = ["ArcFaceLoss", "CosFaceLoss", "NormSoftmaxLoss", "margin_softmax_loss"]
 
 TargetFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-# ----------------------------------------------------------------------------------------
-# Class-dimension steps (kept separate so that a sharded variant can all-reduce each one).
-# ----------------------------------------------------------------------------------------
-def _check_cosine_layout(cosines: Any, name: str) -> None:
-    """Type and shape of a ``[B, C]`` cosine matrix (no pass over the data)."""
-    if not isinstance(cosines, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cosines).__name__}")
-    if not torch.is_floating_point(cosines):
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {cosines.dtype}")
-    if cosines.dim() != 2:
-        raise ValueError(f"{name} must have shape [batch, num_classes], got shape {tuple(cosines.shape)}")
-    if cosines.shape[1] == 0:
-        raise ValueError(f"{name} must have a non-empty class dimension, got shape {tuple(cosines.shape)}")
-
-
-def _target_gather(cos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``c_y`` for every row (``index`` is ``labels[:, None]``). Sharded: from the owning rank."""
-    return cos.gather(1, index).squeeze(1)
-
-
-def _shifted_exp(
-    cos: torch.Tensor, index: torch.Tensor, scale: float, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``buf = exp(logit - shift)`` with the target column zeroed, and the row max ``shift``.
-
-    The logits are ``s·c_j`` (``j ≠ y``) and ``t = s·f(c_y)`` (``j = y``); ``shift`` is their
-    exact row max, so ``buf ≤ 1``, the largest term is 1 and the normaliser lies in ``[1, C]``
-    whatever the scale and margin (a shift of ``s·max_j c_j`` would be off by up to
-    ``s·(c_y - f(c_y))`` when the target is the row max, enough to underflow every other term
-    at large ``s·m``). One ``[B, C]`` buffer, reused in place by the backward pass.
-    Sharded: ``shift`` is all-reduced (MAX) before the ``exp``.
-    """
-    buf = torch.mul(cos, scale)
-    buf.scatter_(1, index, target.unsqueeze(1))
-    shift = buf.amax(dim=1)
-    buf.sub_(shift.unsqueeze(1)).exp_()
-    buf.scatter_(1, index, 0.0)  # zeroed, not subtracted later: no cancellation when p_y → 1
-    return buf, shift
-
-
-def _rest_sum(buf: torch.Tensor) -> torch.Tensor:
-    """``Σ_{j≠y} exp(s·c_j - shift)``. Sharded: all-reduce (SUM) across the class slices."""
-    return buf.sum(dim=1)
-
-
-class _MarginSoftmaxCE(torch.autograd.Function):
-    """Per-example ``-log p_y`` for the logits ``s·c_j`` (``j ≠ y``), ``s·f(c_y)`` (``j = y``).
-
-    Gradient: ``s·p_j`` for ``j ≠ y`` and ``-(1 - p_y)·s·f'(c_y)`` for the target column.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: FunctionCtx,
-        cos: torch.Tensor,
-        labels: torch.Tensor,
-        scale: float,
-        target_fn: TargetFn,
-        name: str,
-    ) -> torch.Tensor:
-        index = labels.unsqueeze(1)
-        cos_y = _target_gather(cos, index)
-        # f acts on the B target cosines only; its derivative comes from autograd on that vector.
-        with torch.enable_grad():
-            c_leaf = cos_y.detach().requires_grad_(True)
-            f_y = target_fn(c_leaf)
-            (df_y,) = torch.autograd.grad(f_y, c_leaf, torch.ones_like(f_y))
-        target = scale * f_y.detach()
-        lo = cos.amin()
-        buf, shift = _shifted_exp(cos, index, scale, target)
-        # the extremes from reductions done anyway plus one amin pass (no full check)
-        cosine_range(lo, torch.maximum(shift.max() / scale, cos_y.max()), name)
-        rest = _rest_sum(buf)
-        inv_total = (rest + torch.exp(target - shift)).reciprocal()  # total ∈ [1, C]
-        z = rest.log() + shift - target  # log Σ_{j≠y} e^{logit_j} - t  (-inf if C = 1)
-        # -log p_y = log(1 + e^z) = max(z, 0) + log1p(e^-|z|): exact at both ends (F.softplus
-        # returns z itself above its threshold 20, an error of e^-20 relative)
-        loss = torch.logaddexp(z, torch.zeros_like(z))
-        # ∂loss/∂c_y = -(1 - p_y)·s·f'(c_y), with 1 - p_y = sigmoid(z): no cancellation
-        d_target = torch.sigmoid(z) * df_y * scale
-        ctx.save_for_backward(cos, index, shift, inv_total, d_target)
-        ctx.scale = scale
-        # The forward buffer becomes the gradient in place (first backward only; a second
-        # backward with retain_graph=True recomputes it from the saved cosines).
-        ctx.buf = buf if ctx.needs_input_grad[0] else None
-        return loss
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        cos, index, shift, inv_total, d_target = ctx.saved_tensors
-        scale = ctx.scale
-        grad = grad.to(cos.dtype)
-        buf, ctx.buf = ctx.buf, None
-        if buf is None:  # p_j·total = exp(s·c_j - shift), the same ops as the forward pass (so
-            # bitwise equal); the target column is overwritten below
-            buf = torch.mul(cos, scale).sub_(shift.unsqueeze(1)).exp_()
-        grad_cos = buf.mul_((grad * scale * inv_total).unsqueeze(1))  # s·p_j·g
-        grad_cos.scatter_(1, index, (-grad * d_target).unsqueeze(1))
-        return grad_cos, None, None, None, None
-
-
 def margin_softmax_loss(
-    cosines: torch.Tensor,
+    cosines: Any,
     labels: torch.Tensor,
     scale: float,
     target_fn: TargetFn,
@@ -172,7 +52,8 @@ def margin_softmax_loss(
     .. math:: \\ell = -\\log\\frac{e^{s f(c_y)}}{e^{s f(c_y)} + \\sum_{j\\ne y} e^{s c_j}}
 
     Args:
-        cosines: ``[B, C]`` cosines in ``[-1, 1]`` (rounding up to 1e-3 outside is accepted).
+        cosines: ``[B, C]`` cosines in ``[-1, 1]`` (rounding up to 1e-3 outside is accepted),
+            or a :class:`~marginkit.heads.ShardedCosineHead`'s output.
         labels: ``[B]`` integer class ids in ``[0, C)``.
         scale: ``s > 0``.
         target_fn: elementwise ``f`` applied to the target cosines (unscaled), differentiable
@@ -183,15 +64,8 @@ def margin_softmax_loss(
         ``[B]`` losses in float32 (float64 for float64 input).
     """
     scale = positive_float(scale, "scale")
-    _check_cosine_layout(cosines, name)
-    label_tensor(labels, "labels")  # type first, so that a list gets a TypeError
-    same_batch(cosines, name, labels, "labels")
-    label_tensor(labels, "labels", shape=(cosines.shape[0],), num_classes=cosines.shape[1])
-    cos = cosines.to(compute_dtype(cosines.dtype))
-    labels = labels.to(device=cos.device, dtype=torch.long)  # gather/scatter need int64
-    if cos.shape[0] == 0:
-        return cos.sum(dim=1)  # empty, connected to the graph
-    return _MarginSoftmaxCE.apply(cos, labels, scale, target_fn, name)
+    block = class_block(cosines, labels, name=name)
+    return class_cross_entropy(block, lambda c: scale * target_fn(c), ScaledLogits(scale), name=name)
 
 
 def _identity(c: torch.Tensor) -> torch.Tensor:
@@ -232,6 +106,7 @@ class _MarginSoftmaxBase(nn.Module):
 
     scale: float
     reduction: str
+    reads_class_blocks: ClassVar[bool] = True  # accepts a ShardedCosineHead's output
 
     def __init__(self, scale: float, reduction: str) -> None:
         super().__init__()
@@ -247,16 +122,14 @@ class _MarginSoftmaxBase(nn.Module):
         positive_float(self.scale, "scale")
         choice(self.reduction, "reduction", REDUCTIONS)
 
-    def forward(self, cosines: torch.Tensor | ShardedCosines, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, cosines: Any, labels: torch.Tensor) -> torch.Tensor:
         """Loss of cosines ``[B, C]`` (e.g. from :class:`marginkit.heads.CosineHead`) and labels ``[B]``.
 
         Returns a scalar for ``reduction="mean"``/``"sum"``, else ``[B]``; float32 (float64 for
         float64 input) whatever the input dtype. A :class:`~marginkit.heads.ShardedCosineHead`'s
-        output runs the class-sharded version of the same loss (``marginkit._sharded``), so one
+        output (with this rank's labels) gives the same loss over every rank's classes, so one
         call site ``loss(head(e), labels)`` serves both heads.
         """
-        if isinstance(cosines, ShardedCosines):
-            return sharded_loss(self, cosines, labels)
         self._check_hyper()
         loss = margin_softmax_loss(cosines, labels, float(self.scale), self.target)
         return reduce(loss, self.reduction)

@@ -58,6 +58,11 @@ class MEPLoss(nn.Module):
         self.reduction = choice(reduction, "reduction", REDUCTIONS)
 
     def forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not isinstance(scores, torch.Tensor) and hasattr(scores, "class_block"):
+            raise TypeError(
+                "MEPLoss does not support a ShardedCosineHead's output: the projection needs every "
+                "class of a row in one process (use a CosineHead)"
+            )
         float_tensor(scores, "scores")
         x = scores.to(compute_dtype(scores.dtype))
         with torch.no_grad():

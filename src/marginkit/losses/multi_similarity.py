@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import positive_float, reduce
+from marginkit._validation import positive_float, real, reduce
 from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
 from marginkit.mining.multi_similarity import _ms_select
-from marginkit.ops.contrastive import _finite, _multi_similarity
+from marginkit.ops.contrastive import _multi_similarity
 
 __all__ = ["MultiSimilarityLoss"]
 
@@ -79,8 +79,8 @@ class MultiSimilarityLoss(PairMatrixLoss):
         super().__init__(reduction, validate)
         self.alpha = positive_float(alpha, "alpha")
         self.beta = positive_float(beta, "beta")
-        self.base = _finite(base, "base")
-        self.epsilon = None if epsilon is None else _finite(epsilon, "epsilon")
+        self.base = real(base, "base")
+        self.epsilon = None if epsilon is None else real(epsilon, "epsilon")
 
     def extra_repr(self) -> str:
         return (
@@ -91,9 +91,9 @@ class MultiSimilarityLoss(PairMatrixLoss):
     def _check_hyperparameters(self) -> None:
         positive_float(self.alpha, "alpha")
         positive_float(self.beta, "beta")
-        _finite(self.base, "base")
+        real(self.base, "base")
         if self.epsilon is not None:
-            _finite(self.epsilon, "epsilon")
+            real(self.epsilon, "epsilon")
 
     def _loss(self, pm: PairMatrix) -> torch.Tensor:
         pos, neg = pm.pos, pm.neg

@@ -132,6 +132,35 @@ class _TripletBase(nn.Module):
     last_active_fraction: torch.Tensor | None
     last_counts: torch.Tensor | None
 
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ref_embeddings: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+        indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The loss of ``embeddings [B, D]``: triplets mined here from ``labels`` (against the
+        references, by default the batch itself), or the given ``indices`` (anchor, positive,
+        negative) of a miner."""
+        self._check_hyper()
+        margin = positive_float(self.margin, "margin", allow_zero=True)
+        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
+        if indices is not None:
+            return self._indices_forward(batch, indices, margin, self._indices_average())
+        if batch.y.shape[0] == 0:
+            return empty_reference_loss(self, batch, self.reduction)
+        return self._mined(batch, margin)
+
+    def _check_hyper(self) -> None:
+        """Re-validate hyper-parameters other than the margin (a schedule may change them)."""
+
+    def _indices_average(self) -> str:
+        return "valid"
+
+    def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
+        raise NotImplementedError
+
     def _embed(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch.x, batch.y
         if self.normalize:
@@ -292,21 +321,11 @@ class LocalMarginTripletLoss(_TripletBase):
     def extra_repr(self) -> str:
         return f"k={self.k}, margin={self.margin}, normalize={self.normalize}, reduction={self.reduction!r}"
 
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        k = positive_int(self.k, "k")
-        margin = positive_float(self.margin, "margin", allow_zero=True)
-        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
-        if indices is not None:
-            return self._indices_forward(batch, indices, margin, "valid")
-        if batch.y.shape[0] == 0:
-            return empty_reference_loss(self, batch, self.reduction)
+    def _check_hyper(self) -> None:
+        positive_int(self.k, "k")
+
+    def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
+        k = int(self.k)
         x, y = self._embed(batch)
         dist = distance_matrix(x, y, "squared_l2")
         pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
@@ -404,20 +423,10 @@ class TripletMarginLoss(_TripletBase):
             f"reduction={self.reduction!r}"
         )
 
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        margin = positive_float(self.margin, "margin", allow_zero=True)
-        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
-        if indices is not None:
-            return self._indices_forward(batch, indices, margin, self.average or "valid")
-        if batch.y.shape[0] == 0:
-            return empty_reference_loss(self, batch, self.reduction)
+    def _indices_average(self) -> str:
+        return self.average or "valid"
+
+    def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
         mining = self.mining
         average = self.average or ("active" if mining == "batch_all" else "valid")
         x, y = self._embed(batch)

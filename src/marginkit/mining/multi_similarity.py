@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from marginkit._validation import float_tensor
-from marginkit.ops.contrastive import _finite
+from marginkit._validation import float_tensor, real
 from marginkit.ops.pairs import PairIndices, cosine_similarity_matrix, label_masks, prepare_pairs
 
 __all__ = ["multi_similarity_pairs"]
@@ -74,7 +73,7 @@ def multi_similarity_pairs(
         >>> bool((a1 != p).all())
         True
     """
-    epsilon = _finite(epsilon, "epsilon")
+    epsilon = real(epsilon, "epsilon")
     batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels)
     float_tensor(batch.x, "embeddings")
     if not batch.self_ref and batch.y.shape[0]:

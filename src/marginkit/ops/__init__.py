@@ -10,10 +10,13 @@ __getattr__, __dir__, __all__ = attach(
         "margin_gap": "projection",
         "alpha_softargmax": "alpha",
         "alpha_divergence_loss": "alpha",
+        "qmargin_loss": "alpha",
         "circle_loss": "circle",
         "multi_similarity_loss": "contrastive",
         "supcon_loss": "contrastive",
         "ntxent_loss": "contrastive",
         "contrastive_loss": "contrastive",
+        "class_block": "classes",
+        "class_cross_entropy": "softmax",
     },
 )

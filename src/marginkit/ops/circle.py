@@ -22,8 +22,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from marginkit._validation import float_tensor, mask_tensor, positive_float
+from marginkit.ops.classes import ClassBlock
+from marginkit.ops.softmax import class_cross_entropy
 
 
 def _circle_loss(
@@ -131,8 +134,8 @@ def _class_circle_logits(
 
     ``z_y = γ [1 + m − s_y]_+ (s_y − (1 − m))`` and ``z_j = γ [s_j + m]_+ (s_j − m)`` for
     ``j ≠ y`` (weights detached). Cross-entropy on ``z`` is the circle loss with ``K = 1``:
-    ``log(1 + Σ_j e^{z_j} e^{−z_y}) = LSE(z) − z_y``. Kept as its own step so that the
-    class-dimension reduction (the log-sum-exp) can be swapped for a sharded one.
+    ``log(1 + Σ_j e^{z_j} e^{−z_y}) = LSE(z) − z_y``. The loss itself is
+    :func:`class_circle_loss` (the same logits inside a fused cross-entropy).
     """
     target = torch.zeros_like(cosines, dtype=torch.bool).scatter_(-1, labels[..., None], True)
     s = cosines
@@ -140,3 +143,42 @@ def _class_circle_logits(
     z_pos = gamma * (1.0 + margin - sd).clamp_min(0.0) * (s - (1.0 - margin))
     z_neg = gamma * (sd + margin).clamp_min(0.0) * (s - margin)
     return torch.where(target, z_pos, z_neg)
+
+
+class CircleNegatives:
+    """Circle logits of the negatives: ``z = γ·[ĉ + m]_+·(ĉ − m)``, ``ĉ = clamp(c, −1, 1)``.
+
+    The weight ``[·]_+`` is a constant for the gradient (Sun et al.).
+    """
+
+    def __init__(self, gamma: float, margin: float) -> None:
+        self.gamma, self.margin = gamma, margin
+
+    def values(self, cos: Tensor) -> Tensor:
+        c = cos.clamp(-1.0, 1.0)
+        return (c + self.margin).clamp_min_(0.0).mul_(c - self.margin).mul_(self.gamma)
+
+    def slope(self, cos: Tensor) -> Tensor:
+        # the clamp passes the gradient on [-1, 1] only (as torch.clamp's backward)
+        weight = (cos.clamp(-1.0, 1.0) + self.margin).clamp_min_(0.0).mul_(self.gamma)
+        return weight.masked_fill_(cos.abs() > 1.0, 0.0)
+
+    def extremes(self, cos: Tensor, rest_max: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        lo, hi = torch.aminmax(cos)
+        return lo, hi
+
+
+def class_circle_loss(block: ClassBlock, margin: float, gamma: float, *, name: str = "cosines") -> Tensor:
+    r"""Class-level circle loss per example on the class axis of ``block``, ``[B]``.
+
+    Cross-entropy on :math:`z_y = \gamma[1+m-s_y]_+(s_y-(1-m))` and
+    :math:`z_j = \gamma[s_j+m]_+(s_j-m)` (:math:`j \ne y`, weights detached, cosines clamped to
+    ``[-1, 1]``): the circle loss with one positive, the label's class (Sun et al., CVPR 2020,
+    §3.3). Values in float32 (float64 for float64 scores).
+    """
+
+    def target(c: Tensor) -> Tensor:
+        c = c.clamp(-1.0, 1.0)
+        return gamma * (1.0 + margin - c.detach()).clamp_min(0.0) * (c - (1.0 - margin))
+
+    return class_cross_entropy(block, target, CircleNegatives(gamma, margin), name=name)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from marginkit._validation import cosine_tensor, float_tensor, mask_tensor, positive_float
+from marginkit._validation import cosine_tensor, float_tensor, mask_tensor, positive_float, real
 
 __all__ = ["contrastive_loss", "multi_similarity_loss", "ntxent_loss", "supcon_loss"]
 
@@ -210,7 +210,7 @@ def multi_similarity_loss(
     """
     alpha = positive_float(alpha, "alpha")
     beta = positive_float(beta, "beta")
-    base = _finite(base, "base")
+    base = real(base, "base")
     sim = _check(sim, "sim", pos_mask, neg_mask, cosines=True)
     return _multi_similarity(sim, _keep(pos_mask), _keep(neg_mask), alpha, beta, base)
 
@@ -320,17 +320,8 @@ def contrastive_loss(
         >>> contrastive_loss(d, pos, neg, 0.0, 1.0)
         tensor([0.8000])
     """
-    pos_margin = _finite(pos_margin, "pos_margin")
-    neg_margin = _finite(neg_margin, "neg_margin")
+    pos_margin = real(pos_margin, "pos_margin")
+    neg_margin = real(neg_margin, "neg_margin")
     dist = _check(dist, "dist", pos_mask, neg_mask, cosines=False)
     pos_sum, neg_sum, _, _ = _contrastive(dist, pos_mask, neg_mask, pos_margin, neg_margin)
     return pos_sum + neg_sum
-
-
-def _finite(value: Any, name: str) -> float:
-    """A finite real number (any sign)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from marginkit._validation import compute_dtype, label_tensor
+from marginkit._validation import compute_dtype, float_tensor, label_tensor
 
 DISTANCES = ("squared_l2", "l2", "cosine")
 
@@ -109,10 +109,7 @@ class PairBatch(NamedTuple):
 
 def _embedding_tensor(x: Any, name: str, *, allow_empty_batch: bool = False) -> torch.Tensor:
     """Type and shape checks of an embedding matrix (no host sync; finiteness is a flag)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape [batch, dim], got {type(x).__name__}")
-    if not torch.is_floating_point(x):
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    float_tensor(x, name, min_dim=0, allow_empty=True, check_values=False)
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [batch, dim], got shape {tuple(x.shape)}")
     if (x.shape[0] == 0 and not allow_empty_batch) or x.shape[1] == 0:

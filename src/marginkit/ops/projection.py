@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from marginkit._validation import choice, compute_dtype, float_tensor, label_tensor
+from marginkit._validation import choice, compute_dtype, float_tensor, label_tensor, real
 
 __all__ = ["margin_gap", "mep"]
 
@@ -78,11 +78,7 @@ def _margin_tensor(margin: Any, batch_shape: torch.Size, dtype: torch.dtype, dev
         if value.numel() and not bool((torch.isfinite(value) & (value > 0)).all()):
             raise ValueError(f"margin must be finite and > 0 (in {dtype}) in every entry")
         return value.expand(batch_shape).unsqueeze(-1)
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
-        raise TypeError(f"margin must be a real number or a tensor, got {type(margin).__name__}")
-    value = float(margin)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"margin must be a finite number > 0, got {value}")
+    value = real(margin, "margin", low=0, open_low=True)
     cast = float(torch.tensor(value, dtype=dtype))
     if not math.isfinite(cast) or cast <= 0:
         raise ValueError(f"margin {value} is not a finite number > 0 in {dtype}")

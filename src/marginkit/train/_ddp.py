@@ -33,6 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from marginkit.distributed import _prepare_process_group_init, balanced_slices
+from marginkit.distributed._group import comm_device
+
 __all__ = ["DistContext", "init_distributed"]
 
 
@@ -68,15 +71,14 @@ class DistContext:
         """True on every rank when ``flag`` is true on any rank (one MAX all-reduce)."""
         if not self.active:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=_comm_device(device))
+        t = torch.tensor([1.0 if flag else 0.0], device=comm_device(None, device))
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return bool(t.item() > 0)
 
     def share(self, n: int) -> slice:
         """This rank's contiguous share of a global batch of ``n`` samples."""
-        base, extra = divmod(n, self.world)
-        start = self.rank * base + min(self.rank, extra)
-        return slice(start, start + base + (self.rank < extra))
+        start, size = balanced_slices(n, self.world)[self.rank]
+        return slice(start, start + size)
 
     def close(self, clean: bool = True) -> None:
         """Destroy the group the trainer created. After a clean run, first wait until every rank
@@ -92,12 +94,6 @@ class DistContext:
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             self.created = False
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu") if device.type != "cuda" else device
 
 
 def init_distributed(config: Any) -> DistContext:
@@ -125,8 +121,6 @@ def init_distributed(config: Any) -> DistContext:
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    from marginkit.distributed import _prepare_process_group_init
-
     _prepare_process_group_init()
     timeout = datetime.timedelta(seconds=float(config.collective_timeout))
     torch.distributed.init_process_group(backend, timeout=timeout)
@@ -183,9 +177,8 @@ def parallelize(
         return Parallel(model, head, False, loss_fn), head
     from torch.nn.parallel import DistributedDataParallel
 
-    from marginkit._sharded import supports_sharding
-    from marginkit.distributed import all_gather_no_grad, all_gather_with_grad
-    from marginkit.losses.gathered import GatheredPairLoss
+    from marginkit.distributed import GatheredPairLoss, all_gather_no_grad, all_gather_with_grad
+    from marginkit.heads.sharded import supports_sharding
 
     ids = [device.index] if device.type == "cuda" else None
     ddp_model = DistributedDataParallel(model, device_ids=ids)

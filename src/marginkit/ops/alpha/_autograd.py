@@ -1,0 +1,177 @@
+r"""Autograd functions of the alpha softargmax and its Fenchel–Young loss: closed-form backward passes.
+
+With :math:`w_j = q_j^{\beta} p_j^{1-\beta}` on the support, the softargmax's Jacobian is
+:math:`J = \mathrm{diag}(w) - w w^\top / \sum w`, and the loss's gradient is exactly
+:math:`p - e_y`: neither differentiates through the solver.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from marginkit._validation import compute_dtype
+from marginkit.ops.alpha._candidates import _Blocks, _Entries, _offset
+from marginkit.ops.alpha._memory import _serial
+from marginkit.ops.alpha._solve import _Solution, _solve
+from marginkit.ops.classes import ONE_PROCESS, ClassAxis
+
+
+class _SoftargmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        logq: Tensor | None,
+        blocks: _Blocks,
+        beta: Tensor,
+        beta_scalar: float | None,
+        k: int | None,
+        candidates: bool,
+    ) -> Tensor:
+        sol = _solve(
+            x, blocks, scale=1.0, beta=beta, beta_scalar=beta_scalar, logq=logq, k=k, candidates=candidates
+        )
+        ctx.shape = x.shape
+        ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
+        ctx.save_for_backward(sol.p, sol.w, *sol.entries.saved())
+        return sol.entries.scatter(sol.p, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        p, w, *saved = ctx.saved_tensors
+        entries = _Entries.restore(ctx.shape[0], ctx.shape[1], tuple(saved))
+        on = w > 0
+        g = entries.gather(grad).to(p.dtype).masked_fill(~on, 0.0)
+        mean = entries.rowsum(w * g) / entries.rowsum(w)
+        centred = g - entries.per_entry(mean)
+        x_dtype, q_dtype = ctx.dtypes
+        grad_x = grad_logq = None
+        if ctx.needs_input_grad[0]:
+            grad_x = entries.scatter((w * centred).masked_fill_(~on, 0.0), x_dtype, gradient=True)
+        if ctx.needs_input_grad[1]:
+            grad_logq = entries.scatter((p * centred).masked_fill_(~on, 0.0), q_dtype, gradient=True)
+        return grad_x, grad_logq, None, None, None, None, None
+
+
+class _OnAxis(NamedTuple):
+    """What a loss on a class axis computed before the solve (over every class of the axis).
+
+    ``bounds``: ``(τ_lo, τ_hi)``; ``theta_y``/``logq_y``: the label's logit and ``log q`` per row;
+    ``owned``: the label's column is in this block (``None``: every row's).
+    """
+
+    axis: ClassAxis
+    bounds: tuple[Tensor, Tensor]
+    theta_y: Tensor
+    logq_y: Tensor | None
+    owned: Tensor | None
+
+
+def _loss_value(
+    sol: _Solution, theta_y: Tensor, logq_y: Tensor | None, beta: Tensor
+) -> tuple[Tensor, Tensor]:
+    r"""Fenchel–Young loss and support size per row, from the support only (no inactive terms).
+
+    With :math:`\sum p = 1` and :math:`p_j^\alpha q_j^{-\beta} = p_j u_j` on the support,
+    :math:`D_f(e_y, q) - D_f(p, q) = (E(q_y) - \langle p, \theta\rangle + \tau)/\alpha`, so
+    :math:`\ell = (1 - 1/\alpha)\langle p, \theta - \theta_y\rangle + (\tau - \theta_y + E(q_y))/\alpha`.
+    Rounding can make an exact zero slightly negative; the value is clamped at 0. The inner
+    product and the support size come with the Newton evaluations when those carried them (a
+    partitioned axis), else from the solution's entries.
+    """
+    stats = sol.stats
+    if stats is not None and stats.inner is not None and stats.support is not None:
+        inner, support = stats.inner / stats.mass, stats.support
+    else:
+        entries = sol.entries
+        spread = torch.where(sol.p > 0, sol.theta - entries.per_entry(theta_y), 0.0)
+        inner = entries.rowsum(sol.p * spread)
+        support = entries.rowsum((sol.p > 0).to(sol.p.dtype))
+    inv_alpha = 1.0 / (1.0 + beta)
+    e_y = torch.zeros_like(theta_y) if logq_y is None else _offset(logq_y, beta)
+    loss = (1.0 - inv_alpha) * inner + (sol.tau - theta_y + e_y) * inv_alpha
+    return loss.clamp_min_(0.0), support.round().long()
+
+
+class _LossFunction(torch.autograd.Function):
+    """Alpha Fenchel–Young loss and support size per row; ``on``: the loss runs on a class axis."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        logq: Tensor | None,
+        label: Tensor,
+        blocks: _Blocks | None,
+        beta: Tensor,
+        beta_scalar: float | None,
+        scale: float,
+        logq_label: Tensor | None,
+        k: int | None,
+        candidates: bool,
+        sparse_grad: bool = False,
+        on: _OnAxis | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        cdt = compute_dtype(x.dtype)
+        if on is None:  # the label entries are in x
+            bounds, axis, owned = None, ONE_PROCESS, None
+            theta_y = x.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt) * scale
+            if logq is not None:
+                logq_y = logq.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt)
+            else:
+                logq_y = None if logq_label is None else logq_label.to(cdt)
+        else:
+            axis, bounds, theta_y, logq_y, owned = on.axis, on.bounds, on.theta_y, on.logq_y, on.owned
+        sol = _solve(
+            x,
+            blocks,
+            scale=scale,
+            beta=beta,
+            beta_scalar=beta_scalar,
+            logq=logq,
+            label=label,
+            logq_label=logq_label,
+            k=k,
+            candidates=candidates,
+            bounds=bounds,
+            axis=axis,
+            theta_y=theta_y,
+        )
+        with _serial(sol.p.numel(), sol.p.device):
+            loss, support = _loss_value(sol, theta_y, logq_y, beta)
+        ctx.mark_non_differentiable(support)
+        ctx.shape, ctx.scale, ctx.sparse_grad = x.shape, scale, sparse_grad
+        ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
+        ctx.save_for_backward(sol.p, sol.u, label, owned, beta, logq_y, *sol.entries.saved())
+        return loss, support
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _grad_support: Tensor | None) -> tuple[Tensor | None, ...]:
+        p, u, label, owned, beta, logq_y, *saved = ctx.saved_tensors
+        entries = _Entries.restore(ctx.shape[0], ctx.shape[1], tuple(saved))
+        x_dtype, q_dtype = ctx.dtypes
+        g = grad.to(p.dtype)
+        y = label.unsqueeze(1)
+        grad_x = grad_logq = None
+        if ctx.needs_input_grad[0]:
+            gs = g * ctx.scale
+            at_label = -gs if owned is None else torch.where(owned, -gs, 0.0)  # −s·g·e_y on its owner
+            with _serial(p.numel(), p.device):
+                values = (p * entries.per_entry(gs)).to(x_dtype)
+            if ctx.sparse_grad and (entries.is_flat or entries.col is not None):
+                with _serial(p.numel(), p.device):
+                    grad_x = entries.sparse(values, label, at_label.to(x_dtype))
+            else:
+                grad_x = entries.scatter(values, x_dtype, gradient=True)
+                with _serial(p.numel(), p.device):
+                    grad_x.scatter_add_(1, y, at_label.unsqueeze(1).to(x_dtype))
+        if ctx.needs_input_grad[1]:
+            # ∂ℓ/∂log q_k = [p_k u_k − δ_ky q_y^{−β}] / α
+            ga = g / (1.0 + beta)
+            grad_logq = entries.scatter(p * u * entries.per_entry(ga), q_dtype, gradient=True)
+            at_y = -torch.exp(-beta * logq_y) * ga
+            grad_logq.scatter_add_(1, y, at_y.unsqueeze(1).to(q_dtype))
+        return grad_x, grad_logq, None, None, None, None, None, None, None, None, None, None

@@ -1,0 +1,374 @@
+"""Bounds and candidate layout of the alpha solver: block maxima, entry layouts, τ bounds, thresholds.
+
+For logits ``θ = s·x`` and a reference measure ``q``, the threshold ``τ`` of the alpha
+softargmax lies in ``[τ_lo, τ_hi]`` (mass ≥ 1 at ``τ_lo``, ≤ 1 at ``τ_hi``), and only the
+entries with ``θ_j > τ_lo − 1/β`` can be active (SPEC §2). This module finds the bounds and the
+candidates without a ``[N, n]`` temporary (block maxima), and holds the layouts of a compact
+problem's entries (padded rows or a flat row-sorted list).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from marginkit.ops.alpha._memory import _serial, _sparse_nonzero, _sparse_target_zeros
+
+# Columns per block of the block maxima; blocks are compared element-wise only when they may
+# hold a candidate, unless more than this fraction of the logits would be compared anyway.
+_BLOCK = 64
+_BLOCK_BITS = 6  # log2(_BLOCK)
+_BLOCK_FRACTION = 0.25
+
+
+class _Blocks:
+    """Maxima of blocks of ``_BLOCK`` consecutive columns of ``x`` ``[N, n]`` (one bandwidth-bound pass).
+
+    They give the row maxima, the largest logit outside a given column (the label) and a
+    block-level pre-filter for the candidates, so that only blocks holding a candidate are
+    compared element by element. The last, partial block is padded with ``-inf``.
+    """
+
+    def __init__(self, x: Tensor) -> None:
+        n_rows, n = x.shape
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        self.x, self.n = x, n
+        self.nb = n // _BLOCK
+        self.main = x[:, : self.nb * _BLOCK].view(n_rows, self.nb, _BLOCK)
+        parts = [self.main.amax(2)]
+        self.tail = None
+        with _serial(parts[0].numel(), x.device):
+            if n > self.nb * _BLOCK:
+                self.tail = x.new_full((n_rows, _BLOCK), -math.inf)
+                self.tail[:, : n - self.nb * _BLOCK] = x[:, self.nb * _BLOCK :]
+                parts.append(self.tail.amax(1, keepdim=True))
+            self.bmax = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+            self.rowmax = self.bmax.amax(1)
+
+    def _values(self, bi: Tensor, bj: Tensor) -> Tensor:
+        """The ``_BLOCK`` values of the blocks ``(bi, bj)``, ``[k, _BLOCK]``.
+
+        Gathered as rows of the (overlapping) view of every ``_BLOCK``-wide window of the flat
+        logits: ``index_select`` copies whole rows, several times faster than indexing
+        ``main[bi, bj]`` element by element.
+        """
+        if self.nb == 0:
+            assert self.tail is not None
+            return self.tail.index_select(0, bi)
+        total = self.x.numel()
+        windows = self.x.view(-1).as_strided((total - _BLOCK + 1, _BLOCK), (1, 1))
+        with _serial(bi.numel(), bi.device):  # index arithmetic on [k]; the copy below runs parallel
+            offsets = bi * self.n + bj * _BLOCK
+            if self.tail is not None:
+                offsets = offsets.clamp_(max=total - _BLOCK)
+        values = windows.index_select(0, offsets)
+        if self.tail is None:
+            return values
+        with _serial(bi.numel(), bi.device):
+            in_tail = (bj == self.nb).nonzero().squeeze(1)
+            return values.index_copy_(0, in_tail, self.tail.index_select(0, bi.index_select(0, in_tail)))
+
+    def max_excluding(self, column: Tensor) -> Tensor:
+        """Per row, the largest value outside ``column[row]`` (``-inf`` if there is none).
+
+        Also keeps ``bmax_excluding``: the block maxima with ``column`` left out of its block.
+        """
+        rows = torch.arange(self.x.shape[0], device=column.device)
+        bj = column // _BLOCK
+        neg_inf = torch.tensor(-math.inf, dtype=self.bmax.dtype)
+        inside = self._values(rows, bj).index_put((rows, column - bj * _BLOCK), neg_inf).amax(1)
+        self.bmax_excluding = self.bmax.index_put((rows, bj), inside)
+        return self.bmax_excluding.amax(1)
+
+    def sparse(self, thr: Tensor) -> bool:
+        """Do the blocks that may hold an entry above ``thr`` make a small part of the logits?"""
+        with _serial(self.bmax.numel(), self.x.device):
+            n_selected = int((self.bmax > thr.unsqueeze(1)).sum())
+        return n_selected * _BLOCK <= _BLOCK_FRACTION * self.x.numel()
+
+    def above(self, thr: Tensor) -> Tensor:
+        """Sorted row-major flat indices of the entries ``x[i, j] > thr[i]``."""
+        with _serial(self.bmax.numel(), self.x.device):
+            selected = self.bmax > thr.unsqueeze(1)
+            n_selected = int(selected.sum())
+            dense = n_selected * _BLOCK > _BLOCK_FRACTION * self.x.numel()
+            if not dense:  # (a sixth or so of the blocks: the word trick would not pay here)
+                bi, bj = selected.nonzero().unbind(1)
+                thr_b = thr.index_select(0, bi).unsqueeze(1)
+        if dense:
+            mask = (self.x > thr.unsqueeze(1)).view(-1)
+            with _serial(mask.numel() // 8, self.x.device):
+                return _sparse_nonzero(mask)
+        mask = self._values(bi, bj) > thr_b
+        with _serial(mask.numel() // 8, self.x.device):
+            f = _sparse_nonzero(mask.view(-1))
+            k, g = f >> _BLOCK_BITS, f & (_BLOCK - 1)
+            return (bi.index_select(0, k) * self.n + bj.index_select(0, k) * _BLOCK).add_(g)
+
+
+class _Entries:
+    """Where the entries of a compact problem sit in the full ``[N, n]`` logits.
+
+    Padded layout (``flat is None``): per-entry tensors are ``[N, K]`` and ``col`` is ``[N, K]``
+    (``None``: all ``n`` columns in order). Flat layout: per-entry tensors are ``[m]``, sorted by
+    their row-major ``flat`` index ``row * n + column``; ``counts[i]`` entries belong to row ``i``
+    (no padding however unequal the rows), so row sums are segment sums.
+    """
+
+    def __init__(
+        self,
+        n_rows: int,
+        n_cols: int,
+        *,
+        flat: Tensor | None = None,
+        row: Tensor | None = None,
+        counts: Tensor | None = None,
+        col: Tensor | None = None,
+    ) -> None:
+        self.n_rows, self.n_cols, self.flat, self.col = n_rows, n_cols, flat, col
+        if flat is not None and counts is None:
+            starts = torch.arange(n_rows + 1, device=flat.device) * n_cols
+            counts = torch.searchsorted(flat, starts).diff()
+        if flat is not None and row is None:
+            assert counts is not None
+            row = torch.repeat_interleave(
+                torch.arange(n_rows, device=flat.device), counts, output_size=len(flat)
+            )
+        self.row, self.counts = row, counts
+
+    @property
+    def is_flat(self) -> bool:
+        return self.flat is not None
+
+    def per_entry(self, v: Tensor) -> Tensor:
+        """Broadcast a per-row ``[N]`` tensor to the entries."""
+        return v.index_select(0, self.row) if self.row is not None else v.unsqueeze(-1)
+
+    def rowsum(self, e: Tensor) -> Tensor:
+        if self.counts is None:
+            return e.sum(-1)
+        return torch.segment_reduce(e, "sum", lengths=self.counts)
+
+    def rowmax(self, e: Tensor) -> Tensor:
+        if self.row is None:
+            return e.amax(-1)
+        return e.new_full((self.n_rows,), -math.inf).scatter_reduce_(0, self.row, e, "amax")
+
+    def is_column(self, label: Tensor) -> Tensor:
+        """Per entry: does it sit in column ``label[row]``?"""
+        if self.flat is not None:
+            first = torch.arange(self.n_rows, device=label.device) * self.n_cols
+            return self.flat == self.per_entry(first + label)
+        cols = torch.arange(self.n_cols, device=label.device).unsqueeze(0) if self.col is None else self.col
+        return cols == label.unsqueeze(-1)
+
+    def select(self, idx: Tensor) -> _Entries:
+        """The flat entries at the (increasing) positions ``idx``."""
+        assert self.flat is not None and self.row is not None
+        flat = self.flat.index_select(0, idx)
+        return _Entries(self.n_rows, self.n_cols, flat=flat, row=self.row.index_select(0, idx))
+
+    def to_flat(self, device: torch.device) -> _Entries:
+        if self.flat is not None:
+            return self
+        k = self.n_cols if self.col is None else self.col.shape[1]
+        row = torch.arange(self.n_rows, device=device).repeat_interleave(k)
+        col = torch.arange(self.n_cols, device=device).repeat(self.n_rows) if self.col is None else self.col
+        return _Entries(self.n_rows, self.n_cols, flat=row * self.n_cols + col.reshape(-1), row=row)
+
+    def scatter(self, e: Tensor, dtype: torch.dtype, *, gradient: bool = False) -> Tensor:
+        """Dense ``[N, n]`` tensor of ``dtype`` with the entries' values, zeros elsewhere.
+
+        ``gradient``: the result is a gradient handed to autograd; a large one starts from calloc'd
+        zeros (:func:`_sparse_target_zeros`). User-facing outputs use ``torch.zeros`` (a numpy-backed
+        tensor cannot be resized).
+        """
+        if self.flat is None and self.col is None:
+            return e.to(dtype)
+        shape = (self.n_rows, self.n_cols)
+        out = (
+            _sparse_target_zeros(shape, dtype, e.device)
+            if gradient
+            else torch.zeros(shape, dtype=dtype, device=e.device)
+        )
+        if self.flat is not None:
+            with _serial(e.numel(), e.device):
+                out.view(-1).index_copy_(0, self.flat, e.to(dtype))
+            return out
+        # add, not assign: the padding of a padded candidate layout repeats a column with value 0
+        with _serial(e.numel(), e.device):
+            return out.scatter_add_(1, self.col, e.to(dtype))
+
+    def sparse(self, e: Tensor, label: Tensor, at_label: Tensor) -> Tensor:
+        """Sparse COO ``[N, n]`` (uncoalesced): the entries' values plus ``at_label`` at ``(i, label[i])``."""
+        assert self.flat is not None or self.col is not None
+        rows = torch.arange(self.n_rows, device=e.device)
+        if self.flat is not None:
+            assert self.row is not None
+            row, col = self.row, self.flat - self.row * self.n_cols
+        else:
+            assert self.col is not None
+            row, col = rows.repeat_interleave(self.col.shape[1]), self.col.reshape(-1)
+        index = torch.stack([torch.cat([row, rows]), torch.cat([col, label])])
+        values = torch.cat([e.reshape(-1), at_label])
+        return torch.sparse_coo_tensor(index, values, (self.n_rows, self.n_cols), check_invariants=False)
+
+    def gather(self, dense: Tensor) -> Tensor:
+        """The entries' values in a dense ``[N, n]`` tensor."""
+        if self.flat is not None:
+            return dense.reshape(-1).index_select(0, self.flat)
+        return dense if self.col is None else dense.gather(1, self.col)
+
+    def saved(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        return self.flat, self.row, self.counts, self.col
+
+    @classmethod
+    def restore(cls, n_rows: int, n_cols: int, saved: tuple[Tensor | None, ...]) -> _Entries:
+        flat, row, counts, col = saved
+        return cls(n_rows, n_cols, flat=flat, row=row, counts=counts, col=col)
+
+
+def _offset(logq: Tensor, beta: Tensor | float) -> Tensor:
+    r"""``E(q) = (q^{-β} − 1)/β`` computed stably from ``log q`` (``−log q`` as ``β → 0``).
+
+    :math:`\theta_j - E(q_j)` is the value of :math:`\tau` at which :math:`p_j = 1`.
+    """
+    return torch.expm1(-beta * logq) / beta
+
+
+# E(q) = (q^{-β} − 1)/β overflows float32 once β·(−log q) passes ~88.7: beyond this exponent the
+# solver computes in float64 (the loss itself can then exceed float32's range).
+_F32_MAX_OFFSET_EXPONENT = 80.0
+
+
+def _offset_overflows(cdt: torch.dtype, beta_max: float, logq_min: float) -> bool:
+    """Would ``E(q) = (q^{-β} − 1)/β`` overflow float32 for the largest β and the smallest q?"""
+    return cdt == torch.float32 and beta_max * -min(0.0, logq_min) > _F32_MAX_OFFSET_EXPONENT
+
+
+def _widened_for_measure(
+    cdt: torch.dtype, x2d: Tensor, lq2d: Tensor | None, beta: Tensor, blocks: _Blocks
+) -> tuple[Tensor, Tensor | None, Tensor, _Blocks]:
+    """The op's inputs in float64 when a general measure's offsets would overflow float32, else as given."""
+    if lq2d is None or not _offset_overflows(cdt, float(beta.max()), float(lq2d.detach().min())):
+        return x2d, lq2d, beta, blocks
+    x64 = x2d.double()
+    return x64, lq2d.double(), beta.double(), _Blocks(x64)
+
+
+def _entry_logq(
+    entries: _Entries,
+    cdt: torch.dtype,
+    logq: Tensor | None,
+    label: Tensor | None,
+    logq_label: Tensor | None,
+) -> Tensor | None:
+    """``log q`` of the entries (``None`` when q ≡ 1); the label override never builds ``[N, n]``."""
+    if logq is not None:
+        return entries.gather(logq).to(cdt)
+    if label is not None and logq_label is not None:
+        return torch.where(entries.is_column(label), entries.per_entry(logq_label.to(cdt)), 0.0)
+    return None
+
+
+def _label_maxima(
+    x: Tensor, blocks: _Blocks, column: Tensor, owned: Tensor | None, override: bool
+) -> tuple[Tensor, Tensor]:
+    """Per row, this block's largest logit off the label and the label's logit (``-inf`` if not owned).
+
+    In the units and dtype of ``x``. Without a label override (``q ≡ 1``) the first is the row
+    maximum (the label needs no exclusion); with one it also leaves ``blocks.bmax_excluding``.
+    """
+    x_y = x.gather(1, column.unsqueeze(1)).squeeze(1)
+    others = blocks.max_excluding(column) if override else blocks.rowmax
+    if owned is not None:
+        x_y = torch.where(owned, x_y, -math.inf)
+        if override:
+            others = torch.where(owned, others, blocks.rowmax)
+    return others, x_y
+
+
+def _label_bounds(
+    others: Tensor,
+    x_y: Tensor,
+    scale: float,
+    beta: Tensor,
+    cdt: torch.dtype,
+    logq_label: Tensor | None,
+    num_classes: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(τ_lo, τ_hi, θ_y)`` of rows with ``q_j = 1`` except ``q_y`` (``logq_label``; ``None``: 1).
+
+    From the row's largest logit off the label and the label's logit (over every class):
+    :math:`\tau_{lo} = \max(\max_{j\ne y}\theta_j, \theta_y - E(q_y))` (every :math:`p_j \le 1`) and
+    :math:`\tau_{hi} = \max_j\theta_j - E(n)` with ``n = num_classes`` (a total measure at least
+    :math:`\sum_j q_j` while :math:`q_y \le 1`).
+    """
+    theta_y = x_y.to(cdt) * scale
+    theta_others = others.to(cdt) * scale
+    top = torch.maximum(theta_others, theta_y)
+    log_n = torch.tensor(float(num_classes), dtype=cdt, device=top.device).log()
+    hi = top - _offset(log_n, beta)
+    if logq_label is None:
+        return top, hi, theta_y
+    return torch.maximum(theta_others, theta_y - _offset(logq_label.to(cdt), beta)), hi, theta_y
+
+
+def _row_bounds(
+    x: Tensor,
+    blocks: _Blocks,
+    scale: float,
+    beta: Tensor,
+    cdt: torch.dtype,
+    logq: Tensor | None,
+    label: Tensor | None,
+    logq_label: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """``(τ_lo, τ_hi)`` of the full rows of one process, ``[N]`` each (``τ_hi`` ``None`` for a general q).
+
+    No ``[N, n]`` temporary unless ``q`` is a general dense measure: with ``q ≤ 1`` (q ≡ 1 or
+    the label override with a margin ≥ 0) the total measure is at most ``n``.
+    """
+    if logq is not None:
+        return (x.to(cdt) * scale - _offset(logq.to(cdt), beta.unsqueeze(-1))).amax(-1), None
+    if label is None or logq_label is None:
+        top = blocks.rowmax.to(cdt) * scale
+        log_n = torch.tensor(float(x.shape[1]), dtype=cdt, device=x.device).log()
+        return top, top - _offset(log_n, beta)
+    others, x_y = _label_maxima(x, blocks, label, None, override=True)
+    lo, hi, _ = _label_bounds(others, x_y, scale, beta, cdt, logq_label, x.shape[1])
+    return lo, hi if bool((logq_label <= 0).all()) else None
+
+
+def _threshold(lo: Tensor, beta: Tensor, scale: float) -> Tensor:
+    """Candidate threshold ``(τ_lo − 1/β)/scale`` in the units of x, lowered by a few ulps so that
+    rounding never drops an entry that the solver's arithmetic would find active."""
+    thr = (lo - 1.0 / beta) / scale
+    return thr - 8 * torch.finfo(lo.dtype).eps * (thr.abs() + 1.0 / (beta * scale))
+
+
+def _padded(entries: _Entries, theta: Tensor, width: int) -> tuple[_Entries, Tensor]:
+    """The flat candidates as ``[N, width]`` rows, padded with ``-inf`` logits at column 0.
+
+    Row sums and per-row broadcasts are then plain reductions and broadcasts instead of segment
+    sums and gathers, several times cheaper per Newton step. Padding is inactive at every τ
+    (probability, weight and gradient exactly 0).
+    """
+    assert entries.flat is not None and entries.row is not None and entries.counts is not None
+    n_rows, n_cols, row = entries.n_rows, entries.n_cols, entries.row
+    starts = entries.counts.cumsum(0).sub_(entries.counts)
+    pos = torch.arange(row.numel(), device=row.device).sub_(starts.index_select(0, row))
+    col = torch.zeros(n_rows, width, dtype=torch.long, device=row.device)
+    col.index_put_((row, pos), entries.flat - row * n_cols)
+    padded = theta.new_full((n_rows, width), -math.inf).index_put_((row, pos), theta)
+    return _Entries(n_rows, n_cols, col=col), padded
+
+
+def _label_logq_min(logq: Tensor | None, label: Tensor | None, logq_label: Tensor | None) -> float | None:
+    """The smallest ``log q`` of the label override (q is 1 elsewhere); ``None`` for a dense measure."""
+    if logq is None and label is not None and logq_label is not None:
+        return min(0.0, float(logq_label.min()))
+    return None if logq is not None else 0.0
