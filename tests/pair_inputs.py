@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,3 +30,17 @@ def assert_batch_errors(loss: torch.nn.Module, emb: torch.Tensor, labels: torch.
         loss(emb, labels, emb[:, :2], labels)
     with pytest.raises(ValueError, match="labels must be given"):
         loss(emb)
+
+
+def assert_warns_once(make: Callable[[], torch.nn.Module], emb: torch.Tensor) -> torch.nn.Module:
+    """A batch without a positive pair and a collapsed batch each warn once per instance."""
+    loss = make()
+    with pytest.warns(RuntimeWarning, match="no positive pair"):
+        loss(emb, torch.arange(6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss(emb, torch.arange(6))
+        make()(emb, torch.tensor([0, 0, 1, 1, 2, 2]))  # healthy batch: silent
+    with pytest.warns(RuntimeWarning, match="collapsed"):
+        loss(emb[:1].expand(6, -1).clone(), torch.tensor([0, 0, 1, 1, 2, 2]))
+    return loss

@@ -33,7 +33,7 @@ from marginkit.losses import (
 )
 from marginkit.mining import MemoryBank, multi_similarity_pairs
 from marginkit.ops import contrastive_loss, multi_similarity_loss, ntxent_loss, supcon_loss
-from pair_inputs import assert_batch_errors
+from pair_inputs import assert_batch_errors, assert_warns_once
 from test_triplet import _SyncCounter
 
 TOL = {"atol": 1e-9, "rtol": 1e-9}
@@ -580,16 +580,7 @@ def test_half_precision_inputs(gen, make, dtype):
 
 @pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_warns_once_on_no_positive_and_collapse(gen, make):
-    emb, _ = _batch(gen, n=6, dtype=torch.float32)
-    loss = make()
-    with pytest.warns(RuntimeWarning, match="no positive pair"):
-        loss(emb, torch.arange(6))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        loss(emb, torch.arange(6))
-        make()(emb, torch.tensor([0, 0, 1, 1, 2, 2]))  # healthy batch: silent
-    with pytest.warns(RuntimeWarning, match="collapsed"):
-        loss(emb[:1].expand(6, -1).clone(), torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert_warns_once(make, _batch(gen, n=6, dtype=torch.float32)[0])
 
 
 @pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)

@@ -17,7 +17,7 @@ from pytorch_metric_learning import reducers as pml_reducers
 import marginkit.losses.triplet as triplet_module
 from marginkit.losses import LocalMarginTripletLoss, TripletMarginLoss
 from marginkit.ops.pairs import safe_sqrt
-from pair_inputs import assert_batch_errors
+from pair_inputs import assert_batch_errors, assert_warns_once
 
 # ------------------------------------------------------------------ loop references
 
@@ -437,15 +437,7 @@ def test_no_positive_gives_zero_loss_connected_graph(gen):
 )
 def test_warns_once_on_no_positive_and_collapse(gen, make):
     emb, _ = _batch(gen, n=6, dtype=torch.float32)
-    loss = make()
-    with pytest.warns(RuntimeWarning, match="no positive pair"):
-        loss(emb, torch.arange(6))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        loss(emb, torch.arange(6))
-        make()(emb, torch.tensor([0, 0, 1, 1, 2, 2]))  # healthy batch: silent
-    with pytest.warns(RuntimeWarning, match="collapsed"):
-        loss(emb[:1].expand(6, -1).clone(), torch.tensor([0, 0, 1, 1, 2, 2]))
+    loss = assert_warns_once(make, emb)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss(torch.zeros(6, 3), torch.tensor([0, 0, 1, 1, 2, 2]))  # already warned
