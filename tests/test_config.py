@@ -179,6 +179,10 @@ def test_build_loss_applies_defaults_and_overrides():
         ("softmax", "batch_size=1", "batch_size must be >= 2: batch norm needs two samples"),
         ("triplet", "loss.mining=hardest", "loss 'triplet': mining must be one of"),
         ("local_triplet", "loss.k=0", "loss_options.k must be >= 1"),
+        ("multi_similarity", "loss.beta=1e30", "loss_options.beta must be <= 1000"),
+        ("multi_similarity", "loss.base=3", "loss_options.base must be <= 1"),
+        ("supcon", "loss.temperature=1e-9", "loss_options.temperature must be >= 0.001"),
+        ("contrastive", "loss.neg_margin=-1", "loss_options.neg_margin must be >= 0"),
     ],
 )
 def test_every_option_is_range_checked_up_front(loss, assignment, message):

@@ -170,6 +170,17 @@ LOSS_OPTION_RANGES: dict[str, dict[str, Spec]] = {
     "mep": {"margin": _real(0, 2e3, open_lo=True)},  # a gap between scaled cosines (|s c| <= 1e3)
     "triplet": {"margin": _real(0, 1e3)},  # a (squared) distance
     "local_triplet": {"margin": _real(0, 1e3)},
+    "smooth_triplet": {"margin": _real(0, 1e3)},
+    "contrastive": {"pos_margin": _real(0, 1e3), "neg_margin": _real(0, 1e3)},  # distances
+    # alpha, beta scale a cosine gap (as `scale` does); base and epsilon are cosines
+    "multi_similarity": {
+        "alpha": _real(0, 1e3, open_lo=True),
+        "beta": _real(0, 1e3, open_lo=True),
+        "base": _real(-1, 1),
+        "epsilon": _real(0, 2),
+    },
+    "supcon": {"temperature": _real(1e-3, 100)},  # cosines / temperature: |scale| <= 1e3, as `scale`
+    "ntxent": {"temperature": _real(1e-3, 100)},
 }
 
 
