@@ -199,7 +199,7 @@ def alpha_softargmax(
     elif x2d.shape[0] == 0:
         p2d = x2d.clone()
     else:
-        x2d, lq2d, beta, blocks = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
+        x2d, lq2d, beta, blocks, _ = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         p2d = _SoftargmaxFunction.apply(x2d, lq2d, blocks, beta, beta_scalar, k, bool(candidates))
     return p2d.reshape(x.shape).movedim(-1, dim).to(logits.dtype)
@@ -272,9 +272,11 @@ def alpha_divergence_loss(
     elif x2d.shape[0] == 0:
         loss = x2d.to(cdt).sum(-1)  # empty, but connected to the graph
     else:
-        x2d, lq2d, beta, blocks = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
+        x2d, lq2d, beta, blocks, log_c = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
+        if log_c is not None:  # ℓ(θ; c·q̃) = c^{−β} ℓ(c^β θ; q̃)
+            loss = loss * torch.exp(-beta * log_c).to(loss.dtype)
     return loss.reshape(logits.shape[:-1])
 
 
@@ -352,10 +354,11 @@ def qmargin_loss(
         others, x_y = check_scores(block, lo_c, blocks.rowmax.amax(), name, others, x_y)
         beta = torch.full((n_rows,), alpha - 1.0, dtype=cdt, device=x2d.device)
         logq_y = torch.full((n_rows,), log_q_label, dtype=cdt, device=x2d.device) if override else None
-        lo, hi, theta_y = _label_bounds(others, x_y, scale, beta, cdt, logq_y, axis.num_classes)
+        shift = torch.maximum(others, x_y)  # the row maximum over every class: the solver's frame
+        lo, hi, theta_y = _label_bounds(others, x_y, scale, beta, cdt, logq_y, axis.num_classes, shift)
         # the label's weight on the entries of this block: q = 1 (no override) on rows it does not own
         logq_label = logq_y if logq_y is None or owned is None else torch.where(owned, logq_y, 0.0)
-    on = _OnAxis(axis, (lo, hi), theta_y, logq_y, owned)
+    on = _OnAxis(axis, (lo, hi), theta_y, logq_y, owned, shift)
     return _LossFunction.apply(
         x2d, None, column, blocks, beta, alpha - 1.0, scale, logq_label, k, candidates, sparse_grad, on
     )

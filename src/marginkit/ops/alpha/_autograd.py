@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from marginkit._validation import compute_dtype
-from marginkit.ops.alpha._candidates import _Blocks, _Entries, _offset
+from marginkit.ops.alpha._candidates import _Blocks, _Entries, _logits, _offset
 from marginkit.ops.alpha._memory import _serial
 from marginkit.ops.alpha._solve import _Solution, _solve
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
@@ -32,7 +32,15 @@ class _SoftargmaxFunction(torch.autograd.Function):
         candidates: bool,
     ) -> Tensor:
         sol = _solve(
-            x, blocks, scale=1.0, beta=beta, beta_scalar=beta_scalar, logq=logq, k=k, candidates=candidates
+            x,
+            blocks,
+            scale=1.0,
+            beta=beta,
+            beta_scalar=beta_scalar,
+            logq=logq,
+            k=k,
+            candidates=candidates,
+            shift=blocks.rowmax,
         )
         ctx.shape = x.shape
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
@@ -60,7 +68,8 @@ class _OnAxis(NamedTuple):
     """What a loss on a class axis computed before the solve (over every class of the axis).
 
     ``bounds``: ``(τ_lo, τ_hi)``; ``theta_y``/``logq_y``: the label's logit and ``log q`` per row;
-    ``owned``: the label's column is in this block (``None``: every row's).
+    ``owned``: the label's column is in this block (``None``: every row's); ``shift``: the row
+    maximum of the scores over every class (the solver's frame; bounds and ``theta_y`` are in it).
     """
 
     axis: ClassAxis
@@ -68,6 +77,7 @@ class _OnAxis(NamedTuple):
     theta_y: Tensor
     logq_y: Tensor | None
     owned: Tensor | None
+    shift: Tensor
 
 
 def _loss_value(
@@ -118,13 +128,14 @@ class _LossFunction(torch.autograd.Function):
         cdt = compute_dtype(x.dtype)
         if on is None:  # the label entries are in x
             bounds, axis, owned = None, ONE_PROCESS, None
-            theta_y = x.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt) * scale
+            shift = x.amax(1) if blocks is None else blocks.rowmax
+            theta_y = _logits(x.gather(1, label.unsqueeze(1)).squeeze(1), shift, scale, cdt)
             if logq is not None:
                 logq_y = logq.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt)
             else:
                 logq_y = None if logq_label is None else logq_label.to(cdt)
         else:
-            axis, bounds, theta_y, logq_y, owned = on.axis, on.bounds, on.theta_y, on.logq_y, on.owned
+            axis, bounds, theta_y, logq_y, owned, shift = on
         sol = _solve(
             x,
             blocks,
@@ -139,6 +150,7 @@ class _LossFunction(torch.autograd.Function):
             bounds=bounds,
             axis=axis,
             theta_y=theta_y,
+            shift=shift,
         )
         with _serial(sol.p.numel(), sol.p.device):
             loss, support = _loss_value(sol, theta_y, logq_y, beta)
