@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, reduce
+from marginkit._validation import REDUCTIONS, choice, positive_float, reduce_kept
 from marginkit.ops.classes import class_block
 from marginkit.ops.softmax import ScaledLogits, class_cross_entropy
 
@@ -46,6 +46,8 @@ def margin_softmax_loss(
     target_fn: TargetFn,
     *,
     name: str = "cosines",
+    ignore_index: int | None = None,
+    logits: bool = False,
 ) -> torch.Tensor:
     """Per-example margin-softmax cross-entropy ``[B]`` (no reduction).
 
@@ -59,13 +61,32 @@ def margin_softmax_loss(
         target_fn: elementwise ``f`` applied to the target cosines (unscaled), differentiable
             by autograd (its derivative is taken on the ``[B]`` target column only).
         name: argument name used in error messages.
+        ignore_index: rows whose label equals it are 0 (``None``: every label must be a class).
+        logits: ``True``: any finite scores (raw logits) instead of cosines.
 
     Returns:
         ``[B]`` losses in float32 (float64 for float64 input).
     """
+    loss, keep = _per_example(cosines, labels, scale, target_fn, name, ignore_index, logits)
+    return loss if keep is None else loss.masked_fill(~keep, 0.0)
+
+
+def _per_example(
+    cosines: Any,
+    labels: torch.Tensor,
+    scale: float,
+    target_fn: TargetFn,
+    name: str,
+    ignore_index: int | None,
+    logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The losses ``[B]`` and the rows that count (``None``: all)."""
     scale = positive_float(scale, "scale")
-    block = class_block(cosines, labels, name=name)
-    return class_cross_entropy(block, lambda c: scale * target_fn(c), ScaledLogits(scale), name=name)
+    block = class_block(cosines, labels, name=name, ignore_index=ignore_index)
+    loss = class_cross_entropy(
+        block, lambda c: scale * target_fn(c), ScaledLogits(scale), name=name, cosines=not logits
+    )
+    return loss, block.keep
 
 
 def _identity(c: torch.Tensor) -> torch.Tensor:
@@ -107,11 +128,15 @@ class _MarginSoftmaxBase(nn.Module):
     scale: float
     reduction: str
     reads_class_blocks: ClassVar[bool] = True  # accepts a ShardedCosineHead's output
+    logits: bool = False  # raw logits instead of cosines (NormSoftmaxLoss's option)
 
-    def __init__(self, scale: float, reduction: str) -> None:
+    def __init__(self, scale: float, reduction: str, ignore_index: int | None = None) -> None:
         super().__init__()
         self.scale = positive_float(scale, "scale")
         self.reduction = choice(reduction, "reduction", REDUCTIONS)
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise TypeError(f"ignore_index must be None or an int, got {type(ignore_index).__name__}")
+        self.ignore_index = ignore_index
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
         """Unscaled target value ``f(c_y)`` (elementwise)."""
@@ -128,17 +153,26 @@ class _MarginSoftmaxBase(nn.Module):
         Returns a scalar for ``reduction="mean"``/``"sum"``, else ``[B]``; float32 (float64 for
         float64 input) whatever the input dtype. A :class:`~marginkit.heads.ShardedCosineHead`'s
         output (with this rank's labels) gives the same loss over every rank's classes, so one
-        call site ``loss(head(e), labels)`` serves both heads.
+        call site ``loss(head(e), labels)`` serves both heads. Rows labelled ``ignore_index``
+        count as in ``F.cross_entropy`` (0 in ``"none"``, left out of ``"sum"`` and ``"mean"``; a
+        mean over no row is NaN).
         """
         self._check_hyper()
-        loss = margin_softmax_loss(cosines, labels, float(self.scale), self.target)
-        return reduce(loss, self.reduction)
+        name = "logits" if self.logits else "cosines"
+        loss, keep = _per_example(
+            cosines, labels, float(self.scale), self.target, name, self.ignore_index, self.logits
+        )
+        return reduce_kept(loss, keep, self.reduction)
 
     def extra_repr(self) -> str:
         items = [f"scale={self.scale}"]
         if hasattr(self, "margin"):
             items.append(f"margin={self.margin}")
         items.append(f"reduction={self.reduction!r}")
+        if self.ignore_index is not None:
+            items.append(f"ignore_index={self.ignore_index}")
+        if self.logits:
+            items.append("logits=True")
         return ", ".join(items)
 
 
@@ -152,9 +186,16 @@ class NormSoftmaxLoss(_MarginSoftmaxBase):
     NormFace shows ``s`` must be large enough for the softmax to saturate (its bound grows
     with ``log C``), so raise it for very many classes.
 
+    With ``logits=True`` the input is any finite scores (raw logits, no cosine head) and
+    ``scale`` defaults to 1: the loss is then ``F.cross_entropy`` on the logits.
+
     Args:
-        scale: ``s > 0`` (plain attribute: a schedule may change it between steps).
+        scale: ``s > 0`` (plain attribute: a schedule may change it between steps); default 30
+            on cosines, 1 with ``logits=True``.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        ignore_index: ``None`` or a label value whose rows do not count, as in
+            ``F.cross_entropy`` (0 in ``"none"``; ``"mean"`` over the other rows, NaN if none).
+        logits: keyword-only; ``True`` accepts raw logits (only finiteness is checked).
 
     Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
 
@@ -166,8 +207,18 @@ class NormSoftmaxLoss(_MarginSoftmaxBase):
         0.1593
     """
 
-    def __init__(self, scale: float = 30.0, reduction: str = "mean") -> None:
-        super().__init__(scale, reduction)
+    def __init__(
+        self,
+        scale: float | None = None,
+        reduction: str = "mean",
+        ignore_index: int | None = None,
+        *,
+        logits: bool = False,
+    ) -> None:
+        if not isinstance(logits, bool):
+            raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
+        super().__init__((1.0 if logits else 30.0) if scale is None else scale, reduction, ignore_index)
+        self.logits = logits
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
         return _identity(cos_y)
@@ -185,6 +236,7 @@ class CosFaceLoss(_MarginSoftmaxBase):
     Args:
         scale: ``s > 0``; margin: ``m ≥ 0`` (plain attributes; a schedule may change them).
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        ignore_index: as in :class:`NormSoftmaxLoss`.
 
     Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
 
@@ -198,8 +250,14 @@ class CosFaceLoss(_MarginSoftmaxBase):
 
     margin: float
 
-    def __init__(self, scale: float = 64.0, margin: float = 0.4, reduction: str = "mean") -> None:
-        super().__init__(scale, reduction)
+    def __init__(
+        self,
+        scale: float = 64.0,
+        margin: float = 0.4,
+        reduction: str = "mean",
+        ignore_index: int | None = None,
+    ) -> None:
+        super().__init__(scale, reduction, ignore_index)
         self.margin = positive_float(margin, "margin", allow_zero=True)
 
     def _check_hyper(self) -> None:
@@ -235,6 +293,7 @@ class ArcFaceLoss(_MarginSoftmaxBase):
     Args:
         scale: ``s > 0``; margin: ``m`` in radians, ``0 ≤ m ≤ π/2`` (plain attributes).
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        ignore_index: as in :class:`NormSoftmaxLoss`.
 
     Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
 
@@ -248,8 +307,14 @@ class ArcFaceLoss(_MarginSoftmaxBase):
 
     margin: float
 
-    def __init__(self, scale: float = 64.0, margin: float = 0.5, reduction: str = "mean") -> None:
-        super().__init__(scale, reduction)
+    def __init__(
+        self,
+        scale: float = 64.0,
+        margin: float = 0.5,
+        reduction: str = "mean",
+        ignore_index: int | None = None,
+    ) -> None:
+        super().__init__(scale, reduction, ignore_index)
         self.margin = _arc_margin(margin)
 
     def _check_hyper(self) -> None:

@@ -264,7 +264,8 @@ def _widened_for_measure(
     divergence scales as :math:`D_f(p, c\tilde q) = c^{-\beta} D_f(p, \tilde q) + K(c, \tilde q)`),
     :math:`\ell(\theta; q) = c^{-\beta}\ell(c^\beta\theta; \tilde q)`. With :math:`\tilde q \le 1`
     the bounds hold in floating point whatever the scale of ``q`` (a measure of 1e30 would
-    otherwise leave :math:`u_j \approx q_j^{-\beta}` below the resolution of :math:`1 + \beta(\theta_j - \tau)`).
+    otherwise leave :math:`u_j \approx q_j^{-\beta}` below the resolution of
+    :math:`1 + \beta(\theta_j - \tau)`).
     ``c`` is a constant of the identity (no gradient needed through it). Returns
     ``(x, log q̃, β, blocks, log c)``; ``log c`` is ``None`` when every row's largest ``q`` is 1.
     """
@@ -275,7 +276,8 @@ def _widened_for_measure(
     growth = float((beta * log_c).max()) if log_c.numel() else 0.0
     if growth > _F64_MAX_EXPONENT:
         raise ValueError(
-            f"q is too large for alpha: (alpha - 1) * log(max q) reaches {growth:.4g} > {_F64_MAX_EXPONENT:g}; "
+            f"q is too large for alpha: (alpha - 1) * log(max q) reaches {growth:.4g} "
+            f"> {_F64_MAX_EXPONENT:g}; "
             "alpha_softargmax(θ, α, c·q) = alpha_softargmax(c^(α-1)·θ, α, q) would need logits beyond "
             "float64's range: divide q by a constant (or lower alpha)"
         )

@@ -165,7 +165,9 @@ def _block_subset_bound(
     cdt = compute_dtype(bmax.dtype)
     problem: _Problem | _PlusLabel
     row_shift = None if shift is None else shift.unsqueeze(1)
-    problem = _Problem(_Entries(n_rows, bmax.shape[1]), _logits(bmax, row_shift, scale, cdt), None, beta, beta_scalar)
+    problem = _Problem(
+        _Entries(n_rows, bmax.shape[1]), _logits(bmax, row_shift, scale, cdt), None, beta, beta_scalar
+    )
     if with_label:
         assert label is not None and logq_label is not None
         theta_y = _logits(x.gather(1, label.unsqueeze(1)), row_shift, scale, cdt)
@@ -179,7 +181,7 @@ def _block_subset_bound(
 
 
 class _Rows(NamedTuple):
-    """The rows to solve: scores ``x`` ``[N, n]`` (θ = scale·(x − shift)), β per row, and q (see :func:`_solve`)."""
+    """The rows to solve: scores ``x`` ``[N, n]`` (θ = scale·(x − shift)), β per row, q (see :func:`_solve`)."""
 
     x: Tensor
     scale: float
