@@ -234,6 +234,54 @@ def check_loss_on_the_axis(me, world, expected_weight, sizes, tol):
     assert_close(head.weight.grad, ref_gw[mine], tol, "axis loss weight grad")
 
 
+def ignoring_losses():
+    """Class losses with ignore_index and, for the alpha losses, a learnable alpha."""
+    return [
+        NormSoftmaxLoss(scale=10.0, ignore_index=-100),
+        ArcFaceLoss(scale=16.0, margin=0.5, reduction="sum", ignore_index=-100),
+        QMarginLoss(
+            alpha=torch.nn.Parameter(torch.tensor(1.3, dtype=torch.float64)),
+            scale=16.0,
+            margin=0.2,
+            ignore_index=-100,
+        ),
+        EntmaxLoss(
+            alpha=torch.nn.Parameter(torch.tensor(1.6, dtype=torch.float64)),
+            scale=8.0,
+            reduction="none",
+            ignore_index=-100,
+        ),
+    ]
+
+
+def check_ignore_index(me, world, expected_weight, sizes, tol):
+    """ignore_index and a learnable alpha on the class axis equal one process (rank 0: all ignored)."""
+    head = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, grad_reduction="sum", dtype=torch.float64)
+    full = head.full_state_dict()["weight"]
+    e_all, y_all = global_data(full, sizes, torch.float64, 5)
+    y_all[:3] = -100  # every row of rank 0 with the worker's sizes
+    y_all[-1] = -100
+    start = sum(sizes[:me])
+    rows = slice(start, start + sizes[me])
+    mine = slice(head.class_offset, head.class_offset + head.num_local)
+    for loss in ignoring_losses():
+        name = f"{loss!r} rank {me}"
+        alpha = loss.alpha if isinstance(getattr(loss, "alpha", None), torch.nn.Parameter) else None
+        ref_value, ref_ge, ref_gw, _ = reference(loss, e_all, y_all, full)
+        ref_ga = None if alpha is None else alpha.grad.clone()
+        if alpha is not None:
+            alpha.grad = None
+        e = e_all[rows].clone().requires_grad_(True)
+        head.zero_grad()
+        value = loss(head(e), y_all[rows])
+        value.backward(torch.ones_like(value))
+        assert_close(value.detach(), ref_value, tol, name + " value")
+        assert_close(e.grad, ref_ge[rows], tol, name + " embedding grad")
+        assert_close(head.weight.grad, ref_gw[mine], tol, name + " weight grad")
+        if alpha is not None:
+            assert_close(alpha.grad, ref_ga, tol, name + " alpha grad")
+
+
 def _worker(me, world, expected_weight):
     torch.manual_seed(1234 + me)  # the code under test must not depend on the global RNG per rank
     sizes = [3 + (r * 2) % 5 for r in range(world)]  # unequal local batches
@@ -243,6 +291,7 @@ def _worker(me, world, expected_weight):
     check_class_losses(me, world, expected_weight, torch.float64, 1e-10, "mean", empty_first, 3)
     check_sampling(me, world, expected_weight, 1e-10)
     check_loss_on_the_axis(me, world, expected_weight, sizes, 1e-10)
+    check_ignore_index(me, world, expected_weight, sizes, 1e-10)
     check_pair_losses(me, world, 1e-10)
     check_communication(me, world)
     dist.barrier()
@@ -263,6 +312,7 @@ def test_one_process_sharded_head_equals_plain_losses(gen):
     check_class_losses(0, 1, expected, torch.float64, 1e-12, "mean", [9], 1)
     check_class_losses(0, 1, expected, torch.float32, 1e-6, "sum", [9], 2)
     check_loss_on_the_axis(0, 1, expected, [9], 1e-12)
+    check_ignore_index(0, 1, expected, [9], 1e-12)
     check_pair_losses(0, 1, 1e-12)
 
 

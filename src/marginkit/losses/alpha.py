@@ -26,9 +26,10 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, real, reduce_kept
+from marginkit._validation import REDUCTIONS, choice, positive_float, reduce_kept
 from marginkit.heads.cosine import accepts_sparse_grad
 from marginkit.ops.alpha import qmargin_loss
+from marginkit.ops.alpha._api import checked_alpha
 from marginkit.ops.classes import class_block
 
 __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
@@ -69,7 +70,7 @@ class _AlphaCosineLoss(nn.Module):
 
     def _check_hyper(self) -> tuple[float | Tensor, float, float]:
         # a tensor alpha (per row, or learnable) is checked by the op, without a host sync here
-        alpha = self.alpha if isinstance(self.alpha, Tensor) else real(self.alpha, "alpha", low=1)
+        alpha = self.alpha if isinstance(self.alpha, Tensor) else checked_alpha(self.alpha)
         return (
             alpha,
             positive_float(self.scale, "scale"),

@@ -100,7 +100,7 @@ def _sharded_message(name: str, cosines: bool = True) -> Callable[[str], str]:
 
 
 def _finite_range(lo: Tensor, hi: Tensor, name: str) -> None:
-    if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+    if not (math.isfinite(float(lo.detach())) and math.isfinite(float(hi.detach()))):
         raise ValueError(f"{name} contains NaN or infinite values")
 
 

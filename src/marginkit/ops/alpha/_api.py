@@ -82,13 +82,18 @@ def _alpha_rows(
         beta = rows.reshape(n_rows).to(device=device, dtype=cdt) - 1
         floor = (_BETA_FLOOR - beta.detach()).clamp_min(0.0)
         return beta + floor, None  # max(β, floor) in value, gradient 1
+    a = checked_alpha(alpha)
+    beta = torch.full((n_rows,), max(a - 1.0, _BETA_FLOOR), dtype=cdt, device=device)
+    return beta, a
+
+
+def checked_alpha(alpha: Any) -> float:
+    """A scalar ``alpha >= 1`` as a float (a clear error otherwise, alpha < 1 included)."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a real number or a tensor, got {type(alpha).__name__}")
     if math.isfinite(alpha) and alpha < 1:
         raise ValueError(f"alpha must be >= 1, got {alpha}: {_ALPHA_BELOW_ONE}")
-    a = real(alpha, "alpha", low=1)
-    beta = torch.full((n_rows,), max(a - 1.0, _BETA_FLOOR), dtype=cdt, device=device)
-    return beta, a
+    return real(alpha, "alpha", low=1)
 
 
 def _alpha_batch(alpha: Any, logits: Tensor, dim: int) -> Any:

@@ -273,7 +273,7 @@ def _widened_for_measure(
         return x2d, lq2d, beta, blocks, None
     log_c: Tensor | None = lq2d.detach().amax(-1)
     assert log_c is not None
-    growth = float((beta * log_c).max()) if log_c.numel() else 0.0
+    growth = float((beta.detach() * log_c).max()) if log_c.numel() else 0.0
     if growth > _F64_MAX_EXPONENT:
         raise ValueError(
             f"q is too large for alpha: (alpha - 1) * log(max q) reaches {growth:.4g} "
@@ -284,7 +284,9 @@ def _widened_for_measure(
     if not bool((log_c != 0).any()):
         log_c = None
     wide = growth > _F32_MAX_OFFSET_EXPONENT or _offset_overflows(
-        cdt, float(beta.max()), float(lq2d.detach().min()) - (0.0 if log_c is None else float(log_c.max()))
+        cdt,
+        float(beta.detach().max()),
+        float(lq2d.detach().min()) - (0.0 if log_c is None else float(log_c.max())),
     )
     if wide and cdt == torch.float32:
         x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()

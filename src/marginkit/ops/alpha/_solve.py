@@ -181,7 +181,7 @@ def _block_subset_bound(
 
 
 class _Rows(NamedTuple):
-    """The rows to solve: scores ``x`` ``[N, n]`` (θ = scale·(x − shift)), β per row, q (see :func:`_solve`)."""
+    """The rows to solve: scores ``x`` ``[N, n]`` (θ = scale·(x − shift)), β per row, q (:func:`_solve`)."""
 
     x: Tensor
     scale: float
