@@ -170,8 +170,9 @@ def alpha_softargmax(
         logits: ``[..., n, ...]`` scores; ``-inf`` marks masked classes (probability exactly 0);
             NaN and ``+inf`` are rejected, and so is a row that is entirely ``-inf``.
         alpha: ``>= 1``; a float or a tensor broadcastable to the batch shape (``logits`` without
-            ``dim``) or of ``logits``' shape with size 1 along ``dim`` (per-row alpha). No
-            gradient flows to ``alpha`` (a tensor that requires grad is rejected).
+            ``dim``) or of ``logits``' shape with size 1 along ``dim`` (per-row alpha). A tensor
+            that requires grad is learnable: its gradient is implicit (``docs/qmargin.md``; for
+            ``q ≡ 1`` that of ``entmax_bisect``). ``alpha < 1`` is refused.
         q: positive reference measure broadcastable to ``logits`` (``None``: all ones). Gradients
             flow to ``q``.
         dim: the class dimension.
@@ -254,7 +255,8 @@ def alpha_divergence_loss(
     Args:
         logits: ``[..., n]`` scores (class dimension last); ``-inf`` allowed except at the label.
         labels: integer class ids of shape ``logits.shape[:-1]``.
-        alpha: ``>= 1``, float or per-row tensor (broadcastable to ``logits.shape[:-1]``).
+        alpha: ``>= 1``, float or per-row tensor (broadcastable to ``logits.shape[:-1]``),
+            learnable when it requires grad (as in :func:`alpha_softargmax`).
         q: positive reference measure broadcastable to ``logits`` (``None``: all ones);
             gradients flow to ``q``.
         topk: as in :func:`alpha_softargmax` (the value is exact whatever it is).
