@@ -136,8 +136,12 @@ def test_registry_kinds_and_names():
     assert set(LOSSES) == {
         "softmax", "cosface", "arcface", "qmargin", "entmax", "sparsemax",
         "mep", "circle", "class_circle", "triplet", "local_triplet",
+        "multi_similarity", "supcon", "ntxent", "contrastive", "smooth_triplet",
     }  # fmt: skip
-    assert {n for n, s in LOSSES.items() if s.kind == "pair"} == {"circle", "triplet", "local_triplet"}
+    assert {n for n, s in LOSSES.items() if s.kind == "pair"} == {
+        "circle", "triplet", "local_triplet",
+        "multi_similarity", "supcon", "ntxent", "contrastive", "smooth_triplet",
+    }  # fmt: skip
     assert resolved_options("local_triplet", {}, k=7)["k"] == 7
     assert resolved_options("local_triplet", {"k": 3}, k=7)["k"] == 3
 

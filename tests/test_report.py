@@ -79,6 +79,18 @@ def fake_run(run_dir: Path, *, open_set: bool, alpha: bool, gen: torch.Generator
     return run_dir
 
 
+def fake_runs(
+    root: Path, losses: tuple[str, ...], *, open_set: bool, gen: torch.Generator
+) -> dict[str, list[Path]]:
+    """One fake first-seed run per loss under ``root/runs``, as a comparison lays them out."""
+    runs = {}
+    for loss in losses:
+        d = root / "runs" / loss / "seed0"
+        d.parent.mkdir(parents=True)
+        runs[loss] = [fake_run(d, open_set=open_set, alpha=False, gen=gen)]
+    return runs
+
+
 def test_closed_set_run_report(tmp_path, gen):
     run = fake_run(tmp_path / "r", open_set=False, alpha=True, gen=gen)
     path = write_run_report(run)
@@ -103,18 +115,54 @@ def test_open_set_run_report_has_roc_det_and_no_confusion(tmp_path, gen):
     run = fake_run(tmp_path / "r", open_set=True, alpha=False, gen=gen)
     text = write_run_report(run).read_text()
     assert_self_contained(text)
-    assert "ROC and DET" in text and "Confusion matrix" not in text and "Support size" not in text
-    assert "tar_at_far.0.01" in text and len(images(text)) == 3
+    assert "ROC of test pairs" in text and "DET curves of pair scores" in text
+    assert "Confusion matrix" not in text and "Support size" not in text
+    assert "tar_at_far.0.01" in text and len(images(text)) == 4  # curves, ROC, DET (from the ROC), PCA
+
+
+def test_det_axes_are_normal_deviates_labelled_in_percent():
+    from marginkit.metrics import det_curve, normal_deviate
+    from marginkit.report import det_figure
+
+    gen = torch.Generator().manual_seed(0)
+    genuine = torch.arange(4000) < 1000
+    scores = torch.randn(4000, generator=gen) + 2.5 * genuine  # EER ~ 10 %
+    d = det_curve(scores, genuine)
+    fig = det_figure([("a", d["p_fa"].numpy(), d["p_miss"].numpy())])
+    ax = fig.axes[0]
+    for ticks, labels in ((ax.get_xticks(), ax.get_xticklabels()), (ax.get_yticks(), ax.get_yticklabels())):
+        rates = [float(t.get_text()) / 100 for t in labels]
+        assert np.allclose(ticks, normal_deviate(torch.tensor(rates)).numpy())  # at Φ⁻¹(p), text p in %
+        assert {"10", "40"} <= {t.get_text() for t in labels} and len(labels) >= 4
+        assert min(np.diff(ticks)) >= (ticks[-1] - ticks[0]) / 12  # none crowded
+    lo, hi = ax.get_xlim()
+    z = normal_deviate(torch.tensor([0.012, 0.4])).tolist()  # the curve leaves the 40 % box at ~1.2 % FA
+    assert lo <= z[0] and z[1] <= hi
+    line = ax.get_lines()[0]  # the curve: exact operating points, inside the rates (0, 1)
+    assert np.all(np.isfinite(line.get_xdata())) and np.all(np.diff(line.get_xdata()) <= 0)
+
+
+def test_run_report_draws_cmc_and_open_set_det_and_compare_overlays_them(tmp_path, gen):
+    runs = fake_runs(tmp_path, ("softmax", "circle"), open_set=True, gen=gen)
+    for (d,) in runs.values():
+        with np.load(d / "eval.npz") as z:
+            arrays = dict(z)
+        arrays["cmc_rank"], arrays["cmc_rate"] = np.arange(1, 11), np.linspace(0.5, 1.0, 10)
+        arrays["det_identification_p_fa"] = np.linspace(1.0, 0.0, 50)
+        arrays["det_identification_p_miss"] = np.linspace(0.0, 1.0, 50) ** 0.5
+        np.savez(d / "eval.npz", **arrays)
+        text = write_run_report(d).read_text()
+        assert "CMC of the open-set search" in text and "Open-set identification" in text
+    summary = [{"loss": "softmax", "ver_eer": 0.2}, {"loss": "circle", "ver_eer": 0.1}]
+    text = write_compare_report(tmp_path, summary, runs).read_text()
+    assert_self_contained(text)
+    assert "CMC per loss" in text and "DET per loss: open-set identification" in text
 
 
 def test_compare_report(tmp_path, gen):
-    runs = {}
-    for loss in ("softmax", "triplet"):
-        d = tmp_path / "runs" / loss / "seed0"
-        d.parent.mkdir(parents=True)
-        fake_run(d, open_set=False, alpha=False, gen=gen)
+    runs = fake_runs(tmp_path, ("softmax", "triplet"), open_set=False, gen=gen)
+    for (d,) in runs.values():
         write_run_report(d)
-        runs[loss] = [d]
     summary = [
         {
             "loss": "softmax",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -18,6 +17,7 @@ from pytorch_metric_learning import reducers as pml_reducers
 import marginkit.losses.triplet as triplet_module
 from marginkit.losses import LocalMarginTripletLoss, TripletMarginLoss
 from marginkit.ops.pairs import safe_sqrt
+from pair_inputs import assert_batch_errors, assert_warns_once
 
 # ------------------------------------------------------------------ loop references
 
@@ -437,15 +437,7 @@ def test_no_positive_gives_zero_loss_connected_graph(gen):
 )
 def test_warns_once_on_no_positive_and_collapse(gen, make):
     emb, _ = _batch(gen, n=6, dtype=torch.float32)
-    loss = make()
-    with pytest.warns(RuntimeWarning, match="no positive pair"):
-        loss(emb, torch.arange(6))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        loss(emb, torch.arange(6))
-        make()(emb, torch.tensor([0, 0, 1, 1, 2, 2]))  # healthy batch: silent
-    with pytest.warns(RuntimeWarning, match="collapsed"):
-        loss(emb[:1].expand(6, -1).clone(), torch.tensor([0, 0, 1, 1, 2, 2]))
+    loss = assert_warns_once(make, emb)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss(torch.zeros(6, 3), torch.tensor([0, 0, 1, 1, 2, 2]))  # already warned
@@ -454,24 +446,7 @@ def test_warns_once_on_no_positive_and_collapse(gen, make):
 def test_bad_input_errors(gen):
     emb, labels = _batch(gen, n=6, dtype=torch.float32)
     for loss in (LocalMarginTripletLoss(), TripletMarginLoss()):
-        with pytest.raises(ValueError, match="labels must have shape"):
-            loss(emb, labels[:4])
-        with pytest.raises(TypeError, match="labels must be an integer"):
-            loss(emb, labels.double())
-        with pytest.raises(ValueError, match="embeddings must be 2-D"):
-            loss(emb[0], labels[:1])
-        bad = emb.clone()
-        bad[0, 0] = math.nan
-        with pytest.raises(ValueError, match="NaN"):
-            loss(bad, labels)
-        with pytest.raises(ValueError, match="NaN"):
-            loss(emb, labels, bad, labels)
-        with pytest.raises(ValueError, match="ref_embeddings was given without ref_labels"):
-            loss(emb, labels, emb.clone())
-        with pytest.raises(ValueError, match="embedding dimension"):
-            loss(emb, labels, emb[:, :2], labels)
-        with pytest.raises(ValueError, match="labels must be given"):
-            loss(emb)
+        assert_batch_errors(loss, emb, labels)
         with pytest.raises(ValueError, match="indices out of range"):
             loss(emb, labels, indices=(torch.tensor([0]), torch.tensor([6]), torch.tensor([1])))
         with pytest.raises(TypeError, match="indices"):

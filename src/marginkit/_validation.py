@@ -104,6 +104,8 @@ def real(
     above = low is None or (value > low if open_low else value >= low)
     below = high is None or (value < high if open_high else value <= high)
     if not (math.isfinite(value) and above and below):
+        if low is None and high is None:
+            raise ValueError(f"{name} must be finite, got {value}")
         if high is None:
             raise ValueError(
                 f"{name} must be a finite number {'>' if open_low else '>='} {low:g}, got {value}"
@@ -200,6 +202,27 @@ def cosine_tensor(x: Any, name: str, *, atol: float = COSINE_ATOL) -> torch.Tens
     if x.numel():  # one pass, no temporaries: min and max propagate NaN
         cosine_range(*torch.aminmax(x), name, atol=atol)
     return x
+
+
+def mask_tensor(
+    mask: Any, name: str, target: torch.Tensor, target_name: str, *, counts: bool = False
+) -> torch.Tensor:
+    """A bool mask (with ``counts``: integer multiplicities ``>= 0``) that broadcasts to ``target``."""
+    ok = isinstance(mask, torch.Tensor) and (
+        mask.dtype == torch.bool or (counts and not mask.is_floating_point() and not mask.is_complex())
+    )
+    if not ok:
+        expected = "a bool tensor or integer multiplicities" if counts else "a bool tensor"
+        raise TypeError(f"{name} must be {expected}, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    try:
+        torch.broadcast_shapes(mask.shape, target.shape)
+    except RuntimeError as err:
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to {target_name} {tuple(target.shape)}"
+        ) from err
+    if mask.dtype != torch.bool and mask.numel() and bool((mask < 0).any()):
+        raise ValueError(f"{name} multiplicities must be >= 0")
+    return mask
 
 
 def same_batch(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:

@@ -29,6 +29,8 @@ import numpy as np
 
 __all__ = [
     "bar_figure",
+    "cmc_figure",
+    "det_figure",
     "figure_png",
     "lower_is_better",
     "projection_figure",
@@ -276,39 +278,161 @@ def _histogram(values: np.ndarray, xlabel: str, *, discrete: bool = False, vline
 
 
 def _probit(p: np.ndarray) -> np.ndarray:
-    import torch
+    import torch  # (report sits beside metrics in the layers: torch's ndtri, as metrics.normal_deviate)
 
     return torch.special.ndtri(torch.as_tensor(np.clip(p, 1e-6, 1 - 1e-6), dtype=torch.float64)).numpy()
 
 
-def _roc_det(far: np.ndarray, tar: np.ndarray) -> str:
-    fig = _new_figure(9, 3.6)
-    ax1, ax2 = fig.subplots(1, 2)
+def _roc(far: np.ndarray, tar: np.ndarray) -> str:
+    fig = _new_figure(4.6, 4.2)
+    ax = fig.subplots()
     keep = far > 0
-    ax1.plot(far[keep], tar[keep])
-    ax1.set_xscale("log")
-    ax1.set_xlabel("false accept rate")
-    ax1.set_ylabel("true accept rate")
-    ax1.set_title("ROC", fontsize=10)
-    ax1.grid(alpha=0.3, which="both")
-    frr = 1 - tar
-    ok = (far > 0) & (frr > 0)
-    ax2.plot(_probit(far[ok]), _probit(frr[ok]))
-    ticks = np.array([1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99])
-    labels = ["1e-5", "1e-4", "1e-3", "0.01", "0.1", "0.5", "0.9", "0.99"]
-    ax2.set_xticks(_probit(ticks), labels, fontsize=7)
-    ax2.set_yticks(_probit(ticks), labels, fontsize=7)
-    if ok.any():
-        lo_x, hi_x = _probit(far[ok]).min(), _probit(far[ok]).max()
-        lo_y, hi_y = _probit(frr[ok]).min(), _probit(frr[ok]).max()
-        ax2.set_xlim(lo_x - 0.2, hi_x + 0.2)
-        ax2.set_ylim(lo_y - 0.2, hi_y + 0.2)
-    ax2.set_xlabel("false accept rate")
-    ax2.set_ylabel("false reject rate")
-    ax2.set_title("DET (probit axes)", fontsize=10)
-    ax2.grid(alpha=0.3)
+    ax.plot(far[keep], tar[keep])
+    ax.set_xscale("log")
+    ax.set_xlabel("false accept rate")
+    ax.set_ylabel("true accept rate")
+    ax.set_title("ROC of test pairs", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return figure_png(fig)
+
+
+#: Tick rates of DET axes (labelled in per cent, as in speaker-recognition papers), by priority:
+#: a tick of a later level is drawn only where it does not crowd those already placed.
+_DET_TICKS = (
+    (1e-5, 1e-4, 1e-3, 0.01, 0.1, 0.4),
+    (0.05, 0.2, 0.8),
+    (5e-3, 0.02, 0.6, 0.9),
+    (2e-3, 0.95, 0.99),
+)
+
+
+def _percent(p: float) -> str:
+    return f"{100 * p:.3g}"
+
+
+def _det_ticks(lo: float, hi: float) -> list[float]:
+    """The DET ticks within ``[lo, hi]``, at least a tenth of the axis apart (normal deviates)."""
+    z_lo, z_hi = (float(v) for v in _probit(np.array([lo, hi])))
+    gap = (z_hi - z_lo) / 10
+    kept: dict[float, float] = {}  # tick -> its deviate
+    for level in _DET_TICKS:
+        for t, z in zip(level, _probit(np.array(level)).tolist(), strict=True):
+            if z_lo - 1e-9 <= z <= z_hi + 1e-9 and all(abs(z - k) >= gap for k in kept.values()):
+                kept[t] = z
+    return sorted(kept)
+
+
+def det_figure(
+    curves: Sequence[tuple[str, np.ndarray, np.ndarray]],
+    *,
+    xlabel: str = "false-alarm rate (%)",
+    ylabel: str = "miss rate (%)",
+    title: str = "DET",
+) -> Any:
+    """DET curves ``(label, p_fa, p_miss)`` on normal-deviate axes with ticks in %, the dashed
+    diagonal marking the equal-error points.
+
+    Both rates are drawn up to ``hi`` = 40 % (more for curves whose equal-error rate is high),
+    each axis down to the smallest non-zero rate the curves reach inside that box; rates of 0
+    or 1 (infinite deviates) are left out."""
+    fig = _new_figure(4.6, 4.2)
+    ax = fig.subplots()
+    drawn = []
+    for label, p_fa, p_miss in curves:
+        p_fa, p_miss = np.asarray(p_fa, np.float64), np.asarray(p_miss, np.float64)
+        ok = (p_fa > 0) & (p_fa < 1) & (p_miss > 0) & (p_miss < 1)
+        if ok.any():
+            drawn.append((label, p_fa[ok], p_miss[ok]))
+    eer = 0.0  # the largest (approximate) equal-error rate drawn
+    for _, a, b in drawn:
+        i = int(np.argmin(np.abs(a - b)))
+        eer = max(eer, float(a[i] + b[i]) / 2)
+    hi = min(0.99, max(0.4, 2.5 * eer))
+    lo_x = min((float(a[b <= hi].min()) for _, a, b in drawn if (b <= hi).any()), default=1e-3)
+    lo_y = min((float(b[a <= hi].min()) for _, a, b in drawn if (a <= hi).any()), default=1e-3)
+    lo_x, lo_y = max(lo_x, 1e-6), max(lo_y, 1e-6)
+    for label, p_fa, p_miss in drawn:
+        ax.plot(_probit(p_fa), _probit(p_miss), lw=1.5, label=label)
+    (zx, zy, zh) = (float(v) for v in _probit(np.array([lo_x, lo_y, hi])))
+    ax.set_xlim(zx - 0.1, zh + 0.05)
+    ax.set_ylim(zy - 0.1, zh + 0.05)
+    both = (min(zx, zy) - 0.1, zh + 0.05)
+    ax.plot(both, both, color="0.6", lw=0.8, ls="--", label="_EER line")
+    for lo, set_ticks in ((lo_x, ax.set_xticks), (lo_y, ax.set_yticks)):
+        ticks = _det_ticks(lo, hi)
+        set_ticks(_probit(np.array(ticks)), [_percent(t) for t in ticks], fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if any(label for label, _, _ in drawn):
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def cmc_figure(curves: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> Any:
+    """CMC curves ``(label, ranks, rates)``: identification rate of the mated probes by rank."""
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    fig = _new_figure(4.6, 4.2)
+    ax = fig.subplots()
+    low, top = 1.0, 1
+    for label, ranks, rates in curves:
+        ax.plot(ranks, rates, marker="o" if len(ranks) <= 20 else None, ms=3, lw=1.5, label=label)
+        if len(rates):
+            low, top = min(low, float(np.min(rates))), max(top, int(np.max(ranks)))
+    if top > 20:
+        ax.set_xscale("log")
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(0.8 if top > 20 else 0.5, top * 1.1 if top > 20 else top + 0.5)
+    ax.set_ylim(max(0.0, math.floor((low - 0.05) * 10) / 10), 1.005)
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
+    ax.set_xlabel("rank")
+    ax.set_ylabel("identification rate (mated probes)")
+    ax.set_title("CMC", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    if len(curves) > 1:
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+#: The pair-score DET curves of a run (``eval.npz`` keys ``det_<key>_p_fa``), with their labels.
+_PAIR_CURVES = (
+    ("verification", "test pairs"),
+    ("verification_normalized", "test pairs, {norm}"),
+    ("templates", "templates of {size}"),
+    ("templates_normalized", "templates of {size}, {norm}"),
+)
+
+
+def _pair_dets(arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    proto = metrics.get("protocol") if isinstance(metrics.get("protocol"), dict) else {}
+    out = []
+    for key, label in _PAIR_CURVES:
+        if f"det_{key}_p_fa" in arrays:
+            text = label.format(norm=proto.get("norm"), size=proto.get("template_size"))
+            out.append((text, arrays[f"det_{key}_p_fa"], arrays[f"det_{key}_p_miss"]))
+    if not out and "roc_far" in arrays:  # a run evaluated before the DET arrays were stored
+        out.append(("test pairs", arrays["roc_far"], 1 - arrays["roc_tar"]))
+    return out
+
+
+def _identification_figures(arrays: dict[str, np.ndarray]) -> list[str]:
+    figures = []
+    if "cmc_rank" in arrays:
+        figures.append(_img(figure_png(cmc_figure([("", arrays["cmc_rank"], arrays["cmc_rate"])])),
+                            "CMC of the open-set search: share of mated probes whose identity is "
+                            "within the first k gallery labels."))  # fmt: skip
+    if "det_identification_p_fa" in arrays:
+        fig = det_figure([("", arrays["det_identification_p_fa"], arrays["det_identification_p_miss"])],
+                         xlabel="FPIR (%)", ylabel="FNIR (%)", title="open-set DET")  # fmt: skip
+        figures.append(_img(figure_png(fig), "Open-set identification: false-negative identification rate "
+                            "against false-positive identification rate (non-mated probes)."))  # fmt: skip
+    return figures
 
 
 # ---------------------------------------------------------------------- run report
@@ -321,6 +445,15 @@ _SCALARS = (
     ("margin_gap_median", "median margin gap (cosine)"),
     ("margin_gap_positive_fraction", "share with positive margin gap"),
     ("support_size_mean", "mean posterior support size"),
+)
+
+
+_METRIC_SECTIONS = (
+    ("verification", "Verification (test pairs)"),
+    ("verification_normalized", "Verification, cohort-normalised scores"),
+    ("templates", "Template verification (IJB pooling)"),
+    ("templates_normalized", "Template verification, cohort-normalised scores"),
+    ("identification", "Open-set identification (1:N)"),
 )
 
 
@@ -339,11 +472,16 @@ def _run_headline(metrics: dict[str, Any], history: list[dict[str, Any]]) -> str
                        ("map_at_r", "MAP@R")):  # fmt: skip
         if _number(metrics.get(key)) is not None:
             bits.append(f"{label} <b>{_fmt(float(metrics[key]))}</b>")
-    if (
-        isinstance(metrics.get("verification"), dict)
-        and _number(metrics["verification"].get("eer")) is not None
-    ):
-        bits.append(f"EER <b>{_fmt(float(metrics['verification']['eer']))}</b>")
+    for key, label in (
+        ("verification", "EER"), ("verification_normalized", "normalised EER"),
+        ("templates", "template EER"), ("templates_normalized", "normalised template EER"),
+    ):  # fmt: skip
+        block = metrics.get(key)
+        if isinstance(block, dict) and _number(block.get("eer")) is not None:
+            bits.append(f"{label} <b>{_fmt(float(block['eer']))}</b>")
+    ident = metrics.get("identification")
+    if isinstance(ident, dict) and _number((ident.get("cmc") or {}).get("1")) is not None:
+        bits.append(f"open-set rank-1 <b>{_fmt(float(ident['cmc']['1']))}</b>")
     if not bits:
         return ""
     where = []
@@ -385,10 +523,11 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
     if metrics.get("open_set"):
         rows.insert(1, ("K-NN protocol", metrics.get("knn_protocol", "")))
     parts.append("<h2>Test metrics</h2>" + _table(rows, ["metric", "value"]))
-    if "verification" in metrics:
-        flat: list[tuple[str, Any]] = []
-        _flatten("", metrics["verification"], flat)
-        parts.append("<h3>Verification (held-out identities)</h3>" + _table(flat, ["metric", "value"]))
+    for key, heading in _METRIC_SECTIONS:
+        if isinstance(metrics.get(key), dict):
+            flat: list[tuple[str, Any]] = []
+            _flatten("", metrics[key], flat)
+            parts.append(f"<h3>{heading}</h3>" + _table(flat, ["metric", "value"]))
     figures = []
     curves = _curves(history)
     if curves:
@@ -401,12 +540,13 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
             )
         )
     if "roc_far" in arrays:
-        figures.append(
-            _img(
-                _roc_det(arrays["roc_far"], arrays["roc_tar"]),
-                "ROC and DET curves of test pairs (held-out identities).",
-            )
-        )
+        figures.append(_img(_roc(arrays["roc_far"], arrays["roc_tar"]), "ROC of test pairs."))
+    dets = _pair_dets(arrays, metrics)
+    if dets:
+        caption = ("DET curves of pair scores: miss against false-alarm rate on normal-deviate axes "
+                   "(accept iff score > threshold).")  # fmt: skip
+        figures.append(_img(figure_png(det_figure(dets)), caption))
+    figures.extend(_identification_figures(arrays))
     if "projection" in arrays:
         proj = _projection(arrays["projection"], arrays["projection_labels"])
         figures.append(
@@ -523,7 +663,7 @@ def _metric_columns(summary: list[dict[str, Any]]) -> list[str]:
         for key, value in row.items():
             if key.endswith("_std") or key in _NOT_METRICS or key in cols:
                 continue
-            if re.search(r"threshold|dcf_params|num_genuine|num_impostor", key):
+            if re.search(r"threshold|dcf_params|num_genuine|num_impostor|calibration", key):
                 continue
             if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
                 cols.append(key)
@@ -531,8 +671,9 @@ def _metric_columns(summary: list[dict[str, Any]]) -> list[str]:
 
 
 def lower_is_better(metric: str) -> bool:
-    """Error-type metrics (EER, minDCF) are better when lower; everything else when higher."""
-    return bool(re.search(r"(^|_)(eer|min_dcf|loss|error)($|_)", metric))
+    """Error-type metrics (EER, minDCF, actual DCF, Cllr) are better when lower; everything else
+    when higher."""
+    return bool(re.search(r"(^|_)(eer|min_dcf|actual_dcf|cllr|loss|error)($|_)", metric))
 
 
 def _number(value: Any) -> float | None:
@@ -656,6 +797,28 @@ def _compare_table(summary: list[dict[str, Any]], cols: list[str]) -> str:
     return f"<div class=wide><table><tr>{head}</tr>{''.join(body)}</table></div>"
 
 
+def _compare_curves(evals: dict[str, dict[str, np.ndarray]]) -> list[str]:
+    """Each loss's DET (per kind of pair score) and CMC curves overlaid, first seed."""
+    figures = []
+    for key, label in (*_PAIR_CURVES, ("identification", "open-set identification")):
+        curves = [(loss, a[f"det_{key}_p_fa"], a[f"det_{key}_p_miss"]) for loss, a in evals.items()
+                  if f"det_{key}_p_fa" in a]  # fmt: skip
+        if not curves:
+            continue
+        name = label.split(",")[0].replace(" of {size}", "")
+        axes = {"xlabel": "FPIR (%)", "ylabel": "FNIR (%)"} if key == "identification" else {}
+        what = "cohort-normalised " if key.endswith("_normalized") else ""
+        fig = det_figure(curves, title=f"DET, {what}{name}", **axes)
+        figures.append(_img(figure_png(fig), f"DET per loss: {what}{name}."))
+    cmc = [(loss, a["cmc_rank"], a["cmc_rate"]) for loss, a in evals.items() if "cmc_rank" in a]
+    if cmc:
+        caption = "CMC per loss (open-set search of the test identities)."
+        figures.append(_img(figure_png(cmc_figure(cmc)), caption))
+    if not figures:
+        return []
+    return ["<h2>DET and CMC curves (first seed)</h2><div class=grid>" + "".join(figures) + "</div>"]
+
+
 def write_compare_report(
     out_dir: str | Path,
     summary: list[dict[str, Any]],
@@ -683,7 +846,9 @@ def write_compare_report(
     out_dir = Path(out_dir)
     cols = _metric_columns(summary)
     parts = [f"<h1>{html.escape(title)}</h1>"]
-    headline = [m for m in ("knn_accuracy", "head_accuracy", "map_at_r", "ver_eer") if m in cols] or cols[:3]
+    first = ("knn_accuracy", "head_accuracy", "map_at_r", "ver_eer", "ver_norm_eer", "tpl_eer",
+             "tpl_norm_eer", "id_cmc_1")  # fmt: skip
+    headline = [m for m in first if m in cols] or cols[:3]
     parts.append(winners_line(summary, headline))
     setup = _setup_line(summary, runs) if summary else ""
     parts.append(f"<p>{html.escape(' '.join(x for x in (setup, notes) if x))}</p>")
@@ -700,12 +865,15 @@ def write_compare_report(
             "<h2>Validation curves (first seed)</h2>" + _img(overlay, "Model-selection metric per epoch.")
         )
     panels = []
+    evals: dict[str, dict[str, np.ndarray]] = {}
     for loss, dirs in runs.items():
         if not dirs or not (dirs[0] / "eval.npz").is_file():
             continue
         with np.load(dirs[0] / "eval.npz", allow_pickle=False) as z:
+            evals[loss] = {k: z[k] for k in z.files if k.startswith(("det_", "cmc_"))}
             if "projection" in z.files:
                 panels.append((loss, z["projection"], z["projection_labels"]))
+    parts.extend(_compare_curves(evals))
     if panels:
         caption = "Each loss's test embeddings on their two leading principal components (colour: class)."
         pca = figure_png(projections_figure(panels))

@@ -118,6 +118,18 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
     )
 
 
+def _protocol_flags(p: argparse.ArgumentParser) -> None:
+    from marginkit.train.protocols import NORMS, PROTOCOLS
+
+    g = p.add_argument_group("evaluation protocol (on the test split; see docs/knn_and_metrics.md)")
+    g.add_argument("--protocol", metavar="|".join(PROTOCOLS),
+                   help="also evaluate this protocol: 1:1 pairs, open-set 1:N search, or pooled templates")
+    g.add_argument("--cohort", type=int, metavar="N", help="normalisation cohort: N training embeddings")
+    g.add_argument("--norm", metavar="|".join(NORMS), help="cohort score normalisation of pair scores")
+    g.add_argument("--top-k", type=int, metavar="K", help="cohort scores kept by as-norm (default: N // 10)")
+    g.add_argument("--template-size", type=int, metavar="S", help="samples per template (default: 4)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``marginkit`` argument parser."""
     parser = Parser(
@@ -154,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json FILE")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    _protocol_flags(p)
 
     p = sub.add_parser("embed", help="write embeddings of a data set to .npz", allow_abbrev=False)
     _common(p)
@@ -187,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true", help="replace existing runs in DIR")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once in separate processes")
+    _protocol_flags(p)
 
     p = sub.add_parser("demo", help="compare 8 losses on mnist1d (a few minutes on CPU)", allow_abbrev=False)
     _common(p)

@@ -92,33 +92,66 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     add("precision@1", "precision_at_1")
     add("R-precision", "r_precision")
     add("MAP@R", "map_at_r")
-    ver = metrics.get("verification")
-    if isinstance(ver, dict):
-        rows.extend(_verification_rows(ver))
+    for key, title in (
+        ("verification", "verification"), ("verification_normalized", "normalised"),
+        ("templates", "templates"), ("templates_normalized", "normalised templates"),
+    ):  # fmt: skip
+        if isinstance(metrics.get(key), dict):
+            rows.extend(_verification_rows(metrics[key], title))
+    if isinstance(metrics.get("identification"), dict):
+        rows.extend(_identification_rows(metrics["identification"]))
     add("median margin gap (cos)", "margin_gap_median")
     add("mean support size", "support_size_mean")
     width = max((len(r[0]) for r in rows), default=10)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
-def _verification_rows(ver: dict[str, Any]) -> list[tuple[str, str]]:
+def _verification_rows(ver: dict[str, Any], title: str = "verification") -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
+    pre = "" if title == "verification" else f"{title} "  # the other sections' rows say which they are
+    norm = ver.get("normalization")
+    if isinstance(norm, dict):
+        rows.append((f"{title}: score norm", f"{norm.get('method')} against {norm.get('cohort')} training "
+                     f"embeddings" + (f", top {norm['top_k']}" if norm.get("top_k") else "")))  # fmt: skip
     if isinstance(ver.get("eer"), (int, float)):
-        rows.append(("verification EER", f"{ver['eer']:.4f}"))
+        rows.append((f"{title} EER", f"{ver['eer']:.4f}"))
     tars, thresholds = ver.get("tar_at_far") or {}, ver.get("thresholds") or {}
     for far, tar in tars.items():
-        label = f"TAR @ FAR {float(far):.0e}"
+        label = f"{pre}TAR @ FAR {float(far):.0e}"
         if tar is None:
             rows.append((label, f"not measurable with {ver.get('num_impostor')} impostor pairs"))
         else:
             rows.append((label, f"{tar:.4f} (threshold {thresholds.get(far, float('nan')):.4f})"))
     if isinstance(ver.get("auc"), (int, float)):
-        rows.append(("ROC AUC", f"{ver['auc']:.4f}"))
+        rows.append((f"{pre}ROC AUC", f"{ver['auc']:.4f}"))
     if isinstance(ver.get("min_dcf"), (int, float)):
         p = (ver.get("dcf_params") or {}).get("p_target")
-        rows.append((f"minDCF (p_target {p})", f"{ver['min_dcf']:.4f}"))
+        rows.append((f"{pre}minDCF (p_target {p})", f"{ver['min_dcf']:.4f}"))
+    for key, label in (("cllr", "Cllr (calibrated on validation)"), ("min_cllr", "min Cllr"),
+                       ("actual_dcf", "actual DCF")):  # fmt: skip
+        if isinstance(ver.get(key), (int, float)):
+            rows.append((pre + label, f"{ver[key]:.4f}"))
+    skipped = (ver.get("calibration") or {}).get("skipped")
+    if skipped:
+        rows.append((f"{pre}Cllr, actual DCF", f"not computed: {skipped}"))
     if "num_genuine" in ver:
-        rows.append(("test pairs", f"{ver['num_genuine']} genuine / {ver.get('num_impostor')} impostor"))
+        what = "test template pairs" if "num_templates" in ver else "test pairs"
+        rows.append((what, f"{ver['num_genuine']} genuine / {ver.get('num_impostor')} impostor"))
+    return rows
+
+
+def _identification_rows(ident: dict[str, Any]) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for rank, rate in (ident.get("cmc") or {}).items():
+        gallery = ident.get("num_gallery_labels")
+        text = f"{rate:.4f}" if rate is not None else f"— (gallery of {gallery} labels)"
+        rows.append((f"CMC rank {rank}", text))
+    for fpir, rate in (ident.get("dir_at_fpir") or {}).items():
+        label = f"DIR @ FPIR {float(fpir):.0e}"
+        n = ident.get("num_nonmated")
+        text = f"{rate:.4f}" if rate is not None else f"not measurable with {n} non-mated probes"
+        rows.append((label, text))
+    rows.append(("probes", f"{ident.get('num_mated')} mated / {ident.get('num_nonmated')} non-mated"))
     return rows
 
 
@@ -262,12 +295,35 @@ def _other_splits(run: dict[str, Any], data: str | None) -> Any:
     return splits
 
 
+def _protocol(args: argparse.Namespace) -> Any:
+    """The ``--protocol`` options (``None`` without ``--protocol``), checked before any work."""
+    from marginkit.train.protocols import ProtocolOptions
+
+    try:
+        return ProtocolOptions.from_flags(
+            args.protocol, cohort=args.cohort, norm=args.norm, top_k=args.top_k,
+            template_size=args.template_size,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _check_protocol_data(protocol: Any, splits: Any) -> None:
+    from marginkit.train.protocols import check_protocol_data
+
+    if protocol is not None:
+        with user_errors():
+            check_protocol_data(protocol, splits)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from marginkit.train.evaluate import evaluate_run
 
+    protocol = _protocol(args)
     out = _writable_file(args.json, overwrite=args.overwrite, flag="--json") if args.json else None
     run = _load_run(args.run_dir, args.checkpoint, args.device)
     splits = _other_splits(run, args.data)
+    _check_protocol_data(protocol, splits)
     own = args.data is None or args.data == run["config"].data
     try:
         with user_errors():
@@ -278,6 +334,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 which=args.checkpoint,
                 k=args.k,
                 write=own and args.checkpoint == "best" and args.k is None,
+                protocol=protocol,
             )
     except _config_errors() as exc:
         raise UserError(str(exc)) from exc
@@ -468,6 +525,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     losses = [s.strip() for s in args.losses.split(",") if s.strip()]
     if not losses:
         raise UserError("--losses needs at least one loss name")
+    protocol = _protocol(args)
     from marginkit.train.config import load_config
 
     try:
@@ -478,10 +536,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from marginkit.cli.compare import base_config
 
     file_pairs, cli_pairs = list(from_file.items()), _cli_overrides(args)
+    base = base_config(losses, [*file_pairs, *cli_pairs])
+    if protocol is not None:  # before any training
+        _check_protocol_data(protocol, _load_splits(base, cache=True))
     summary_text, report = run_compare(
-        base_config(losses, [*file_pairs, *cli_pairs]), losses, seeds=args.seeds, out=args.out,
-        quiet=args.quiet, overwrite=args.overwrite, file_pairs=file_pairs, cli_pairs=cli_pairs,
-        jobs=args.jobs,
+        base, losses, seeds=args.seeds, out=args.out, quiet=args.quiet, overwrite=args.overwrite,
+        file_pairs=file_pairs, cli_pairs=cli_pairs, jobs=args.jobs, protocol=protocol,
     )  # fmt: skip
     print(summary_text)
     print(f"report  {report}")

@@ -30,6 +30,13 @@ __all__ = ["DEMO_LOSSES", "DEMO_OPTIONS", "aggregate", "markdown_table", "run_co
 #: Headline metrics of the comparison table, in order.
 TABLE_METRICS = ("knn_accuracy", "head_accuracy", "precision_at_1", "r_precision", "map_at_r")
 
+#: ``--protocol`` results in a comparison's rows: metrics.json key -> column prefix.
+PROTOCOL_COLUMNS = {"verification": "ver", "verification_normalized": "ver_norm", "templates": "tpl",
+                    "templates_normalized": "tpl_norm", "identification": "id"}  # fmt: skip
+PROTOCOL_SCORES = (
+    "eer", "tar_at_far", "auc", "min_dcf", "cllr", "min_cllr", "actual_dcf", "cmc", "dir_at_fpir",
+)  # fmt: skip
+
 #: The demo: eight losses on mnist1d with the cnn1d backbone.
 DEMO_LOSSES = ("softmax", "cosface", "arcface", "qmargin", "mep", "circle", "triplet", "local_triplet")
 
@@ -141,8 +148,13 @@ def _row_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         v = metrics.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             row[key] = float(v)
-    if isinstance(metrics.get("verification"), dict):
-        _flat_numbers("ver", metrics["verification"], row)
+    if isinstance(metrics.get("verification"), dict):  # every number, as before `--protocol`
+        ver = {k: v for k, v in metrics["verification"].items() if k != "calibration"}
+        _flat_numbers("ver", ver, row)
+    for key, prefix in PROTOCOL_COLUMNS.items():  # `--protocol`: the scores only, not the bookkeeping
+        block = metrics.get(key)
+        if isinstance(block, dict) and key != "verification":
+            _flat_numbers(prefix, {k: v for k, v in block.items() if k in PROTOCOL_SCORES}, row)
     return row
 
 
@@ -197,8 +209,22 @@ def _columns(summary: list[dict[str, Any]]) -> list[str]:
     return [*cols, "seconds"]  # mean training time per run (epochs only, not evaluation)
 
 
-def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dict[str, Any]:
-    """Train one run of the comparison, or reuse it (finished) or resume it (interrupted)."""
+def _run_one(
+    config: Any, run_dir: Path, *, splits: Any, overwrite: bool, protocol: Any = None
+) -> dict[str, Any]:
+    """Train one run of the comparison, or reuse it (finished) or resume it (interrupted);
+    then evaluate ``protocol`` on it unless its metrics.json holds that protocol already."""
+    res = _train_one(config, run_dir, splits=splits, overwrite=overwrite)
+    # a reused run evaluated with another protocol (or with one, when none is asked) is re-evaluated
+    if res["metrics"].get("protocol") != (protocol.as_dict() if protocol is not None else None):
+        from marginkit.train.evaluate import evaluate_run
+
+        with user_errors(f"{run_dir}: "):
+            res["metrics"] = evaluate_run(run_dir, splits=splits, protocol=protocol)
+    return res
+
+
+def _train_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dict[str, Any]:
     from marginkit.train.errors import CheckpointError, ConfigError, RunDirError
     from marginkit.train.rundir import config_differences, load_checkpoint, run_is_complete, stored_config
     from marginkit.train.small_data import resolve_epochs
@@ -228,7 +254,7 @@ def _run_one(config: Any, run_dir: Path, *, splits: Any, overwrite: bool) -> dic
     return {"metrics": result.metrics, "seconds": result.seconds, "reused": False}
 
 
-def _worker(config_json: str, run_dir: str, overwrite: bool) -> dict[str, Any]:
+def _worker(config_json: str, run_dir: str, overwrite: bool, protocol: Any = None) -> dict[str, Any]:
     """One run in a worker process of ``compare --jobs N``."""
     from marginkit.train.components import load_splits
     from marginkit.train.config import TrainConfig
@@ -236,7 +262,7 @@ def _worker(config_json: str, run_dir: str, overwrite: bool) -> dict[str, Any]:
     config = TrainConfig.from_json(config_json)
     with user_errors():
         splits = load_splits(config, cache=True)
-    return _run_one(config, Path(run_dir), splits=splits, overwrite=overwrite)
+    return _run_one(config, Path(run_dir), splits=splits, overwrite=overwrite, protocol=protocol)
 
 
 def _write_summaries(out: Path, summary: list[dict[str, Any]], table: str, cols: Sequence[str]) -> None:
@@ -272,9 +298,13 @@ def run_compare(
     per_loss: dict[str, dict[str, Any]] | None = None,
     title: str = "marginkit comparison",
     jobs: int = 1,
+    protocol: Any = None,
 ) -> tuple[str, Path]:
     """Train every loss for ``seeds`` seeds and write the summary files; returns the
     Markdown table and the report's path.
+
+    ``protocol`` (:class:`marginkit.train.protocols.ProtocolOptions`): evaluate it on every
+    run after training (its scores join the rows; see :data:`PROTOCOL_COLUMNS`).
 
     ``jobs > 1`` trains that many runs at once in separate processes (spawned; each run
     keeps its own seed and thread count, so the results equal a sequential comparison). Each
@@ -296,7 +326,7 @@ def run_compare(
     with lock:
         return _compare_into(
             base, losses, seeds=seeds, out=lock.path, quiet=quiet, overwrite=overwrite,
-            pairs=[*file_pairs, *cli_pairs], per_loss=per_loss, title=title, jobs=jobs,
+            pairs=[*file_pairs, *cli_pairs], per_loss=per_loss, title=title, jobs=jobs, protocol=protocol,
         )  # fmt: skip
 
 
@@ -340,6 +370,7 @@ def _compare_into(
     per_loss: dict[str, dict[str, Any]] | None,
     title: str,
     jobs: int,
+    protocol: Any = None,
 ) -> tuple[str, Path]:
     from marginkit.report import compare_plot, write_compare_report
     from marginkit.train.components import load_splits
@@ -393,9 +424,12 @@ def _compare_into(
                 cfg = configs[(loss, s)]
                 with user_errors():
                     splits = load_splits(cfg, cache=True)
-                record(loss, s, _run_one(cfg, runs[loss][s], splits=splits, overwrite=overwrite))
+                res = _run_one(cfg, runs[loss][s], splits=splits, overwrite=overwrite, protocol=protocol)
+                record(loss, s, res)
         else:
-            tasks = [(configs[key].to_json(), str(runs[key[0]][key[1]]), overwrite) for key in order]
+            tasks = [
+                (configs[key].to_json(), str(runs[key[0]][key[1]]), overwrite, protocol) for key in order
+            ]
             for index, res in progress.wrap(run_in_workers(_worker, tasks, jobs)):
                 record(*order[index], res)
     summary = []

@@ -18,5 +18,9 @@ __getattr__, __dir__, __all__ = attach(
         "TripletMarginLoss": "triplet",
         "LocalMarginTripletLoss": "triplet",
         "GatheredPairLoss": "gathered",
+        "MultiSimilarityLoss": "multi_similarity",
+        "SupConLoss": "supcon",
+        "NTXentLoss": "supcon",
+        "ContrastiveLoss": "contrastive",
     },
 )

@@ -48,15 +48,17 @@ BLOCK_ELEMENTS = 1 << 22
 
 
 class _BatchAllTriplets(torch.autograd.Function):
-    """Sum over all valid triplets of ``relu(d[a, p] − d[a, n] + margin)``, per anchor.
+    """Sum over all valid triplets of ``h(d[a, p] − d[a, n] + margin)``, per anchor.
 
-    Inputs: ``dist [B, R]``; ``pos_idx [B, P]`` the positive columns of each anchor (padded),
-    ``pos_valid [B, P]``; ``neg [B, R]`` the negative mask. Outputs per anchor: the hinge sum
-    and the number of active triplets (``int64``, not differentiable).
+    ``h`` is ``relu``, or the softplus ``log(1 + e^t)`` when ``smooth``. Inputs: ``dist [B, R]``;
+    ``pos_idx [B, P]`` the positive columns of each anchor (padded), ``pos_valid [B, P]``;
+    ``neg [B, R]`` the negative mask. Outputs per anchor: the sum and the number of active
+    triplets (``h > 0``; ``int64``, not differentiable).
 
-    Backward: with ``A[a, p, n]`` the indicator of an active triplet,
-    ``∂/∂d[a, p] = Σ_n A[a, p, n]`` and ``∂/∂d[a, n] = −Σ_p A[a, p, n]`` — only these two
-    ``[B, P]`` / ``[B, R]`` count matrices are saved, never the triplet tensor.
+    Backward: with ``A[a, p, n] = h′(t)`` over the valid triplets (the active indicator for
+    ``relu``, ``sigmoid(t)`` for softplus), ``∂/∂d[a, p] = Σ_n A[a, p, n]`` and
+    ``∂/∂d[a, n] = −Σ_p A[a, p, n]`` — only these two ``[B, P]`` / ``[B, R]`` matrices are
+    saved, never the triplet tensor.
     """
 
     @staticmethod
@@ -68,6 +70,7 @@ class _BatchAllTriplets(torch.autograd.Function):
         neg: torch.Tensor,
         margin: float,
         block: int,
+        smooth: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_anchor = dist.shape[0]
         d_ap = dist.gather(1, pos_idx)
@@ -78,11 +81,20 @@ class _BatchAllTriplets(torch.autograd.Function):
         for start in range(0, n_anchor, block):  # blocks of anchors bound the memory, not a row loop
             sl = slice(start, start + block)
             t = d_ap[sl, :, None] - dist[sl, None, :] + margin
-            act = (t > 0) & pos_valid[sl, :, None] & neg[sl, None, :]
-            sums[sl] = torch.where(act, t, 0.0).sum((1, 2))
+            valid = pos_valid[sl, :, None] & neg[sl, None, :]
+            if smooth:
+                value = _softplus(t)
+                act = valid & (value > 0)
+                weight = torch.where(valid, torch.sigmoid(t), 0.0)
+                sums[sl] = torch.where(valid, value, 0.0).sum((1, 2))
+                cnt_p[sl] = weight.sum(2)
+                cnt_n[sl] = weight.sum(1)
+            else:
+                act = (t > 0) & valid
+                sums[sl] = torch.where(act, t, 0.0).sum((1, 2))
+                cnt_p[sl] = act.sum(2, dtype=dist.dtype)
+                cnt_n[sl] = act.sum(1, dtype=dist.dtype)
             active[sl] = act.sum((1, 2))
-            cnt_p[sl] = act.sum(2, dtype=dist.dtype)
-            cnt_n[sl] = act.sum(1, dtype=dist.dtype)
         ctx.save_for_backward(pos_idx, cnt_p, cnt_n)
         ctx.mark_non_differentiable(active)
         return sums, active
@@ -92,7 +104,12 @@ class _BatchAllTriplets(torch.autograd.Function):
         pos_idx, cnt_p, cnt_n = ctx.saved_tensors
         g = grad_sums[:, None]
         grad = (-g * cnt_n).scatter_add_(1, pos_idx, g * cnt_p)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
+
+
+def _softplus(t: torch.Tensor) -> torch.Tensor:
+    """Exact ``log(1 + e^t)`` (``F.softplus`` is linear above 20: an absolute error up to 2e-9)."""
+    return torch.logaddexp(t, torch.zeros_like(t))
 
 
 def _sq_dist(d: torch.Tensor, distance: str) -> torch.Tensor:
@@ -107,6 +124,7 @@ def _sq_dist(d: torch.Tensor, distance: str) -> torch.Tensor:
 class _TripletBase(nn.Module):
     """Shared checks, mined-indices path and bookkeeping of the triplet losses."""
 
+    smooth_loss: bool = False
     distance: str
     normalize: bool
     validate: bool
@@ -150,6 +168,9 @@ class _TripletBase(nn.Module):
             y = x if batch.self_ref else F.normalize(y, dim=-1)
         return x, y
 
+    def _hinge(self, t: torch.Tensor) -> torch.Tensor:
+        return _softplus(t) if self.smooth_loss else F.relu(t)
+
     def _scale(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
         return 1.0 if (self.normalize or self.distance == "cosine") else max_sq_norm(x, y)
 
@@ -179,7 +200,7 @@ class _TripletBase(nn.Module):
         xa = x[a]
         d_ap = rowwise_distance(xa, y[p], self.distance)
         d_an = rowwise_distance(xa, y[n], self.distance)
-        loss = F.relu(d_ap - d_an + margin)
+        loss = self._hinge(d_ap - d_an + margin)
         if self.validate:
             collapsed = torch.zeros((), dtype=torch.bool, device=x.device)
             if a.numel():
@@ -353,6 +374,9 @@ class TripletMarginLoss(_TripletBase):
         distance: ``"squared_l2"`` | ``"l2"`` | ``"cosine"``.
         normalize: L2-normalise embeddings first.
         average: ``None`` (the per-mining default above), ``"valid"`` or ``"active"``.
+        smooth_loss: use ``log(1 + e^t)`` instead of ``[t]_+`` on ``t = d(a, p) − d(a, n) +
+            margin`` (pytorch-metric-learning's ``smooth_loss``): every valid triplet keeps a
+            gradient ``sigmoid(t)``, and every one is "active" (the loss is positive).
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
         validate: NaN/inf check and once-per-instance warnings in one host sync per forward.
 
@@ -376,11 +400,13 @@ class TripletMarginLoss(_TripletBase):
         *,
         normalize: bool = True,
         average: str | None = None,
+        smooth_loss: bool = False,
         reduction: str = "mean",
         validate: bool = True,
     ) -> None:
         super().__init__()
         self.margin = positive_float(margin, "margin", allow_zero=True)
+        self.smooth_loss = bool(smooth_loss)
         self.mining = choice(mining, "mining", MINING)
         self.distance = choice(distance, "distance", DISTANCES)
         self.normalize = bool(normalize)
@@ -393,7 +419,8 @@ class TripletMarginLoss(_TripletBase):
     def extra_repr(self) -> str:
         return (
             f"margin={self.margin}, mining={self.mining!r}, distance={self.distance!r}, "
-            f"normalize={self.normalize}, average={self.average!r}, reduction={self.reduction!r}"
+            f"normalize={self.normalize}, average={self.average!r}, smooth_loss={self.smooth_loss}, "
+            f"reduction={self.reduction!r}"
         )
 
     def _indices_average(self) -> str:
@@ -410,14 +437,14 @@ class TripletMarginLoss(_TripletBase):
             p_idx, n_idx, valid = _batch_hard_select(dist, pos, neg)
             d_ap = dist.gather(1, p_idx[:, None]).squeeze(1)
             d_an = dist.gather(1, n_idx[:, None]).squeeze(1)
-            loss = torch.where(valid, F.relu(d_ap - d_an + margin), 0.0)
+            loss = torch.where(valid, self._hinge(d_ap - d_an + margin), 0.0)
             active = valid & (loss.detach() > 0)
             counts = active if average == "active" else valid
             return self._finish(loss, counts.to(loss.dtype), active, valid)
         if mining == "semi_hard":
             self._matrix_checks(batch, x, y, dist, pos)
             n_idx, valid = _semi_hard_select(dist, pos, neg)
-            loss = torch.where(valid, F.relu(dist - dist.gather(1, n_idx) + margin), 0.0)
+            loss = torch.where(valid, self._hinge(dist - dist.gather(1, n_idx) + margin), 0.0)
             active = valid & (loss.detach() > 0)
             counts = (active if average == "active" else valid).sum(1)
             return self._finish(loss.sum(1), counts.to(loss.dtype), active, valid)
@@ -434,6 +461,8 @@ class TripletMarginLoss(_TripletBase):
             pos_idx = torch.topk(pos.to(dist.dtype), max_pos, dim=1).indices
             pos_valid = pos.gather(1, pos_idx)
             block = max(1, BLOCK_ELEMENTS // (max_pos * dist.shape[1]))
-            sums, active = _BatchAllTriplets.apply(dist, pos_idx, pos_valid, neg, margin, block)
+            sums, active = _BatchAllTriplets.apply(
+                dist, pos_idx, pos_valid, neg, margin, block, self.smooth_loss
+            )
         counts = active if average == "active" else n_valid
         return self._finish(sums, counts.to(sums.dtype), active, n_valid)

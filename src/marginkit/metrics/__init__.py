@@ -6,6 +6,7 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "retrieval_metrics": "retrieval",
+        "clustering_metrics": "clustering",
         "verification_metrics": "verification",
         "pair_scores": "verification",
         "eer": "verification",

@@ -1,12 +1,19 @@
-"""Retrieval metrics of Musgrave et al.: Precision@1, R-Precision, MAP@R, Recall@k."""
+"""Retrieval metrics of pytorch-metric-learning's ``AccuracyCalculator`` (Musgrave et al. 2020).
+
+Precision@1, R-Precision, MAP@R, full MAP (or MAP@k), MRR, Precision@k and Recall@k from
+one exact chunked search, per query, then averaged over the queries, over the classes
+(``avg_of_avgs``) or reported per class; NMI and AMI of a k-means clustering of the queries
+(:mod:`marginkit.metrics.clustering`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from marginkit._validation import compute_dtype, positive_float, positive_int
+from marginkit._validation import compute_dtype, label_tensor, positive_float, positive_int
 from marginkit.knn._search import (
     check_embeddings,
     check_labels,
@@ -17,14 +24,110 @@ from marginkit.knn._search import (
     topk_keys,
 )
 
+__all__ = ["CLUSTERING_METRICS", "RANKING_METRICS", "retrieval_metrics"]
+
+#: Metrics from the ranking of the references, in the order of the result dict.
+RANKING_METRICS = (
+    "precision_at_1",
+    "r_precision",
+    "map_at_r",
+    "mean_average_precision",
+    "mrr",
+    "precision_at_k",
+    "recall_at_k",
+)
+#: Metrics of a k-means clustering of the queries (scikit-learn).
+CLUSTERING_METRICS = ("nmi", "ami")
+
 _METRIC_BYTES_PER_CELL = 48  # labels gather, relevance, cumsum, precision terms per [query, rank]
 
 
-def _relevant_counts(query_labels: torch.Tensor, reference_labels: torch.Tensor) -> torch.Tensor:
-    """Number of references sharing each query's label (``R``), without a loop over classes."""
-    classes, counts = torch.unique(reference_labels, return_counts=True)
-    pos = torch.searchsorted(classes, query_labels).clamp_max(classes.numel() - 1)
-    return torch.where(classes[pos] == query_labels, counts[pos], 0)
+def _match_counts(reference_keys: torch.Tensor, query_keys: torch.Tensor) -> torch.Tensor:
+    """For each query key (a scalar, or a row of ``[Q, m]``), how many reference keys equal it."""
+    both = torch.cat([reference_keys.long(), query_keys.long()])
+    _, inverse = torch.unique(both, dim=0 if both.dim() > 1 else None, return_inverse=True)
+    n = reference_keys.shape[0]
+    counts = torch.bincount(inverse[:n], minlength=int(inverse.max()) + 1 if inverse.numel() else 0)
+    return counts[inverse[n:]]
+
+
+def _check_ids(
+    query_ids: Any, reference_ids: Any, query: torch.Tensor, reference: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if query_ids is None and reference_ids is None:
+        return None
+    if query_ids is None or reference_ids is None:
+        raise ValueError("query_ids and reference_ids must be given together (or both None)")
+    if reference is None:
+        raise ValueError(
+            "query_ids/reference_ids need reference: without it the queries are the references and "
+            "each query is already excluded from its own ranking"
+        )
+    label_tensor(query_ids, "query_ids", shape=(query.shape[0],))
+    label_tensor(reference_ids, "reference_ids", shape=(reference.shape[0],))
+    return query_ids.to(reference.device), reference_ids.to(reference.device)
+
+
+def _check_include(include: Sequence[str] | None) -> tuple[str, ...]:
+    if include is None:
+        return RANKING_METRICS
+    if isinstance(include, str):
+        include = (include,)
+    valid = RANKING_METRICS + CLUSTERING_METRICS
+    unknown = [m for m in include if m not in valid]
+    if unknown:
+        raise ValueError(f"include has unknown metric(s) {unknown}; valid: {', '.join(valid)}")
+    if not include:
+        raise ValueError("include must name at least one metric")
+    return tuple(dict.fromkeys(include))
+
+
+def _per_query_terms(
+    rel: torch.Tensor, r: torch.Tensor, ks: tuple[int, ...], cut: int, wanted: tuple[str, ...]
+) -> torch.Tensor:
+    """``[c, M]`` float64 per-query values of the ranking metrics (``M`` columns, in order).
+
+    ``rel [c, depth]``: relevance of each rank (excluded references already removed);
+    ``r [c]``: the number of relevant references of each query (``>= 1``).
+    """
+    width = min(rel.shape[1], max(int(r.max()), cut if "mean_average_precision" in wanted else 0))
+    ranks = torch.arange(1, rel.shape[1] + 1, device=rel.device, dtype=torch.float64)
+    precision_at_i = rel[:, :width].cumsum(dim=1, dtype=torch.float64) / ranks[:width]  # P(i)
+    r = r.to(torch.float64)
+    cols: list[torch.Tensor] = []
+    for name in wanted:
+        if name == "precision_at_1":
+            cols.append(rel[:, 0].to(torch.float64))
+        elif name in ("r_precision", "map_at_r"):
+            top = int(r.max())
+            rel_r = rel[:, :top] & (ranks[None, :top] <= r[:, None])
+            if name == "r_precision":
+                cols.append(rel_r.sum(dim=1) / r)
+            else:
+                cols.append((precision_at_i[:, :top] * rel_r).sum(dim=1) / r)
+        elif name == "mean_average_precision":
+            cols.append((precision_at_i[:, :cut] * rel[:, :cut]).sum(dim=1) / r)
+        elif name == "mrr":
+            first = rel[:, :cut].to(torch.uint8).argmax(dim=1)
+            found = rel[:, :cut].any(dim=1)
+            cols.append(torch.where(found, 1.0 / (first + 1).to(torch.float64), 0.0))
+        elif name == "precision_at_k":
+            cols.extend(rel[:, :k].sum(dim=1, dtype=torch.float64) / k for k in ks)
+        elif name == "recall_at_k":
+            cols.extend(rel[:, :k].any(dim=1).to(torch.float64) for k in ks)
+    return torch.stack(cols, dim=1)
+
+
+def _unpack(values: list[float], wanted: tuple[str, ...], ks: tuple[int, ...]) -> dict[str, Any]:
+    """Column values back into ``{metric: float}`` / ``{metric: {k: float}}``."""
+    out: dict[str, Any] = {}
+    it = iter(values)
+    for name in wanted:
+        if name in ("precision_at_k", "recall_at_k"):
+            out[name] = {k: next(it) for k in ks}
+        else:
+            out[name] = next(it)
+    return out
 
 
 def retrieval_metrics(
@@ -35,60 +138,98 @@ def retrieval_metrics(
     metric: str = "cosine",
     ks: Sequence[int] = (1, 5, 10),
     *,
+    k: int | None = None,
+    include: Sequence[str] | None = None,
+    avg_of_avgs: bool = False,
+    per_class: bool = False,
+    query_ids: torch.Tensor | None = None,
+    reference_ids: torch.Tensor | None = None,
+    seed: int = 0,
     memory_limit_mb: float = 512.0,
-) -> dict[str, object]:
-    r"""Precision@1, R-Precision, MAP@R and Recall@k of nearest-neighbour retrieval.
+) -> dict[str, Any]:
+    r"""Retrieval metrics of nearest-neighbour search, as pytorch-metric-learning defines them.
 
     For each query, references are ranked by cosine similarity (decreasing) or Euclidean
     distance (increasing), equal values by increasing reference index. With ``R`` the number
-    of references sharing the query's label and ``rel(i)`` whether rank ``i`` shares it
-    (Musgrave, Belongie, Lim, "A Metric Learning Reality Check", ECCV 2020):
+    of references sharing the query's label, ``rel(i)`` whether rank ``i`` shares it and
+    ``P(i) = (1/i) Σ_{j≤i} rel(j)`` (Musgrave, Belongie, Lim, "A Metric Learning Reality
+    Check", ECCV 2020; pytorch-metric-learning's ``AccuracyCalculator`` since v1.6.1):
 
     .. math::
-        \text{P@1} = rel(1),\qquad
-        \text{R-Precision} = \frac{1}{R}\sum_{i \le R} rel(i),\qquad
-        \text{MAP@R} = \frac{1}{R}\sum_{i \le R} P(i)\,rel(i),\quad
-        P(i) = \frac{1}{i}\sum_{j \le i} rel(j),
+        \text{P@1} = rel(1),\quad
+        \text{R-Precision} = \frac{1}{R}\sum_{i \le R} rel(i),\quad
+        \text{MAP@R} = \frac{1}{R}\sum_{i \le R} P(i)\,rel(i),
 
-    and ``recall_at_k[k]`` the hit rate: the fraction of queries with a relevant reference
-    among their ``k`` nearest. Each is averaged over the queries with ``R >= 1``; queries
-    whose label has no reference are left out (as pytorch-metric-learning's
-    ``AccuracyCalculator`` does) and counted in ``num_queries_without_relevant``.
+        \text{MAP} = \frac{1}{R}\sum_{i \le K} P(i)\,rel(i),\quad
+        \text{MRR} = \frac{1}{\min\{i \le K : rel(i)\}}\ (0\text{ if none}),\quad
+        \text{P@}k = \frac{1}{k}\sum_{i \le k} rel(i),
 
-    When ``reference`` is None the queries are the references and each query is excluded
-    from its own ranking *by index* (a duplicate of it elsewhere still counts), so
-    ``R = count(label) - 1``. The search is exact, chunked (``memory_limit_mb`` bounds the
-    score-matrix chunks) and stops at ``max(max R, max ks)`` neighbours.
+    with ``K = k`` (the cut-off) or every reference (``k=None``: full MAP), and
+    ``recall_at_k[k]`` the hit rate (a relevant reference among the first ``k``). Each is
+    averaged over the queries with ``R >= 1`` (queries whose label has no other reference are
+    left out, as PML does, and counted in ``num_queries_without_relevant``), or per class first
+    with ``avg_of_avgs`` (the mean over the classes of the per-class means).
+
+    Self-matches are excluded **by identity, never by distance** (a duplicate elsewhere still
+    counts): with ``reference=None`` the queries are the references and each query is removed
+    from its own ranking by index; with ``query_ids`` and ``reference_ids`` a query is removed
+    from the ranking of every reference with its id — for references that contain the queries
+    plus more items (PML's ``ref_includes_query=True`` is ``query_ids = arange(Q)``,
+    ``reference_ids = arange(N)``). ``R`` then counts the remaining references.
+
+    ``nmi`` / ``ami`` (only when listed in ``include``): the normalised / adjusted mutual
+    information between the query labels and a k-means clustering of the queries
+    (:func:`marginkit.metrics.clustering_metrics`; needs scikit-learn).
+
+    The search is exact and chunked (``memory_limit_mb`` bounds its temporaries) and stops at
+    the depth the requested metrics need: ``max R`` and ``max ks`` for the R-metrics and
+    ``P@k``/``recall@k``, ``k`` (or every reference) for MAP and MRR.
 
     Args:
         query: ``[Q, D]`` query embeddings (any float dtype; computed in float32 or float64).
         query_labels: ``[Q]`` integer labels.
         reference, reference_labels: ``[N, D]`` and ``[N]``, both or neither.
         metric: ``"cosine"`` or ``"l2"``.
-        ks: cut-offs of ``recall_at_k``; each must be at most the number of references
-            available to a query.
+        ks: cut-offs of ``precision_at_k`` and ``recall_at_k``; each at most the number of
+            references available to every query.
+        k: cut-off of ``mean_average_precision`` and ``mrr`` (PML's ``k``); ``None`` ranks
+            every reference.
+        include: metric names (:data:`RANKING_METRICS`, :data:`CLUSTERING_METRICS`); default
+            all ranking metrics.
+        avg_of_avgs: average per class first (PML's ``avg_of_avgs``).
+        per_class: add ``"per_class"``: ``{label: {metric: value, "num_queries": n}}`` over
+            the classes of the queries with ``R >= 1`` (PML's ``return_per_class``).
+        query_ids, reference_ids: ``[Q]`` / ``[N]`` integer identities, both or neither (with
+            ``reference``): a reference with a query's id is not in that query's ranking.
+        seed: seed of the k-means of ``nmi`` / ``ami``.
         memory_limit_mb: budget of the search's temporaries.
 
     Returns:
-        ``{"precision_at_1", "r_precision", "map_at_r": float, "recall_at_k": {k: float},
-        "num_queries": int, "num_queries_without_relevant": int}``.
+        The requested metrics (floats; ``precision_at_k`` and ``recall_at_k`` as ``{k: float}``),
+        ``"num_queries"`` (with ``R >= 1``), ``"num_queries_without_relevant"``, and
+        ``"per_class"`` when asked.
 
     Example:
         >>> import torch
         >>> e = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
         >>> m = retrieval_metrics(e, torch.tensor([0, 0, 1, 1]), ks=(1,))
-        >>> m["precision_at_1"], m["map_at_r"]
-        (1.0, 1.0)
+        >>> m["precision_at_1"], m["map_at_r"], m["mean_average_precision"], m["mrr"]
+        (1.0, 1.0, 1.0, 1.0)
     """
     check_embeddings(query, "query")
     check_labels(query_labels, "query_labels", query.shape[0], "query")
     metric = check_metric(metric)
     limit = int(positive_float(memory_limit_mb, "memory_limit_mb") * 2**20)
-    ks = tuple(positive_int(k, "ks") for k in ks)
+    ks = tuple(positive_int(v, "ks") for v in ks)
     if not ks:
         raise ValueError("ks must contain at least one cut-off")
+    cut_k = None if k is None else positive_int(k, "k")
+    wanted_all = _check_include(include)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if (reference is None) != (reference_labels is None):
         raise ValueError("reference and reference_labels must be given together (or both None)")
+    ids = _check_ids(query_ids, reference_ids, query, reference)
     self_offset: int | None = None
     if reference is None:
         reference, reference_labels, self_offset = query, query_labels, 0
@@ -101,58 +242,128 @@ def retrieval_metrics(
             )
     assert reference_labels is not None
     device = reference.device
-    available = reference.shape[0] - int(self_offset is not None)
-    if max(ks) > available:
-        raise ValueError(f"ks must be <= the {available} references available to each query, got {max(ks)}")
+    n_ref = reference.shape[0]
+    ref_labels = reference_labels.to(device)
+    q_labels_all = query_labels.to(device)
+
+    # excluded references per query (E) and relevant ones left (R)
+    if ids is None:
+        excluded = torch.full_like(q_labels_all, int(self_offset is not None))
+        r_all = _match_counts(ref_labels, q_labels_all) - excluded
+    else:
+        q_ids, r_ids = ids
+        excluded = _match_counts(r_ids, q_ids)
+        same_pair = _match_counts(
+            torch.stack([r_ids.long(), ref_labels.long()], 1),
+            torch.stack([q_ids.long(), q_labels_all.long()], 1),
+        )
+        r_all = _match_counts(ref_labels, q_labels_all) - same_pair
+    valid_all = r_all > 0
+    num_valid = int(valid_all.sum())
+    out: dict[str, Any] = {}
+    wanted = tuple(m for m in wanted_all if m in RANKING_METRICS)
+    if wanted:
+        available = n_ref - int(excluded.max())
+        if max(ks) > available:
+            raise ValueError(
+                f"ks must be <= the {available} references available to each query, got {max(ks)}"
+            )
+        if cut_k is not None and cut_k > available:
+            raise ValueError(f"k must be <= the {available} references available to each query, got {cut_k}")
+        if num_valid == 0:
+            raise ValueError(
+                "no query has a relevant reference (a reference sharing its label, other than itself)"
+            )
+        values, per_class_values = _ranking(
+            query, q_labels_all, reference, ref_labels, metric, ks, cut_k, wanted,
+            r_all, valid_all, excluded, ids, self_offset, avg_of_avgs, per_class, limit,
+        )  # fmt: skip
+        out.update(values)
+    if any(m in CLUSTERING_METRICS for m in wanted_all):
+        from marginkit.metrics.clustering import clustering_metrics
+
+        clusters = clustering_metrics(query, query_labels, metric=metric, seed=seed)
+        out.update({m: clusters[m] for m in wanted_all if m in CLUSTERING_METRICS})
+    out["num_queries"] = num_valid
+    out["num_queries_without_relevant"] = query.shape[0] - num_valid
+    if per_class and wanted:
+        out["per_class"] = per_class_values
+    return out
+
+
+def _ranking(
+    query: torch.Tensor,
+    q_labels_all: torch.Tensor,
+    reference: torch.Tensor,
+    ref_labels: torch.Tensor,
+    metric: str,
+    ks: tuple[int, ...],
+    cut_k: int | None,
+    wanted: tuple[str, ...],
+    r_all: torch.Tensor,
+    valid_all: torch.Tensor,
+    excluded: torch.Tensor,
+    ids: tuple[torch.Tensor, torch.Tensor] | None,
+    self_offset: int | None,
+    avg_of_avgs: bool,
+    per_class: bool,
+    limit: int,
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """The ranking metrics: one chunked search, per-query terms, then the averages."""
+    device = reference.device
+    n_ref = reference.shape[0]
+    most_excluded = int(excluded.max())
+    available = n_ref - most_excluded
+    full = any(m in ("mean_average_precision", "mrr") for m in wanted)
+    need = max(ks)
+    if any(m in ("r_precision", "map_at_r") for m in wanted):
+        need = max(need, int(r_all.max()))
+    if full:
+        need = max(need, available if cut_k is None else cut_k)
+    # the search skips the query itself (self_offset) or fetches the excluded ids as extra rows
+    depth = min(n_ref, need + (most_excluded if ids is not None else 0))
+    cut = depth if cut_k is None else cut_k
+    # a full ranking is one stable sort; without the query itself that would be a top-(N-1)
+    # (topk + re-sorts), so fetch all N and drop the query, ranked last at -inf
+    fetch = n_ref if (self_offset is not None and depth == n_ref - 1) else depth
 
     dtype = torch.promote_types(compute_dtype(query.dtype), compute_dtype(reference.dtype))
     refs = prepare(reference, metric, "reference", dtype)
     ref_bias = neg_sqnorms(refs) if metric == "l2" else None
-    ref_labels = reference_labels.to(device)
-    q_labels_all = query_labels.to(device)
-    r_all = _relevant_counts(q_labels_all, ref_labels) - int(self_offset is not None)
-    valid_all = r_all > 0
-    num_valid = int(valid_all.sum())
-    if num_valid == 0:
-        raise ValueError(
-            "no query has a relevant reference (a reference sharing its label, other than itself)"
-        )
-    depth = min(available, max(int(r_all.max()), max(ks)))
-
-    # Query chunks: half of the budget for the search, half for the [chunk, depth] metric terms.
-    rows = max(1, min(query.shape[0], (limit // 2) // (depth * _METRIC_BYTES_PER_CELL)))
-    plan = plan_chunks(rows, refs.shape[0], refs.shape[1], depth, refs.element_size(), limit // 2)
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    hits = torch.zeros(len(ks), dtype=torch.float64, device=device)
-    ranks = torch.arange(1, depth + 1, device=device)
+    # query chunks: half of the budget for the search, half for the [chunk, depth] metric terms
+    rows = max(1, min(query.shape[0], (limit // 2) // (fetch * _METRIC_BYTES_PER_CELL)))
+    plan = plan_chunks(rows, refs.shape[0], refs.shape[1], fetch, refs.element_size(), limit // 2)
+    terms: list[torch.Tensor] = []
     for s in range(0, query.shape[0], rows):
+        valid = valid_all[s : s + rows]
         _, idx, _ = topk_keys(
             query[s : s + rows],
             refs,
-            depth,
+            fetch,
             metric=metric,
             memory_limit_bytes=limit // 2,
             ref_neg_sqnorms=ref_bias,
             self_offset=None if self_offset is None else s,
             plan=plan,
         )
-        valid = valid_all[s : s + rows]
-        rel = ref_labels[idx[valid]] == q_labels_all[s : s + rows][valid, None]
-        r = r_all[s : s + rows][valid].to(torch.float64)
-        within_r = ranks[None, :] <= r[:, None]
-        rel_r = rel & within_r
-        precision_at_i = rel_r.cumsum(dim=1).to(torch.float64) / ranks
-        totals[0] += rel[:, 0].sum()
-        totals[1] += (rel_r.sum(dim=1) / r).sum()
-        totals[2] += ((precision_at_i * rel_r).sum(dim=1) / r).sum()
-        for j, k in enumerate(ks):
-            hits[j] += rel[:, :k].any(dim=1).sum()
-    totals, hits = (totals / num_valid).tolist(), (hits / num_valid).tolist()
-    return {
-        "precision_at_1": totals[0],
-        "r_precision": totals[1],
-        "map_at_r": totals[2],
-        "recall_at_k": dict(zip(ks, hits, strict=True)),
-        "num_queries": num_valid,
-        "num_queries_without_relevant": query.shape[0] - num_valid,
-    }
+        idx = idx[valid, :depth]
+        rel = ref_labels[idx] == q_labels_all[s : s + rows][valid, None]
+        if ids is not None:
+            # move the query's own ids behind every other reference (stable: ranks kept)
+            own = ids[1][idx] == ids[0][s : s + rows][valid, None]
+            order = torch.sort(own.to(torch.uint8), dim=1, stable=True).indices
+            rel = (rel & ~own).gather(1, order)
+        terms.append(_per_query_terms(rel, r_all[s : s + rows][valid], ks, cut, wanted))
+    per_query = torch.cat(terms)
+    labels = q_labels_all[valid_all]
+    classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+    class_sums = torch.zeros(classes.numel(), per_query.shape[1], dtype=torch.float64, device=device)
+    class_sums.index_add_(0, inverse, per_query)
+    class_means = class_sums / counts[:, None].to(torch.float64)
+    overall = class_means.mean(dim=0) if avg_of_avgs else per_query.mean(dim=0)
+    values = _unpack(overall.tolist(), wanted, ks)
+    table: dict[int, dict[str, Any]] = {}
+    if per_class:
+        for label, n, row in zip(classes.tolist(), counts.tolist(), class_means.tolist(), strict=True):
+            table[label] = {**_unpack(row, wanted, ks), "num_queries": n}
+    return values, table

@@ -7,6 +7,7 @@ __getattr__, __dir__, __all__ = attach(
     {
         "local_triplets": "triplets",
         "batch_hard_triplets": "triplets",
+        "multi_similarity_pairs": "multi_similarity",
         "MemoryBank": "memory_bank",
     },
 )

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from marginkit._validation import float_tensor, positive_float
+from marginkit._validation import float_tensor, mask_tensor, positive_float
 from marginkit.ops.classes import ClassBlock
 from marginkit.ops.softmax import class_cross_entropy
 
@@ -116,19 +116,9 @@ def circle_loss(
         raise ValueError(
             f"sp and sn must share their leading (anchor) shape, got {tuple(sp.shape)} and {tuple(sn.shape)}"
         )
-    for name, mask, s in (("pos_mask", pos_mask, sp), ("neg_mask", neg_mask, sn)):
-        if mask is None:
-            continue
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(
-                f"{name} must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}"
-            )
-        try:
-            torch.broadcast_shapes(mask.shape, s.shape)
-        except RuntimeError as err:
-            raise ValueError(
-                f"{name} of shape {tuple(mask.shape)} does not broadcast to {tuple(s.shape)}"
-            ) from err
+    for name, mask, s, s_name in (("pos_mask", pos_mask, sp, "sp"), ("neg_mask", neg_mask, sn, "sn")):
+        if mask is not None:
+            mask_tensor(mask, name, s, s_name)
     out_dtype = torch.promote_types(sp.dtype, sn.dtype)
     work = torch.float64 if out_dtype == torch.float64 else torch.float32
     loss, _ = _circle_loss(

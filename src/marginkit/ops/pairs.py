@@ -7,8 +7,10 @@ Distances between the rows of ``x`` (``[B, D]``) and ``y`` (``[R, D]``):
 
 - ``"squared_l2"``: ``‖x_i − y_j‖² = ‖x_i‖² + ‖y_j‖² − 2 x_i·y_j``, clamped at 0 (the
   expansion can round to a tiny negative number);
-- ``"l2"``: the square root of the above through :func:`safe_sqrt`, whose gradient at a zero
-  distance is 0 instead of ``inf``/NaN (two coinciding embeddings stay trainable);
+- ``"l2"``: ``torch.cdist`` (the same expansion in one matrix product for more than 25 rows,
+  exact differences below), whose closed-form backward is 0 at a zero distance instead of
+  ``inf``/NaN (two coinciding embeddings stay trainable); :func:`safe_sqrt` does the same
+  for the row-wise distances of mined triplets;
 - ``"cosine"``: ``1 − cos(x_i, y_j)``.
 
 Host synchronisation: every check that needs a value from the device (non-finite inputs,
@@ -78,7 +80,7 @@ def distance_matrix(x: torch.Tensor, y: torch.Tensor, distance: str) -> torch.Te
     if distance == "squared_l2":
         return squared_l2_matrix(x, y)
     if distance == "l2":
-        return safe_sqrt(squared_l2_matrix(x, y))
+        return torch.cdist(x, y)
     if distance == "cosine":
         return 1.0 - cosine_similarity_matrix(x, y)
     raise ValueError(f"distance must be one of {DISTANCES}; got {distance!r}")
@@ -289,3 +291,74 @@ def check_indices(
         bad = (a.min() < 0) | (a.max() >= batch) | (torch.minimum(p.min(), n.min()) < 0)
         bad = bad | (torch.maximum(p.max(), n.max()) >= ref_batch)
     return (a, p, n), bad
+
+
+PairIndices = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_pair_indices(
+    indices: Any, batch: int, ref_batch: int, device: torch.device
+) -> tuple[PairIndices, torch.Tensor]:
+    """Check mined pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)`` (read as ``(a, p, a, n)``).
+
+    Returns the four index tensors and a 0-d "out of range" flag for the caller's single sync.
+    """
+    if not isinstance(indices, (tuple, list)) or len(indices) not in (3, 4):
+        raise TypeError(
+            "indices must be a tuple of 1-D integer tensors: pairs (anchor1, positive, anchor2, negative) "
+            "or triplets (anchor, positive, negative)"
+        )
+    parts = (
+        ("anchor1", "positive", "anchor2", "negative")
+        if len(indices) == 4
+        else ("anchor", "positive", "negative")
+    )
+    out = []
+    for part, t in zip(parts, indices, strict=True):
+        label_tensor(t, f"indices[{part}]")
+        if t.dim() != 1:
+            raise ValueError(f"indices[{part}] must be 1-D, got shape {tuple(t.shape)}")
+        out.append(t.to(device=device, dtype=torch.long))
+    a1, p, a2, n = out if len(out) == 4 else (out[0], out[1], out[0], out[2])
+    if a1.shape != p.shape or a2.shape != n.shape:
+        raise ValueError(
+            f"indices must pair up: got {a1.shape[0]} anchors for {p.shape[0]} positives and "
+            f"{a2.shape[0]} anchors for {n.shape[0]} negatives"
+        )
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    for anchors, refs in ((a1, p), (a2, n)):
+        if anchors.numel() and (batch == 0 or ref_batch == 0):
+            raise ValueError("indices out of range: the reference set is empty")
+        if anchors.numel():
+            bad = (
+                bad
+                | (anchors.min() < 0)
+                | (anchors.max() >= batch)
+                | (refs.min() < 0)
+                | (refs.max() >= ref_batch)
+            )
+    return (a1, p, a2, n), bad
+
+
+def pair_masks_from_indices(
+    indices: PairIndices, shape: tuple[int, int], *, counts: bool, clamp: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, R]`` positive / negative masks of mined pairs: bool sets, or multiplicities.
+
+    ``clamp`` clips out-of-range indices first (their error is raised after the forward's
+    single host sync, from the flag of :func:`check_pair_indices`).
+    """
+    a1, p, a2, n = indices
+    if clamp:
+        a1, a2 = a1.clamp(0, shape[0] - 1), a2.clamp(0, shape[0] - 1)
+        p, n = p.clamp(0, shape[1] - 1), n.clamp(0, shape[1] - 1)
+    masks = []
+    for a, j in ((a1, p), (a2, n)):
+        if counts:
+            m = torch.zeros(shape, dtype=torch.int64, device=a.device)
+            m.index_put_((a, j), torch.ones_like(a), accumulate=True)
+        else:
+            m = torch.zeros(shape, dtype=torch.bool, device=a.device)
+            m[a, j] = True
+        masks.append(m)
+    return masks[0], masks[1]

@@ -169,10 +169,16 @@ def evaluate_model(
     device: torch.device | str = "cpu",
     *,
     k: int | None = None,
+    protocol: Any = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], Any]:
-    """Test metrics, the report's arrays, and the K-NN index fitted on the training embeddings."""
+    """Test metrics, the report's arrays, and the K-NN index fitted on the training embeddings.
+
+    ``protocol`` (a :class:`marginkit.train.protocols.ProtocolOptions`) adds that protocol's
+    metrics and curves (:func:`marginkit.train.protocols.evaluate_protocol`).
+    """
     from marginkit.knn import model_fingerprint
     from marginkit.metrics import (
+        det_curve,
         knn_accuracy,
         pair_scores,
         per_class_recall,
@@ -226,6 +232,20 @@ def evaluate_model(
         metrics["verification"] = _jsonable(ver)
         far, tar = roc_curve(scores, genuine)
         arrays["roc_far"], arrays["roc_tar"] = far, tar
+        det = det_curve(scores, genuine)
+        arrays["det_verification_p_fa"] = det["p_fa"].numpy()
+        arrays["det_verification_p_miss"] = det["p_miss"].numpy()
+    if protocol is not None:
+        from marginkit.train.protocols import evaluate_protocol
+
+        val_emb = embed(model, splits.val.x, batch_size=bs, device=device)
+        embs = {"train": train_emb, "val": val_emb, "test": test_emb}
+        found, curves = evaluate_protocol(
+            protocol, embs, {"train": y_train, "val": splits.val.y, "test": y_test}, seed=config.seed,
+            metric=config.knn_metric, max_impostors=config.max_impostors, fars=FARS,
+        )  # fmt: skip
+        metrics.update(_jsonable(found))
+        arrays.update(curves)
     retrieval = retrieval_metrics(test_emb, y_test, metric=config.knn_metric)
     for key, value in _jsonable(retrieval).items():
         metrics[key] = value
@@ -268,6 +288,7 @@ def evaluate_checkpoint(
     device: torch.device | str = "cpu",
     which: str = "best",
     k: int | None = None,
+    protocol: Any = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], Any, bool]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
 
@@ -291,7 +312,7 @@ def evaluate_checkpoint(
     head = run["head"]
     if head is not None and splits.num_classes != run["facts"]["num_classes"]:
         head = None  # another label space: the head's classes mean nothing here
-    metrics, arrays, knn = evaluate_model(run["model"], head, splits, config, device, k=k)
+    metrics, arrays, knn = evaluate_model(run["model"], head, splits, config, device, k=k, protocol=protocol)
     ckpt = run["checkpoint"]
     metrics["checkpoint"] = Path(run["path"]).name
     metrics["epoch"] = int(ckpt["epoch"])
@@ -317,18 +338,20 @@ def evaluate_run(
     k: int | None = None,
     write: bool = True,
     report: bool = True,
+    protocol: Any = None,
 ) -> dict[str, Any]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
 
     With ``write`` (and the run's own data), writes ``metrics.json``, ``eval.npz``, the
     K-NN reference index ``knn_index.npz`` (training embeddings + model fingerprint) and,
     with ``report``, ``report.html``, holding the run directory's lock. Returns the metrics.
+    ``protocol``: see :func:`evaluate_model`.
     """
     from marginkit.train.rundir import RunDir
 
     with RunDir(run_dir, create=False) if write else contextlib.nullcontext() as rundir:
         metrics, arrays, knn, own_data = evaluate_checkpoint(
-            run_dir, splits=splits, device=device, which=which, k=k
+            run_dir, splits=splits, device=device, which=which, k=k, protocol=protocol
         )
         if rundir is not None and own_data:
             rundir.write_results(metrics, arrays, knn, report=report)

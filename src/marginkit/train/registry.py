@@ -83,6 +83,19 @@ LOSSES: dict[str, LossSpec] = {
                  {"margin": 0.2, "mining": "batch_all"}),
         LossSpec("local_triplet", "pair", f"{_L}:LocalMarginTripletLoss",
                  "local-margin triplet loss (K-NN aware; k defaults to the run's K)", {"margin": 0.2}),
+        LossSpec("multi_similarity", "pair", f"{_L}:MultiSimilarityLoss",
+                 "multi-similarity loss on its mined pairs (Wang et al. 2019)",
+                 {"alpha": 2.0, "beta": 50.0, "base": 0.5, "epsilon": 0.1}),
+        LossSpec("supcon", "pair", f"{_L}:SupConLoss", "supervised contrastive loss (Khosla et al. 2020)",
+                 {"temperature": 0.1}),
+        LossSpec("ntxent", "pair", f"{_L}:NTXentLoss", "NT-Xent / InfoNCE over the in-batch positive pairs",
+                 {"temperature": 0.07}),
+        LossSpec("contrastive", "pair", f"{_L}:ContrastiveLoss",
+                 "contrastive loss on normalised L2 distances (Hadsell et al. 2006)",
+                 {"pos_margin": 0.0, "neg_margin": 1.0}),
+        LossSpec("smooth_triplet", "pair", f"{_L}:TripletMarginLoss",
+                 "triplet loss with log(1 + e^t) for the hinge, batch-all",
+                 {"margin": 0.2, "mining": "batch_all", "smooth_loss": True}),
     )
 }  # fmt: skip
 
