@@ -14,5 +14,6 @@ __getattr__, __dir__, __all__ = attach(
         "circle_loss": "circle",
         "class_block": "classes",
         "class_cross_entropy": "softmax",
+        "proxy_anchor_loss": "proxy_anchor",
     },
 )
