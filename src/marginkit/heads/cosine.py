@@ -35,6 +35,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from marginkit._validation import compute_dtype, float_tensor, positive_int, real
 from marginkit.ops.classes import ClassBlock, class_block
+from marginkit.ops.norms import robust_norm
 
 __all__ = [
     "CosineHead",
@@ -61,7 +62,7 @@ class _CosineFn(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, e: torch.Tensor, w: torch.Tensor, eps: float
     ) -> torch.Tensor:
-        e_norm = _robust_norm(e)
+        e_norm = robust_norm(e)
         e_inv = e_norm.clamp_min(eps).reciprocal()
         e_hat = e * e_inv
         w_norm = torch.linalg.vector_norm(w, dim=-1)
@@ -92,18 +93,6 @@ class _CosineFn(torch.autograd.Function):
             k_scaled = g2.mul_(cos.reshape(-1, cos.shape[-1])).sum(dim=0)
             grad_w.addcmul_(w, (-(w_inv * k_scaled) * w_live).unsqueeze(1))
         return grad_e, grad_w, None
-
-
-def _robust_norm(x: torch.Tensor) -> torch.Tensor:
-    """``‖x‖`` over the last dimension (keepdim) without overflow or underflow of the squares.
-
-    The rows are divided by their largest magnitude first: float32 embeddings of 1e30 have a
-    norm of about 1e30, not ``inf`` (whose reciprocal would make every cosine 0), and those of
-    1e-25 one of about 1e-25, not 0.
-    """
-    top = x.abs().amax(dim=-1, keepdim=True)
-    top = torch.where(top > 0, top, 1.0)
-    return torch.linalg.vector_norm(x / top, dim=-1, keepdim=True).mul_(top)
 
 
 class _Upcast(torch.autograd.Function):
@@ -232,7 +221,7 @@ class NormedCosines:
 def embedding_norms(embeddings: torch.Tensor) -> torch.Tensor:
     """Detached norms ``[...]`` of embeddings ``[..., D]`` (float32, float64 for float64), overflow-free."""
     with torch.no_grad():
-        return _robust_norm(embeddings.detach().to(compute_dtype(embeddings.dtype))).squeeze(-1)
+        return robust_norm(embeddings.detach().to(compute_dtype(embeddings.dtype))).squeeze(-1)
 
 
 class CosineHead(nn.Module):
