@@ -495,7 +495,7 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
             scaler.step(optimizer)
             scaler.update()
             with warnings.catch_warnings():  # the schedule counts iterations, skipped fp16 steps too
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`", UserWarning)
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
                 run.scheduler.step()
         run.global_step += 1
         n_steps += 1
