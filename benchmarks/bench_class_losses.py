@@ -11,8 +11,9 @@ B = 128, 256, 512, 1024, side by side in one run; each pair is "ours ÷ peer":
   scaled, ``F.cross_entropy``);
 - AdaFaceLoss ÷ the AdaFace authors' head in plain torch (arccos, both margins, clamps, CE).
 
-Timing as ``bench_qmargin.py``: one warm-up per method, then ``--repeats`` interleaved rounds
-(order reversed every other round), after one measured call per method for the peak; ratios are medians of per-round ratios. Peak memory: the
+Timing as ``bench_qmargin.py``: one warm-up and one peak-memory call per method, then
+``--repeats`` interleaved rounds (order reversed every other round); ratios are medians of
+per-round ratios. Peak memory: the
 process's resident high-water mark during one step minus its resident size before it
 (``/proc/self/clear_refs``; glibc is told to mmap allocations over 64 KiB and trim on free, so
 RSS follows live memory; the script re-executes itself with that setting).
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.classes, args.batches, args.repeats = 2000, "32,64", 2
     torch.set_num_threads(args.threads)
-    print(f"C = {args.classes}, D = {args.dim}, {args.threads} threads, {args.repeats} rounds, torch {torch.__version__}")
+    print(f"C = {args.classes}, D = {args.dim}, {args.threads} threads, {args.repeats} rounds")
     print("| B | loss | ms | peak MiB | peer | peer ms | peer peak MiB | time ÷ peer | peak ÷ peer |")
     print("|---|---|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
