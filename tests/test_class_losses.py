@@ -460,3 +460,24 @@ def test_huge_embeddings_give_their_cosines(gen, big):
     torch.testing.assert_close(x.grad * big, ref.grad, rtol=1e-4, atol=1e-5)
     norms = head(x, with_norms=True).norms
     torch.testing.assert_close(norms / big, torch.linalg.vector_norm(e, dim=1), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("mining", ["batch_all", "batch_hard", "semi_hard"])
+def test_triplet_losses_on_huge_embeddings(gen, mining):
+    from marginkit.losses import LocalMarginTripletLoss, TripletMarginLoss
+
+    e = torch.randn(8, 4, generator=gen)
+    y = torch.arange(8) % 2
+    for distance in ("l2", "squared_l2"):  # raw squared distances of 1e60 do not fit float32
+        with pytest.raises(ValueError, match="embeddings are too large: their .* distances overflow"):
+            TripletMarginLoss(mining=mining, distance=distance, normalize=False)(e * 1e30, y)
+    with pytest.raises(ValueError, match="embeddings are too large"):
+        LocalMarginTripletLoss(k=2, normalize=False)(e * 1e30, y)
+    cosine = TripletMarginLoss(mining=mining, distance="cosine", normalize=False)
+    scale_free = (TripletMarginLoss(mining=mining), cosine)
+    for loss in scale_free:
+        x = (e * 1e30).requires_grad_(True)
+        value = loss(x, y)
+        value.backward()
+        torch.testing.assert_close(value, loss(e, y), rtol=1e-5, atol=1e-6)  # scale-free: same answer
+        assert bool(torch.isfinite(x.grad).all())
