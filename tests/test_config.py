@@ -136,6 +136,7 @@ def test_registry_kinds_and_names():
     assert set(LOSSES) == {
         "softmax", "cosface", "arcface", "qmargin", "entmax", "sparsemax",
         "mep", "circle", "class_circle", "triplet", "local_triplet",
+        "combined_margin", "subcenter_arcface", "adaface", "proxy_anchor",
     }  # fmt: skip
     assert {n for n, s in LOSSES.items() if s.kind == "pair"} == {"circle", "triplet", "local_triplet"}
     assert resolved_options("local_triplet", {}, k=7)["k"] == 7
