@@ -171,17 +171,11 @@ class CNN1d(EmbeddingModel):
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (same padding), got {kernel_size}")
         norm = choice(norm, "norm", _NORMS)
-        pad = kernel_size // 2
         layers: list[nn.Module] = []
         for i, out_ch in enumerate(channels):
             stride = 1 if i == 0 else 2
             for j in range(convs_per_stage):
-                layers += [
-                    nn.Conv1d(in_ch, out_ch, kernel_size, stride=stride if j == 0 else 1, padding=pad,
-                              bias=norm == "none"),
-                    _norm1d(norm, out_ch),
-                    nn.GELU(),
-                ]  # fmt: skip
+                layers += _conv_gelu(1, in_ch, out_ch, kernel_size, stride if j == 0 else 1, norm)
                 in_ch = out_ch
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(2 * in_ch, embedding_dim)
@@ -215,6 +209,17 @@ def _norm2d(kind: str, channels: int) -> nn.Module:
     return nn.Identity() if kind == "none" else nn.BatchNorm2d(channels)
 
 
+def _conv_gelu(dims: int, in_ch: int, out_ch: int, kernel: int, stride: int, norm: str) -> list[nn.Module]:
+    """``Conv{dims}d(kernel, same padding) -> norm -> GELU`` (no conv bias in front of a norm)."""
+    conv = nn.Conv1d if dims == 1 else nn.Conv2d
+    bn = _norm1d if dims == 1 else _norm2d
+    return [
+        conv(in_ch, out_ch, kernel, stride=stride, padding=kernel // 2, bias=norm == "none"),
+        bn(norm, out_ch),
+        nn.GELU(),
+    ]
+
+
 class CNN2d(EmbeddingModel):
     """A small VGG-style CNN for small images (8–64 px): ``input_shape`` ``(C, H, W)``.
 
@@ -243,11 +248,7 @@ class CNN2d(EmbeddingModel):
         layers: list[nn.Module] = []
         for out_ch in channels:
             for _ in range(convs_per_stage):
-                layers += [
-                    nn.Conv2d(in_ch, out_ch, 3, padding=1, bias=norm == "none"),
-                    _norm2d(norm, out_ch),
-                    nn.GELU(),
-                ]
+                layers += _conv_gelu(2, in_ch, out_ch, 3, 1, norm)
                 in_ch = out_ch
             if min(h, w) >= 4:
                 layers.append(nn.MaxPool2d(2))
