@@ -30,11 +30,19 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, reduce_kept
+from marginkit._validation import REDUCTIONS, choice, positive_float, positive_int, reduce_kept
 from marginkit.ops.classes import class_block
+from marginkit.ops.margins import arcface_target, combined_margin_target
 from marginkit.ops.softmax import ScaledLogits, class_cross_entropy
 
-__all__ = ["ArcFaceLoss", "CosFaceLoss", "NormSoftmaxLoss", "margin_softmax_loss"]
+__all__ = [
+    "ArcFaceLoss",
+    "CombinedMarginLoss",
+    "CosFaceLoss",
+    "NormSoftmaxLoss",
+    "SubCenterArcFaceLoss",
+    "margin_softmax_loss",
+]
 
 TargetFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -91,35 +99,6 @@ def _per_example(
 
 def _identity(c: torch.Tensor) -> torch.Tensor:
     return c
-
-
-def _wide(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """float64 where the device has it (not MPS): for the ``[B]`` target column only."""
-    return dtype if device.type == "mps" else torch.float64
-
-
-def _arcface_target(c: torch.Tensor, margin: float) -> torch.Tensor:
-    """``cos(θ + m)`` while ``c > cos(π - m)`` (``θ = arccos c``), else ``c - m·sin(m)``.
-
-    ``cos(θ + m) = c·cos(m) - sin(θ)·sin(m)`` with ``sin(θ) = sqrt((1 - c)(1 + c))``: no
-    ``arccos`` (whose derivative is infinite at ``c = ±1``). The radicand is clamped at the
-    INPUT dtype's machine epsilon, i.e. ``c = ±1`` is treated, inside the sqrt only, as its
-    nearest representable neighbour: the derivative ``cos(m) + c·sin(m)/sin(θ)`` stays finite
-    everywhere (at most ``≈ 1 + sin(m)/sqrt(eps)``, 1.4e3 in float32 at m = 0.5), the value
-    error is at most ``sqrt(eps)·sin(m)`` (1.7e-4 in float32, where one ulp of ``c`` below 1
-    already moves ``θ`` by 3.5e-4). Both branches are finite everywhere, so the unselected
-    branch of ``torch.where`` never leaks a NaN into the gradient.
-
-    Evaluated in float64 (B values only) and rounded to the input dtype: rounding is monotone,
-    so the float32 target logit is monotone too; a float32 evaluation is not, by an ulp or
-    two, near the switch point where the slope is zero.
-    """
-    eps = torch.finfo(c.dtype).eps
-    x = c.to(_wide(c.dtype, c.device))
-    sin_theta = ((1 - x) * (1 + x)).clamp_min(eps).sqrt()
-    cos_m, sin_m = math.cos(margin), math.sin(margin)
-    arc = x * cos_m - sin_theta * sin_m
-    return torch.where(x > math.cos(math.pi - margin), arc, x - margin * sin_m).to(c.dtype)
 
 
 class _MarginSoftmaxBase(nn.Module):
@@ -322,7 +301,7 @@ class ArcFaceLoss(_MarginSoftmaxBase):
         _arc_margin(self.margin)
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
-        return _arcface_target(cos_y, float(self.margin))
+        return arcface_target(cos_y, float(self.margin))
 
 
 def _arc_margin(margin: Any) -> float:
@@ -330,3 +309,112 @@ def _arc_margin(margin: Any) -> float:
     if margin > math.pi / 2:
         raise ValueError(f"margin must be an angle in radians in [0, π/2], got {margin}")
     return margin
+
+
+class SubCenterArcFaceLoss(ArcFaceLoss):
+    """Sub-center ArcFace: ArcFace on a head with ``K`` sub-centres per class (Deng et al., ECCV 2020).
+
+    .. math:: c_{bj} = \\max_{k < K} \\cos\\angle(e_b, w_{jk}),\\qquad
+              \\ell = \\text{ArcFace}(c, y)
+
+    Deng, Guo, Liu, Zafeiriou, "Sub-center ArcFace: Boosting Face Recognition by Large-Scale
+    Noisy Web Faces", ECCV 2020. The max over a class's sub-centres is the head's
+    (:class:`~marginkit.heads.CosineHead` / :class:`~marginkit.heads.ShardedCosineHead` with
+    ``sub_centers=K``: the class cosine is the best sub-centre's, its gradient goes to that
+    sub-centre), so this loss is :class:`ArcFaceLoss` on those cosines; ``sub_centers`` is the
+    ``K`` the head is built with (the trainer reads it). Any class-level loss runs on a
+    sub-centre head; with ``K = 1`` this is ArcFace.
+
+    Args:
+        scale: ``s > 0``; margin: ``m`` in radians, ``0 ≤ m ≤ π/2``.
+        sub_centers: ``K ≥ 1`` for the head (pytorch-metric-learning's default 3).
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+
+    Shape: cosines ``[B, C]`` (the sub-centre head's), labels ``[B]`` → scalar (``[B]`` with ``"none"``).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.heads import CosineHead
+        >>> from marginkit.losses import SubCenterArcFaceLoss
+        >>> torch.manual_seed(0) and None
+        >>> head = CosineHead(num_classes=10, embedding_dim=4, sub_centers=3)
+        >>> e, y = torch.randn(8, 4), torch.randint(0, 10, (8,))
+        >>> SubCenterArcFaceLoss(scale=30.0)(head(e), y).backward()
+        >>> head.weight.shape
+        torch.Size([10, 3, 4])
+    """
+
+    def __init__(
+        self, scale: float = 64.0, margin: float = 0.5, sub_centers: int = 3, reduction: str = "mean"
+    ) -> None:
+        super().__init__(scale, margin, reduction)
+        self.sub_centers = positive_int(sub_centers, "sub_centers")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sub_centers={self.sub_centers}"
+
+
+class CombinedMarginLoss(_MarginSoftmaxBase):
+    """InsightFace's combined margin: target logit ``s·(cos(m₁·θ_y + m₂) − m₃)``.
+
+    .. math::
+
+        \\ell(c, y) = -\\log \\frac{e^{s f(c_y)}}{e^{s f(c_y)} + \\sum_{j\\ne y} e^{s c_j}},
+        \\qquad f(c) = \\cos(m_1 \\arccos c + m_2) - m_3
+
+    (InsightFace / arcface_torch ``CombinedMarginLoss``; SphereFace's multiplicative ``m₁``,
+    ArcFace's additive angular ``m₂``, CosFace's additive cosine ``m₃``.) Past the angle where
+    ``m₁θ + m₂`` reaches ``π`` the target continues monotonically
+    (:func:`marginkit.ops.margins.combined_margin_target`). ``(1, 0, m)`` is exactly
+    :class:`CosFaceLoss` with margin ``m``, ``(1, m, 0)`` exactly :class:`ArcFaceLoss`.
+
+    Args:
+        m1: ``m₁ > 0``; m2: ``0 ≤ m₂ ≤ π/2`` (radians); m3: ``m₃ ≥ 0``; the switch angle
+            ``(π − m₂)/m₁`` must be at least ``π/2`` (``m₁ ≤ 2 − 2m₂/π``), so that ``f`` is
+            monotone. Plain attributes: a schedule may change them.
+        scale: ``s > 0``.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+
+    Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.losses import CombinedMarginLoss
+        >>> cos = torch.tensor([[0.9, 0.1, -0.2], [0.0, 0.5, 0.4]])
+        >>> round(float(CombinedMarginLoss(0.9, 0.4, 0.15, scale=10.0)(cos, torch.tensor([0, 1]))), 4)
+        1.6526
+    """
+
+    m1: float
+    m2: float
+    m3: float
+
+    def __init__(
+        self, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0, scale: float = 64.0, reduction: str = "mean"
+    ) -> None:
+        super().__init__(scale, reduction)
+        self.m1, self.m2, self.m3 = _combined_margins(m1, m2, m3)
+
+    def _check_hyper(self) -> None:
+        super()._check_hyper()
+        _combined_margins(self.m1, self.m2, self.m3)
+
+    def target(self, cos_y: torch.Tensor) -> torch.Tensor:
+        return combined_margin_target(cos_y, float(self.m1), float(self.m2), float(self.m3))
+
+    def extra_repr(self) -> str:
+        return f"m1={self.m1}, m2={self.m2}, m3={self.m3}, scale={self.scale}, reduction={self.reduction!r}"
+
+
+def _combined_margins(m1: Any, m2: Any, m3: Any) -> tuple[float, float, float]:
+    m1 = positive_float(m1, "m1")
+    m2 = positive_float(m2, "m2", allow_zero=True)
+    m3 = positive_float(m3, "m3", allow_zero=True)
+    if m2 > math.pi / 2:
+        raise ValueError(f"m2 must be an angle in radians in [0, π/2], got {m2}")
+    if (math.pi - m2) / m1 < math.pi / 2:
+        raise ValueError(
+            f"m1 must be at most 2 − 2·m2/π = {2 - 2 * m2 / math.pi:.4g} for m2={m2} (the target "
+            f"cos(m1·θ + m2) − m3 must stay monotone in θ: its switch angle (π − m2)/m1 ≥ π/2), got m1={m1}"
+        )
+    return m1, m2, m3

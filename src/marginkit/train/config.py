@@ -72,7 +72,8 @@ class TrainConfig:
         class centres' learning rate, default ``lr``), ``weight_decay``, ``momentum`` (sgd),
         ``scheduler`` (cosine | step | none, stepped per iteration), ``warmup_epochs``
         (linear warm-up, may be fractional), ``step_epochs``/``step_gamma`` (step schedule),
-        ``grad_clip`` (max global gradient norm, ``None`` = off), ``amp`` (bf16 autocast),
+        ``grad_clip`` (max global gradient norm, ``None`` = off), ``amp`` (``off`` | ``bf16``
+        autocast | ``fp16`` autocast with ``torch.amp.GradScaler``; ``true`` means ``bf16``),
         ``precise_bn`` — after every epoch, recompute batch-norm running statistics as exact
         averages over up to this many training samples (0 = off): with short budgets the
         exponential running averages lag the weights and eval-mode embeddings collapse.
@@ -115,7 +116,7 @@ class TrainConfig:
     step_epochs: int = 10
     step_gamma: float = 0.1
     grad_clip: float | None = None
-    amp: bool = False
+    amp: str = "off"
     precise_bn: int = 4096
     samples_per_class: int = 10
     classes_per_batch: int | None = None
@@ -161,6 +162,7 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Check every value's type and range; raise :class:`ConfigError` naming the key."""
+        self.amp = amp_mode(self.amp)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_types()[f.name]))
         if not self.data or not isinstance(self.data, str):
@@ -189,6 +191,11 @@ class TrainConfig:
                 _at_least(getattr(self, name), name, 1)
         _at_least(self.eval_batch_size, "eval_batch_size", 1)
         _at_least(self.precise_bn, "precise_bn", 0)
+        if LOSSES[self.loss].norms and self.normalize:
+            raise ConfigError(
+                f"loss {self.loss!r} adapts its margin to the embedding norms, which normalize: true makes "
+                "all 1: set normalize: false (--set normalize=false)"
+            )
         if self.samples_per_class < 2 and LOSSES[self.loss].kind == "pair":
             raise ConfigError("samples_per_class must be >= 2 for pair losses (each anchor needs a positive)")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -293,6 +300,24 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
+
+
+#: ``amp`` values: no autocast, bfloat16 autocast, float16 autocast with a gradient scaler.
+AMP_MODES = ("off", "bf16", "fp16")
+_AMP_ALIASES = {"true": "bf16", "on": "bf16", "yes": "bf16", "1": "bf16", "bfloat16": "bf16", "false": "off",
+                "no": "off", "0": "off", "none": "off", "float16": "fp16", "half": "fp16"}  # fmt: skip
+
+
+def amp_mode(value: Any) -> str:
+    """``amp`` as one of :data:`AMP_MODES` (``True``, from older configs and checkpoints, is ``bf16``)."""
+    if isinstance(value, bool) or value is None:
+        return "bf16" if value else "off"
+    if isinstance(value, str):
+        key = value.strip().lower()
+        mode = _AMP_ALIASES.get(key, key)
+        if mode in AMP_MODES:
+            return mode
+    raise ConfigError(f"amp must be one of {', '.join(AMP_MODES)} (or true/false), got {value!r}")
 
 
 def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> ConfigError:
