@@ -44,7 +44,7 @@ def test_mnist1d_shapes_and_cache(mnist1d_cache):
     assert len(data.train) + len(data.val) == 4000 and len(data.test) == 1000
     assert data.train.x.dtype == torch.float32 and data.train.y.dtype == torch.int64
     assert data.mean is None  # mnist1d is already standardised by its generator
-    assert (cache / "mnist1d-v1.npz").is_file()
+    assert (cache / "mnist1d-v2.npz").is_file()
     assert not list(cache.glob("*.tmp"))  # the atomic write left no temporary behind
 
 
@@ -82,7 +82,7 @@ def test_mnist1d_second_load_reads_the_cache(mnist1d_cache, monkeypatch):
 
 def test_mnist1d_corrupt_cache_is_regenerated(mnist1d_cache, tmp_path, monkeypatch):
     _, data, _, _ = mnist1d_cache
-    (tmp_path / "mnist1d-v1.npz").write_bytes(b"not a zip archive")
+    (tmp_path / "mnist1d-v2.npz").write_bytes(b"not a zip archive")
     calls = []
     good = {
         "x": torch.cat([data.train.x, data.val.x]).numpy(),
@@ -91,10 +91,33 @@ def test_mnist1d_corrupt_cache_is_regenerated(mnist1d_cache, tmp_path, monkeypat
         "y_test": data.test.y.numpy(),
     }
     monkeypatch.setattr(ds, "_generate_mnist1d", lambda: calls.append(1) or good)
-    load_dataset("mnist1d", cache_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="mnist1d-v2.npz unreadable"):
+        load_dataset("mnist1d", cache_dir=str(tmp_path))
     assert calls == [1]
-    with np.load(tmp_path / "mnist1d-v1.npz") as archive:  # rewritten with the valid content
+    with np.load(tmp_path / "mnist1d-v2.npz") as archive:  # rewritten with the valid content
         assert archive["x"].shape == (4000, 40)
+
+
+def test_mnist1d_altered_cache_is_detected_and_regenerated(mnist1d_cache, tmp_path, monkeypatch):
+    cache, data, _, _ = mnist1d_cache
+    with np.load(cache / "mnist1d-v2.npz") as archive:
+        arrays = {k: archive[k] for k in archive.files}
+    assert set(arrays) == {"x", "y", "x_test", "y_test", "sha256"}
+    assert str(arrays["sha256"]) == ds.arrays_digest({k: v for k, v in arrays.items() if k != "sha256"})
+    fresh = {k: v for k, v in arrays.items() if k != "sha256"}
+    monkeypatch.setattr(ds, "_generate_mnist1d", lambda: dict(fresh))
+    tampered = dict(arrays)
+    tampered["y"] = (arrays["y"] + 1) % 10  # altered labels, checksum kept: still plausible data
+    np.savez(tmp_path / "mnist1d-v2.npz", **tampered)
+    with pytest.warns(UserWarning, match="does not match the checksum recorded when it was made"):
+        again = load_dataset("mnist1d", cache_dir=str(tmp_path))
+    assert torch.equal(again.test.y, data.test.y) and torch.equal(again.train.y, data.train.y)
+    with np.load(tmp_path / "mnist1d-v2.npz") as archive:  # rewritten with the generated content
+        np.testing.assert_array_equal(archive["y"], arrays["y"])
+    del tampered["sha256"]  # a cache without a checksum is not trusted either
+    np.savez(tmp_path / "mnist1d-v2.npz", **tampered)
+    with pytest.warns(UserWarning, match="does not match the checksum"):
+        load_dataset("mnist1d", cache_dir=str(tmp_path))
 
 
 def test_cache_dir_resolution(monkeypatch, tmp_path):

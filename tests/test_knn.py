@@ -184,6 +184,116 @@ def test_hnsw_recall_helper(gen):
     assert KNNClassifier(10, "l2").fit(ref, lab).recall_at_k(q) == 1.0
 
 
+# ---------------------------------------------------------------- exact distances, duplicates, ties
+def _lexsort_brute(queries, refs, k):
+    """Exact squared distances (float64 of the stored vectors), ties to the lower index."""
+    sq = ((queries.double()[:, None, :] - refs.double()[None, :, :]) ** 2).sum(-1).numpy()
+    cols = np.arange(refs.shape[0])
+    idx = np.stack([np.lexsort((cols, row))[:k] for row in sq])
+    return np.take_along_axis(sq, idx, 1), idx
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("limit_mb", [0.05, 512])
+def test_integer_grid_duplicates_and_ties(gen, backend, dtype, limit_mb):
+    # Small integers: every distance is exact, so ties are true ties (600 neighbour slots).
+    if backend == "faiss" and dtype == torch.float64:
+        pytest.skip("FAISS works in float32")
+    ref = torch.randint(-3, 4, (200, 5), generator=gen).to(dtype)
+    q = torch.randint(-3, 4, (120, 5), generator=gen).to(dtype)
+    q[:20] = ref[:20]  # exact duplicates of references
+    lab = torch.randint(0, 4, (200,), generator=gen)
+    clf = KNNClassifier(5, "l2", "distance", backend, memory_limit_mb=limit_mb).fit(ref, lab)
+    values, idx = clf.kneighbors(q)
+    sq, brute = _lexsort_brute(q, ref, 5)
+    np.testing.assert_array_equal(idx.numpy(), brute)  # the lowest-index rule, slot by slot
+    np.testing.assert_allclose(values.double().numpy(), np.sqrt(sq), rtol=torch.finfo(dtype).eps, atol=0)
+    assert (values[:20, 0] == 0).all()
+    # An exact match takes all the weight (shared among the references at distance 0).
+    proba = clf.predict_proba(q[:20])
+    zero = (ref[None, :, :] == q[:20, None, :]).all(-1)
+    expected = torch.zeros(20, 4, dtype=proba.dtype)
+    for row in range(20):
+        at_zero = idx[row][values[row] == 0]
+        expected[row] = torch.bincount(lab[at_zero], minlength=4).to(proba.dtype) / len(at_zero)
+        assert zero[row, at_zero].all()
+    assert torch.equal(proba, expected)
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw"])
+@pytest.mark.parametrize("scale", [12.0, 1e3])
+def test_float32_self_distance_is_zero_at_large_norms(gen, backend, scale):
+    # Key-based distances cancel: at |x| ~ 12 a reference's distance to itself was 1e-2.
+    ref = scale * torch.randn(300, 16, generator=gen)
+    q = ref + 0.05 * scale * torch.randn(300, 16, generator=gen)
+    clf = KNNClassifier(3, "l2", "distance", backend, hnsw_ef_search=300).fit(ref, torch.arange(300) % 7)
+    values, idx = clf.kneighbors(ref)
+    assert (values[:, 0] == 0).all() and torch.equal(idx[:, 0], torch.arange(300))
+    sq, brute = _lexsort_brute(q, ref, 3)
+    values, idx = clf.kneighbors(q)
+    np.testing.assert_array_equal(idx.numpy(), brute)
+    np.testing.assert_allclose(values.double().numpy(), np.sqrt(sq), rtol=2e-6)
+    cos = KNNClassifier(3, "cosine", "distance", backend, hnsw_ef_search=300).fit(ref, torch.arange(300) % 7)
+    sims, idx = cos.kneighbors(ref)
+    assert (sims[:, 0] == 1).all() and torch.equal(idx[:, 0], torch.arange(300))
+
+
+def _near_ties(gen, n_near=40, dim=8):
+    """A query at |x| = 100·sqrt(D) with 40 references at distances 1 + j·1e-3 (shuffled), 500 far ones.
+
+    The keys' rounding (~0.1 in squared distance) is far above the gaps (~2e-3): the candidates
+    by key are wrong, and only the recomputed, certified search gets the order right.
+    """
+    centre = torch.full((1, dim), 100.0, dtype=torch.float64)
+    u = torch.nn.functional.normalize(torch.randn(n_near, dim, generator=gen, dtype=torch.float64), dim=1)
+    radius = 1 + 1e-3 * torch.randperm(n_near, generator=gen, dtype=torch.float64)
+    far = centre + 3 + torch.rand(500, dim, generator=gen, dtype=torch.float64)
+    ref = torch.cat([far[:250], centre + u * radius[:, None], far[250:]]).float()
+    return ref, centre.float()
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss"])
+@pytest.mark.parametrize("exhaustive_fallback", [False, True])
+def test_near_ties_beyond_the_keys_precision_are_resolved(gen, monkeypatch, backend, exhaustive_fallback):
+    from marginkit.knn import _search
+
+    if exhaustive_fallback:  # as if the budget could not hold more candidates
+        monkeypatch.setattr(_search, "_fits", lambda *a: False)
+    ref, q = _near_ties(gen)
+    clf = KNNClassifier(5, "l2", backend=backend).fit(ref, torch.arange(ref.shape[0]) % 3)
+    values, idx = clf.kneighbors(q, k=12)
+    sq, brute = _lexsort_brute(q, ref, 12)
+    np.testing.assert_array_equal(idx.numpy(), brute)
+    np.testing.assert_allclose(values.double().numpy(), np.sqrt(sq), rtol=1e-5)
+
+
+def test_exhaustive_search_matches_brute_force_with_exclusion(gen):
+    from marginkit.knn._search import exhaustive_search
+
+    ref = torch.randint(-2, 3, (90, 3), generator=gen).float()
+    for limit in (2**10, 2**20):  # one reference column at a time, and whole rows
+        values, idx = exhaustive_search(
+            ref, ref, 7, metric="l2", memory_limit_bytes=limit, exclude=torch.arange(90)
+        )
+        sq = ((ref[:, None].double() - ref[None].double()) ** 2).sum(-1)
+        sq.fill_diagonal_(math.inf)
+        cols = np.arange(90)
+        brute = np.stack([np.lexsort((cols, row))[:7] for row in sq.numpy()])
+        np.testing.assert_array_equal(idx.numpy(), brute)
+        expected = np.sqrt(np.take_along_axis(sq.numpy(), brute, 1)).astype(np.float32)
+        np.testing.assert_array_equal(values.numpy(), expected)
+
+
+def test_overflowing_squared_norms_are_an_error():
+    ref = torch.tensor([[3e19, 0.0], [0.0, 1.0]])
+    with pytest.raises(ValueError, match="squared norm overflows float32"):
+        KNNClassifier(1, "l2").fit(ref, torch.tensor([0, 1]))
+    clf = KNNClassifier(1, "l2").fit(ref[1:], torch.tensor([1]))
+    with pytest.raises(ValueError, match="queries has rows whose squared norm overflows"):
+        clf.kneighbors(ref[:1])
+
+
 # ---------------------------------------------------------------- growing, saving, fingerprints
 def _seeded(module, gen):
     """Overwrite a module's parameters from the seeded generator (no global RNG)."""
@@ -252,6 +362,126 @@ def test_load_refuses_another_model(gen, tmp_path):
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
     with pytest.raises(ValueError, match="not a saved KNNClassifier"):
         KNNClassifier.load(tmp_path / "other.npz")
+
+
+def _saved(gen, tmp_path, metric="cosine", backend="exact", **kw):
+    ref, lab, _ = _data(gen, n=60, dtype=torch.float32)
+    path = tmp_path / f"{backend}-{metric}.npz"
+    KNNClassifier(3, metric, backend=backend, **kw).fit(ref, lab).save(path)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    return path, json.loads(str(arrays.pop("metadata"))), arrays
+
+
+def _rewrite(path, meta, arrays):
+    text = meta if isinstance(meta, str) else json.dumps(meta)
+    np.savez(path, **arrays, metadata=np.array(text))
+    return path
+
+
+def _bad_index_cases(meta, arrays):
+    """(name, metadata, arrays) of damaged variants of a valid cosine 'exact' index."""
+    labels, x = arrays["labels"], arrays["embeddings"]
+    return [
+        ("not json", "{'k': 3", arrays, "not valid JSON"),
+        ("a list", [1, 2], arrays, "must be a JSON object, got list"),
+        ("missing key", {k: v for k, v in meta.items() if k != "k"}, arrays, "metadata lacks 'k'"),
+        ("k too big", {**meta, "k": 61}, arrays, r"'k' must be an integer in \[1, 60\]"),
+        ("bad metric", {**meta, "metric": "dot"}, arrays, "'metric' must be"),
+        ("bad limit", {**meta, "memory_limit_mb": -1}, arrays, "invalid setting: memory_limit_mb"),
+        ("bool dim", {**meta, "dimension": True}, arrays, "'dimension' must be an integer"),
+        ("int dtype", meta, {**arrays, "embeddings": x.astype(np.int32)}, "'embeddings' must be float32"),
+        ("few classes", {**meta, "num_classes": 2}, arrays, r"must lie in \[0, num_classes=2\)"),
+        ("negative", meta, {**arrays, "labels": labels - 1}, r"got values in \[-1, "),
+        ("fractional", meta, {**arrays, "labels": labels + 0.5}, "'labels' must be 60 integers"),
+        ("nan", meta, {**arrays, "embeddings": np.where(x > 0.5, np.nan, x)}, "NaN, infinite"),
+        ("not unit", meta, {**arrays, "embeddings": 2 * x}, "must be unit-norm"),
+        ("rows", {**meta, "num_references": 59}, arrays, r"'labels' must be 59 integers"),
+        ("extra", meta, {**arrays, "faiss_index": np.zeros(3, np.uint8)}, "holds arrays"),
+        ("objects", meta, {**arrays, "labels": labels.astype(object)}, "dtype object is not allowed"),
+        ("version", {**meta, "version": 7}, arrays, "version 7"),
+        ("fingerprint", {**meta, "model_fingerprint": 3}, arrays, "'model_fingerprint' must be a string"),
+    ]
+
+
+def test_load_refuses_damaged_files_with_one_error(gen, tmp_path):
+    from marginkit.knn import IndexFileError
+
+    path, meta, arrays = _saved(gen, tmp_path, num_classes=None)
+    meta["fixed_num_classes"] = True
+    for name, bad_meta, bad_arrays, message in _bad_index_cases(meta, arrays):
+        bad = _rewrite(tmp_path / f"{name}.npz", bad_meta, bad_arrays)
+        with pytest.raises(IndexFileError, match=message) as info:
+            KNNClassifier.load(bad)
+        assert str(bad) in str(info.value), name
+    data = path.read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(IndexFileError, match="truncated.npz: not an .npz archive"):
+        KNNClassifier.load(tmp_path / "truncated.npz")
+    meta["fixed_num_classes"] = False  # then num_classes is max(label) + 1 exactly
+    _rewrite(tmp_path / "classes.npz", {**meta, "num_classes": 9}, arrays)
+    with pytest.raises(IndexFileError, match="'num_classes' is 9 but the largest label is 4"):
+        KNNClassifier.load(tmp_path / "classes.npz")
+    with pytest.raises(FileNotFoundError, match="no such K-NN index"):
+        KNNClassifier.load(tmp_path / "nowhere.npz")
+    assert issubclass(IndexFileError, ValueError)  # the CLI reports it as a user error
+
+
+def test_load_checks_headers_before_reading(gen, tmp_path, monkeypatch):
+    import zipfile
+
+    from marginkit.knn import IndexFileError
+
+    path, meta, arrays = _saved(gen, tmp_path)
+    claims = tmp_path / "claims.npz"
+    np.savez(claims, labels=arrays["labels"], metadata=np.array(json.dumps(meta)))
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000, 128), }".ljust(118) + "\n"
+    with zipfile.ZipFile(claims, "a") as z:  # 512 GB claimed in a few bytes
+        z.writestr(
+            "embeddings.npy", b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
+        )
+    with pytest.raises(IndexFileError, match=r"'embeddings': array of shape \[1000000000, 128\].*exceeds"):
+        KNNClassifier.load(claims)
+    monkeypatch.setenv("MARGINKIT_MAX_INPUT_MB", "0.001")
+    with pytest.raises(IndexFileError, match="above the input memory limit"):
+        KNNClassifier.load(path)
+
+
+def test_load_refuses_a_damaged_hnsw_graph(gen, tmp_path):
+    from marginkit.knn import IndexFileError
+
+    path, meta, arrays = _saved(gen, tmp_path, backend="hnsw")
+    KNNClassifier.load(path)
+    neighbors, offsets, levels = arrays["hnsw_neighbors"], arrays["hnsw_offsets"], arrays["hnsw_levels"]
+    top = int(np.flatnonzero(levels == levels.max())[0])
+    low = int(np.flatnonzero(levels == levels.min())[0])
+    cases = [
+        (
+            {**arrays, "hnsw_neighbors": np.where(neighbors == neighbors.max(), 60, neighbors)},
+            meta,
+            "node ids",
+        ),
+        ({**arrays, "hnsw_neighbors": neighbors[:-1]}, meta, "'hnsw_neighbors' must be int32"),
+        ({**arrays, "hnsw_offsets": offsets + np.uint64(1)}, meta, "do not match the nodes' levels"),
+        ({**arrays, "hnsw_levels": levels * 0}, meta, r"must lie in \[1, "),
+        ({**arrays, "hnsw_levels": levels.astype(np.int64)}, meta, "'hnsw_levels' must be int32"),
+        (arrays, {**meta, "hnsw": {**meta["hnsw"], "entry_point": low}}, "entry point"),
+        (arrays, {**meta, "hnsw": {**meta["hnsw"], "entry_point": 60}}, "'entry_point' must be"),
+        ({k: v for k, v in arrays.items() if k != "hnsw_offsets"}, meta, "holds arrays"),
+        (arrays, {**meta, "version": 1}, "version-1 HNSW index"),
+    ]
+    assert top != low
+    for i, (bad_arrays, bad_meta, message) in enumerate(cases):
+        bad = _rewrite(tmp_path / f"hnsw{i}.npz", bad_meta, bad_arrays)
+        with pytest.raises(IndexFileError, match=message):
+            KNNClassifier.load(bad)
+
+
+def test_version_1_exact_files_still_load(gen, tmp_path):
+    path, meta, arrays = _saved(gen, tmp_path, metric="l2")
+    old = _rewrite(tmp_path / "v1.npz", {**meta, "version": 1}, arrays)
+    q = _data(gen, n=60, dtype=torch.float32)[2]
+    assert torch.equal(KNNClassifier.load(old).predict(q), KNNClassifier.load(path).predict(q))
 
 
 def test_model_fingerprint_sees_weights_buffers_architecture(gen):

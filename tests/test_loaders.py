@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from marginkit._files import INPUT_LIMIT_ENV
 from marginkit.data import load_dataset
-from marginkit.data.loaders import RestrictedUnpickler, parse_idx, restricted_load
+from marginkit.data.loaders import RestrictedUnpickler, read_idx, restricted_load
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_npz_errors_name_path_and_expectation(tmp_path, rng):
 def test_npz_corrupt_pickled_and_missing_files(tmp_path):
     bad = tmp_path / "corrupt.npz"
     bad.write_bytes(b"PK\x03\x04 definitely not a zip")
-    with pytest.raises(ValueError, match="not a readable .npz"):
+    with pytest.raises(ValueError, match="not an .npz archive"):
         load_dataset(f"npz:{bad}")
     objects = tmp_path / "objects.npz"
     np.savez(objects, train_images=np.array([{"a": 1}], dtype=object))
@@ -93,6 +94,45 @@ def test_npz_integral_float_labels_are_accepted(tmp_path, rng):
     np.savez(tmp_path / "f.npz", **arrays)
     data = load_dataset(f"npz:{tmp_path / 'f.npz'}")
     assert data.train.y.dtype == torch.int64 and data.num_classes == 4
+
+
+def _npy_claiming(shape, dtype="<u1", data=b""):
+    """The bytes of a .npy member whose header claims ``shape`` but that holds only ``data``."""
+    header = f"{{'descr': '{dtype}', 'fortran_order': False, 'shape': {tuple(shape)}, }}"
+    header = header.ljust(118) + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1") + data
+
+
+def test_npz_claiming_6_gb_is_refused_before_allocating(tmp_path, rng):
+    import zipfile
+
+    good = _medmnist(rng)
+    path = tmp_path / "claims.npz"
+    np.savez(path, **{k: v for k, v in good.items() if k != "train_images"})
+    with zipfile.ZipFile(path, "a") as z:  # 144 bytes that claim 6 GB of images
+        z.writestr("train_images.npy", _npy_claiming((60_000, 1000, 100)))
+    with pytest.raises(ValueError, match=r"claims.npz: array 'train_images': .*\[60000, 1000, 100\]") as e:
+        load_dataset(f"npz:{path}")
+    assert "above the input memory limit" in str(e.value) and INPUT_LIMIT_ENV in str(e.value)
+    small = tmp_path / "small.npz"  # a claim under the limit that the member does not hold
+    np.savez(small, **{k: v for k, v in good.items() if k != "train_images"})
+    with zipfile.ZipFile(small, "a") as z:
+        z.writestr("train_images.npy", _npy_claiming((40, 1000, 1000)))
+    with pytest.raises(ValueError, match=r"small.npz: array 'train_images': truncated array data"):
+        load_dataset(f"npz:{small}")
+    # A genuine archive over the limit is refused from its headers, before it is read.
+    big = tmp_path / "big.npz"
+    np.savez_compressed(
+        big,
+        **{**good, "train_images": np.zeros((3000, 28, 28), np.uint8), "train_labels": np.arange(3000) % 4},
+    )
+    assert big.stat().st_size < 100_000
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(INPUT_LIMIT_ENV, "2")
+        with pytest.raises(ValueError, match=r"big.npz: array 'train_images': .*exceeds the limit"):
+            load_dataset(f"npz:{big}")
+        mp.setenv(INPUT_LIMIT_ENV, "3")
+        assert len(load_dataset(f"npz:{big}").train) == 3000
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,11 +172,48 @@ def test_mnist_idx_plain_and_gzipped(tmp_path, rng, gz):
     np.testing.assert_array_equal(data.train.y.numpy(), arrays["train"][1])
 
 
-def test_parse_idx_other_types_and_endianness():
+def _budget():
+    from marginkit._files import InputBudget
+
+    return InputBudget("test")
+
+
+def test_read_idx_other_types_and_endianness(tmp_path):
     a = np.arange(6, dtype=np.int32).reshape(2, 3) - 3
-    np.testing.assert_array_equal(parse_idx(_idx_bytes(a, 0x0C), "x"), a)
+    (tmp_path / "a").write_bytes(_idx_bytes(a, 0x0C))
+    np.testing.assert_array_equal(read_idx(tmp_path / "a", _budget()), a)
     f = np.linspace(-1, 1, 4).astype(np.float64)
-    np.testing.assert_array_equal(parse_idx(_idx_bytes(f, 0x0E), "x"), f)
+    (tmp_path / "f.gz").write_bytes(gzip.compress(_idx_bytes(f, 0x0E)))
+    np.testing.assert_array_equal(read_idx(tmp_path / "f.gz", _budget()), f)
+
+
+def test_idx_gzip_bomb_is_refused_before_decompressing(tmp_path, monkeypatch):
+    # 10 GB declared, a few kB of gzip: refused from the header, nothing is decompressed.
+    header = bytes([0, 0, 0x08, 3]) + struct.pack(">III", 10_000, 1000, 1000)
+    bomb = tmp_path / "bomb.gz"
+    with gzip.open(bomb, "wb") as f:
+        f.write(header)
+        f.write(bytes(50_000_000))
+    assert bomb.stat().st_size < 100_000
+    with pytest.raises(
+        ValueError, match=r"bomb.gz \(IDX array \[10000, 1000, 1000\]\) needs .*input memory limit"
+    ):
+        read_idx(bomb, _budget())
+    # A header that understates its data: decompression stops one byte past the declared size.
+    small = tmp_path / "small.gz"
+    with gzip.open(small, "wb") as f:
+        f.write(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + bytes(50_000_000))
+    with pytest.raises(ValueError, match="declares shape \\[10\\].*holds more data bytes"):
+        read_idx(small, _budget())
+    # The limit is one environment variable.
+    monkeypatch.setenv(INPUT_LIMIT_ENV, "0.5")
+    one_mb = tmp_path / "one_mb.gz"
+    one_mb.write_bytes(gzip.compress(_idx_bytes(np.zeros(2**20, np.uint8))))
+    with pytest.raises(ValueError, match="above the input memory limit of 0.5 MB.*MARGINKIT_MAX_INPUT_MB"):
+        read_idx(one_mb, _budget())
+    monkeypatch.setenv(INPUT_LIMIT_ENV, "lots")
+    with pytest.raises(ValueError, match="MARGINKIT_MAX_INPUT_MB must be a number of megabytes"):
+        read_idx(one_mb, _budget())
 
 
 def test_mnist_idx_errors(tmp_path, rng):
@@ -268,6 +345,56 @@ def test_cifar10_errors(tmp_path, rng):
         load_dataset(f"cifar10:{root}")
 
 
+class _Uninitialised:
+    """Pickles as a direct call that allocates an array of uninitialised memory."""
+
+    def __init__(self, shape, dtype, via_reconstruct=False):
+        self.shape, self.dtype, self.via = shape, np.dtype(dtype), via_reconstruct
+
+    def __reduce__(self):
+        if self.via:
+            from numpy._core.multiarray import _reconstruct
+
+            return (_reconstruct, (np.ndarray, self.shape, b"B"))
+        return (np.ndarray, (self.shape, self.dtype))
+
+
+@pytest.mark.parametrize("via_reconstruct", [False, True])
+def test_crafted_cifar_batch_of_uninitialised_memory_is_refused(tmp_path, rng, via_reconstruct):
+    root = tmp_path / "c"
+    _write_cifar(root, rng)
+    batch = {
+        b"data": _Uninitialised((30_000, 3072), np.uint8, via_reconstruct),
+        b"labels": _Uninitialised((30_000,), np.int64, via_reconstruct),
+    }
+    payload = pickle.dumps(batch, protocol=2)
+    assert len(payload) < 400  # a few hundred bytes that would claim 92 MB
+    (root / "data_batch_2").write_bytes(payload)
+    with pytest.raises(ValueError, match="data_batch_2: unsafe or corrupt pickle refused: refusing"):
+        load_dataset(f"cifar10:{root}")
+
+
+def test_cifar_batch_must_be_the_documented_layout(tmp_path, rng):
+    root = tmp_path / "c"
+    _write_cifar(root, rng)
+    (root / "batches.meta").unlink()
+    data = np.zeros((6, 3072), np.uint8)
+    (root / "test_batch").write_bytes(pickle.dumps({b"data": data, b"labels": [232, 0, 1, 2, 3, 4]}))
+    with pytest.raises(ValueError, match=r"test_batch: label 232 is outside the 10 classes 0..9"):
+        load_dataset(f"cifar10:{root}")
+    (root / "test_batch").write_bytes(pickle.dumps({b"data": data, b"labels": {"a": 1}}))
+    with pytest.raises(ValueError, match="'labels' must be a list of integers"):
+        load_dataset(f"cifar10:{root}")
+    objects = np.array([None] * 6, dtype=object)
+    (root / "test_batch").write_bytes(pickle.dumps({b"data": data, b"labels": objects}))
+    with pytest.raises(ValueError, match="refusing numpy dtype object"):
+        load_dataset(f"cifar10:{root}")
+    with pytest.MonkeyPatch.context() as mp:  # six batch files of ~20 kB: over a 0.1 MB limit
+        mp.setenv(INPUT_LIMIT_ENV, "0.1")
+        with pytest.raises(ValueError, match="batch file .* above the input memory limit"):
+            load_dataset(f"cifar10:{root}")
+
+
 # --------------------------------------------------------------------------------------------
 # folder of images
 
@@ -341,6 +468,48 @@ def test_folder_errors(tmp_path, rng):
         load_dataset(f"folder:{tmp_path / 'empty'}")
 
 
+def _png_claiming(width, height):
+    """A valid 8-bit grayscale PNG header claiming ``width x height`` with a few bytes of pixels."""
+    import zlib
+
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(bytes(width + 1) * 4)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def test_folder_truncated_png_is_refused(tmp_path, rng):
+    _write_folder(tmp_path / "t", rng)
+    path = tmp_path / "t" / "dog" / "0.png"
+    data = path.read_bytes()
+    for cut in (12, 20):  # without its end chunk; inside the last data chunk's checksum
+        path.write_bytes(data[:-cut])
+        with pytest.raises(ValueError, match="dog/0.png: cannot read image"):
+            load_dataset(f"folder:{tmp_path / 't'}")
+
+
+def test_folder_decompression_bombs_are_refused_before_decoding(tmp_path, rng, monkeypatch):
+    _write_folder(tmp_path / "b", rng)
+    bomb = tmp_path / "b" / "cat" / "bomb.png"
+    bomb.write_bytes(_png_claiming(40_000, 40_000))  # 1.6 gigapixels in a few kB
+    with pytest.raises(ValueError, match="bomb.png: refused as a decompression bomb"):
+        load_dataset(f"folder:{tmp_path / 'b'}")
+    bomb.write_bytes(_png_claiming(1000, 1000))  # 4 MB to decode, over a 2 MB limit
+    monkeypatch.setenv(INPUT_LIMIT_ENV, "2")
+    with pytest.raises(
+        ValueError, match=r"bomb.png: decoding its 1000x1000 pixels needs .* input memory limit"
+    ):
+        load_dataset(f"folder:{tmp_path / 'b'}")
+    bomb.unlink()
+    monkeypatch.delenv(INPUT_LIMIT_ENV)
+    # A bomb-sized image_size: 15 images of 100000 x 100000 are refused before any is resized.
+    bomb_size = r"15 images of 1x100000x100000 \(image_size=100000\) needs .* input memory limit"
+    with pytest.raises(ValueError, match=bomb_size):
+        load_dataset(f"folder:{tmp_path / 'b'}", image_size=100_000)
+
+
 # --------------------------------------------------------------------------------------------
 # features
 
@@ -369,6 +538,7 @@ def test_features_errors(tmp_path, rng):
         ),
         "str": ({"x": x.astype(str), "y": np.zeros(20, int)}, "numeric array"),
         "neg": ({"x": x, "y": -np.ones(20, int)}, "non-negative"),
+        "overflow": ({"x": x * 1e300, "y": np.zeros(20, int)}, r"values up to .*e\+300, beyond float32"),
     }
     for name, (arrays, message) in cases.items():
         path = tmp_path / f"{name}.npz"
@@ -387,3 +557,23 @@ def test_restricted_unpickler_accepts_numpy1_module_names(tmp_path):
     assert legacy != data
     (tmp_path / "legacy.pkl").write_bytes(legacy)
     np.testing.assert_array_equal(restricted_load(tmp_path / "legacy.pkl")[b"data"], array)
+
+
+def test_loaders_do_not_import_datasets():
+    """No import cycle data.datasets <-> data.loaders, counting imports inside functions."""
+    import ast
+    import inspect
+
+    from marginkit.data import datasets, loaders, splits
+
+    def imported(module):
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    assert "marginkit.data.datasets" not in imported(loaders) | imported(splits)
+    assert "marginkit.data.loaders" in imported(datasets)

@@ -273,10 +273,21 @@ def test_precise_bn_sets_exact_batch_averages(gen):
     assert torch.allclose(model[1].running_var, h.var(0), rtol=0.35)
 
 
-def test_non_finite_loss_is_a_clear_error(tmp_path, data_spec):
+def test_non_finite_loss_is_a_clear_error(tmp_path, data_spec, monkeypatch):
+    from marginkit.train import components
     from marginkit.train.trainer import TrainingError
 
-    cfg = small_config(data_spec, epochs=1, lr=1e30, scheduler="none", warmup_epochs=0)
+    class Exploding(torch.nn.Module):  # lr=1e30 would be refused up front by the option ranges
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return self.inner(*args) * math.inf
+
+    build = components.build_loss
+    monkeypatch.setattr(components, "build_loss", lambda *a, **kw: Exploding(build(*a, **kw)))
+    cfg = small_config(data_spec, epochs=1, scheduler="none", warmup_epochs=0)
     with pytest.raises(TrainingError, match="(loss|embeddings) became"):
         train(cfg, tmp_path / "r", quiet=True, report=False)
 

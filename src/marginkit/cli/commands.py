@@ -230,6 +230,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UserError(str(exc)) from exc
         _require(args, {k.replace("-", "_"): v for k, v in from_file.items()}, "data", "loss")
         config = build_config(args, loss=args.loss)
+    from marginkit.train.components import resolve_device
+
+    try:
+        resolve_device(config.device)  # an unavailable device fails like a typo, before the data loads
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
     splits = _load_splits(config)
     try:
         result = train(
@@ -431,6 +437,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         )
     facts = run["facts"]
     x_raw, y = _read_inputs(args.input)
+    if len(x_raw) == 0:
+        raise UserError(f"{args.input}: 'x' holds no samples (shape {list(x_raw.shape)}); nothing to predict")
     empty = Split(torch.empty(0), torch.empty(0, dtype=torch.long))
     space = DatasetSplits(
         train=empty, val=empty, test=empty, num_classes=facts["num_classes"],

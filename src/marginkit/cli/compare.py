@@ -340,9 +340,14 @@ def run_configs(
     jobs: int,
 ) -> dict[tuple[str, int], Any]:
     """The config of every ``(loss, seed index)`` run; ``num_threads`` defaults to ``cores // jobs``."""
+    from marginkit.train.components import resolve_device
     from marginkit.train.config import ConfigError, TrainConfig, apply_overrides
     from marginkit.train.runtime import choose_threads
 
+    try:
+        resolve_device(base.device)  # an unavailable device fails like a typo, before the data loads
+    except ConfigError as exc:
+        raise UserError(str(exc)) from exc
     configs: dict[tuple[str, int], Any] = {}
     for loss in losses:
         loss_pairs = _loss_pairs_for(loss, pairs)

@@ -7,8 +7,8 @@ __getattr__, __dir__, __all__ = attach(
     {
         "PKSampler": "samplers",
         "IdentitySimulator": "identities",
-        "stratified_split": "datasets",
-        "stratified_subset": "datasets",
+        "stratified_split": "splits",
+        "stratified_subset": "splits",
         "dataset_options": "datasets",
         "FILE_FORMATS": "datasets",
         "DATASETS": "datasets",

@@ -26,6 +26,7 @@ different seeds are evaluated on the same test set. No augmentation is applied a
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import random
 import tempfile
@@ -38,9 +39,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from marginkit._files import read_npz_arrays
 from marginkit._validation import positive_float, positive_int
 from marginkit.data.loaders import RawSplits, image_array
 from marginkit.data.packaged import japanese_vowels, mnist_sample_arrays
+from marginkit.data.splits import _seed, _split_indices, _subset_indices, stratified_split, stratified_subset
 
 __all__ = [
     "DATASETS",
@@ -143,103 +146,6 @@ class DatasetSplits:
 
 
 # --------------------------------------------------------------------------------------------
-# stratified index selection
-
-
-def _labels_numpy(labels: Any, name: str = "labels") -> np.ndarray:
-    if isinstance(labels, torch.Tensor):
-        labels = labels.detach().cpu().numpy()
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(
-            f"{name} must be a 1-D integer array, got shape {list(labels.shape)} dtype {labels.dtype}"
-        )
-    return labels
-
-
-def _class_ranks(labels: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A random order within each class: returns (order, rank in class, class index of order)."""
-    perm = rng.permutation(len(labels))
-    order = perm[np.argsort(labels[perm], kind="stable")]
-    sorted_labels = labels[order]
-    _, first, inverse = np.unique(sorted_labels, return_index=True, return_inverse=True)
-    rank = np.arange(len(labels)) - first[inverse]
-    return order, rank, inverse
-
-
-def _seed(seed: Any, name: str = "seed") -> int:
-    return positive_int(seed, name, minimum=0)
-
-
-def stratified_subset(labels: Any, per_class: int, *, seed: int = 0) -> torch.Tensor:
-    """Indices of ``min(per_class, n_c)`` samples drawn at random from every class ``c``.
-
-    A class with fewer than ``per_class`` samples keeps all of them (nothing is repeated).
-    Seeded and deterministic; the subsets are *nested*: for a fixed seed the subset for
-    ``per_class = k`` is contained in the one for ``k + 1``. Vectorised (one permutation and
-    one stable sort, no loop over classes).
-
-    Args:
-        labels: ``[N]`` integer labels (tensor or array, any integer values).
-        per_class: samples to keep per class (``>= 1``).
-        seed: non-negative seed.
-
-    Returns:
-        ``[M]`` int64 indices into ``labels``, ascending.
-
-    Example:
-        >>> idx = stratified_subset(torch.tensor([0, 0, 0, 1, 1, 2]), 2, seed=0)
-        >>> torch.bincount(torch.tensor([0, 0, 0, 1, 1, 2])[idx]).tolist()
-        [2, 2, 1]
-    """
-    labels = _labels_numpy(labels)
-    per_class = positive_int(per_class, "per_class")
-    return torch.from_numpy(_subset_indices(labels, per_class, np.random.default_rng(_seed(seed))))
-
-
-def _subset_indices(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> np.ndarray:
-    if len(labels) == 0:
-        return np.empty(0, dtype=np.int64)
-    order, rank, _ = _class_ranks(labels, rng)
-    return np.sort(order[rank < per_class]).astype(np.int64)
-
-
-def stratified_split(labels: Any, fraction: float, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split indices into ``(kept, held_out)`` with a ``fraction`` of every class held out.
-
-    Class ``c`` with ``n_c`` samples gives ``min(round(fraction * n_c), n_c - 1)`` samples to
-    ``held_out`` (halves round up): a class is never moved out entirely, and a class too
-    small for its share to round to one sample stays whole in ``kept``. Seeded, vectorised.
-
-    Args:
-        labels: ``[N]`` integer labels.
-        fraction: in ``[0, 1)``.
-        seed: non-negative seed.
-
-    Returns:
-        Two ascending int64 index tensors that partition ``range(N)``.
-    """
-    labels = _labels_numpy(labels)
-    fraction = positive_float(fraction, "fraction", allow_zero=True)
-    if fraction >= 1:
-        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
-    kept, held = _split_indices(labels, fraction, np.random.default_rng(_seed(seed)))
-    return torch.from_numpy(kept), torch.from_numpy(held)
-
-
-def _split_indices(
-    labels: np.ndarray, fraction: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    if len(labels) == 0:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    order, rank, inverse = _class_ranks(labels, rng)
-    counts = np.bincount(inverse)
-    held = np.minimum(np.floor(fraction * counts + 0.5).astype(np.int64), counts - 1)
-    out = rank < held[inverse]
-    return np.sort(order[~out]).astype(np.int64), np.sort(order[out]).astype(np.int64)
-
-
-# --------------------------------------------------------------------------------------------
 # built-in sources
 
 
@@ -268,7 +174,57 @@ def _atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
         raise
 
 
-_MNIST1D_VERSION = 1  # bump when the cached content changes
+_CHECKSUM_KEY = "sha256"  # the cache member holding the digest of all the others
+
+
+def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over every array's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def cached_arrays(
+    path: Path,
+    generate: Callable[[], dict[str, np.ndarray]],
+    valid: Callable[[dict[str, np.ndarray]], bool],
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Arrays of a generated built-in data set, from its cache file or freshly ``generate``-d.
+
+    The cache holds the arrays and their :func:`arrays_digest`, recorded when it was written. A
+    cache that is unreadable, lacks the digest, no longer matches it (altered or corrupt) or
+    fails ``valid`` is never used: a warning names it and the arrays are generated again (and
+    the cache rewritten). Returns ``(arrays, cached)``, ``cached`` telling whether the file on
+    disk now holds them.
+    """
+    problem = None
+    if path.is_file():
+        try:
+            arrays = read_npz_arrays(path)
+        except ValueError as exc:
+            problem = f"unreadable ({exc})"
+        else:
+            stored = arrays.pop(_CHECKSUM_KEY, None)
+            if stored is None or stored.shape != () or str(stored) != arrays_digest(arrays):
+                problem = "does not match the checksum recorded when it was made (altered or corrupt)"
+            elif not valid(arrays):
+                problem = "does not hold the expected arrays"
+            else:
+                return arrays, True
+        warnings.warn(f"cached data {path} {problem}; regenerating it", UserWarning, stacklevel=4)
+    arrays = generate()
+    try:
+        _atomic_savez(path, {**arrays, _CHECKSUM_KEY: np.array(arrays_digest(arrays))})
+    except OSError as exc:
+        warnings.warn(f"could not write the cache {path} ({exc}); regenerating next time", stacklevel=4)
+        return arrays, False
+    return arrays, True
+
+
+_MNIST1D_VERSION = 2  # bump when the cached content changes (2: checksummed)
 
 
 def _generate_mnist1d() -> dict[str, np.ndarray]:
@@ -304,35 +260,19 @@ def _valid_mnist1d(arrays: dict[str, np.ndarray]) -> bool:
             and arrays["x_test"].shape == (1000, 40)
             and arrays["y"].shape == (4000,)
             and arrays["y_test"].shape == (1000,)
-            and arrays["x"].dtype == np.float32
-            and bool(np.isfinite(arrays["x"]).all())
+            and arrays["x"].dtype == arrays["x_test"].dtype == np.float32
+            and arrays["y"].dtype == arrays["y_test"].dtype == np.int64
+            and bool(np.isfinite(arrays["x"]).all() and np.isfinite(arrays["x_test"]).all())
             and set(np.unique(arrays["y"]).tolist()) == set(range(10))
+            and set(np.unique(arrays["y_test"]).tolist()) <= set(range(10))
         )
-    except (KeyError, AttributeError):
+    except KeyError:
         return False
 
 
 def _mnist1d(*, cache_dir: str | None = None) -> RawSplits:
     path = resolve_cache_dir(cache_dir) / f"mnist1d-v{_MNIST1D_VERSION}.npz"
-    arrays: dict[str, np.ndarray] | None = None
-    if path.is_file():
-        try:
-            with np.load(path, allow_pickle=False) as archive:
-                arrays = {key: archive[key] for key in archive.files}
-        except Exception:  # a corrupt cache is regenerated, never trusted
-            arrays = None
-        if arrays is not None and not _valid_mnist1d(arrays):
-            arrays = None
-    cached = arrays is not None
-    if arrays is None:
-        arrays = _generate_mnist1d()
-        try:
-            _atomic_savez(path, arrays)
-            cached = True
-        except OSError as exc:
-            warnings.warn(
-                f"mnist1d: could not write the cache {path} ({exc}); regenerating next time", stacklevel=3
-            )
+    arrays, cached = cached_arrays(path, _generate_mnist1d, _valid_mnist1d)
     return RawSplits(
         arrays["x"], arrays["y"], arrays["x_test"], arrays["y_test"], kind="vector",
         class_names=[str(i) for i in range(10)],
@@ -622,6 +562,10 @@ def load_dataset(
             hint = f" (did you mean {guess[0]!r}?)" if guess else ""
             valid = ", ".join(allowed) if allowed else "none"
             raise ValueError(f"unknown option {key!r} for dataset {spec!r}{hint}; valid options: {valid}")
+    if "test_fraction" in options:  # checked here, so that the message names the option
+        fraction = positive_float(options["test_fraction"], "test_fraction", allow_zero=True)
+        if fraction >= 1:
+            raise ValueError(f"test_fraction must be in [0, 1), got {fraction}")
     raw = reader(**options) if rest is None else reader(rest, **options)
 
     labels, num_classes, class_names = _remap_labels(raw, spec)

@@ -4,7 +4,9 @@ Each reader returns a :class:`RawSplits` (numpy arrays, labels not yet checked a
 other); :func:`marginkit.data.load_dataset` turns it into tensors, carves the validation split,
 applies ``train_per_class`` and standardisation. The readers only *parse and validate*:
 every problem with a file is a :class:`ValueError` (or :class:`FileNotFoundError`) whose message
-names the path and what was expected.
+names the path and what was expected. What a file claims (npz member headers, IDX headers,
+image sizes) is checked against the file and against the input memory limit
+(:mod:`marginkit._files`, ``$MARGINKIT_MAX_INPUT_MB``) before anything is allocated.
 
 Nothing here executes code from a data file: ``.npz`` archives are opened with
 ``allow_pickle=False`` and CIFAR-10's pickled batches go through :class:`RestrictedUnpickler`,
@@ -14,14 +16,18 @@ which admits only numpy array reconstruction.
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import pickle
-import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from marginkit._files import InputBudget, read_npz_arrays
+from marginkit.data.splits import stratified_split
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -123,16 +129,6 @@ def same_length(x: np.ndarray, y: np.ndarray, where: str) -> None:
         raise ValueError(f"{where}: {len(x)} samples but {len(y)} labels; they must match")
 
 
-def _npz_arrays(path: Path) -> dict[str, np.ndarray]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (expected a .npz archive)")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"{path}: not a readable .npz archive of plain arrays ({exc})") from exc
-
-
 # --------------------------------------------------------------------------------------------
 # npz: MedMNIST schema
 
@@ -145,7 +141,7 @@ def read_npz(path: str | os.PathLike[str]) -> RawSplits:
     ``uint8`` (or floating in [0, 1]); labels ``[N]`` or ``[N, 1]`` integers.
     """
     path = Path(path)
-    arrays = _npz_arrays(path)
+    arrays = read_npz_arrays(path)
     required = ("train_images", "train_labels", "test_images", "test_labels")
     missing = [key for key in required if key not in arrays]
     if missing:
@@ -184,33 +180,51 @@ def read_npz(path: str | os.PathLike[str]) -> RawSplits:
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def parse_idx(data: bytes, where: str) -> np.ndarray:
-    """Parse one IDX file: magic ``00 00 <type> <ndim>``, ``ndim`` big-endian uint32 sizes, data."""
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES or not 1 <= data[3] <= 4:
-        raise ValueError(f"{where}: not an IDX file (bad magic number {data[:4].hex() or 'empty'})")
-    ndim = data[3]
-    header = 4 + 4 * ndim
-    if len(data) < header:
+def _idx_layout(head: bytes, where: str) -> tuple[np.dtype, int]:
+    """Dtype and rank from the magic number ``00 00 <type> <ndim>``."""
+    if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _IDX_DTYPES or not 1 <= head[3] <= 4:
+        raise ValueError(f"{where}: not an IDX file (bad magic number {head[:4].hex() or 'empty'})")
+    return np.dtype(_IDX_DTYPES[head[2]]), head[3]
+
+
+def _idx_shape(sizes: bytes, ndim: int, where: str) -> tuple[int, ...]:
+    if len(sizes) < 4 * ndim:
         raise ValueError(f"{where}: truncated IDX header")
-    shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
-    dtype = np.dtype(_IDX_DTYPES[data[2]])
-    expected = int(np.prod(shape)) * dtype.itemsize
-    if len(data) - header != expected:
-        raise ValueError(
-            f"{where}: IDX header declares shape {list(shape)} ({expected} data bytes) but the file holds "
-            f"{len(data) - header} data bytes (truncated or corrupt)"
-        )
-    return np.frombuffer(data, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+    return tuple(int(d) for d in np.frombuffer(sizes, dtype=">u4", count=ndim))
 
 
-def _read_maybe_gzip(path: Path) -> bytes:
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            return gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
-            raise ValueError(f"{path}: corrupt gzip data ({exc})") from exc
-    return raw
+def _idx_size_error(where: str, shape: tuple[int, ...], expected: int, held: str) -> ValueError:
+    return ValueError(
+        f"{where}: IDX header declares shape {list(shape)} ({expected} data bytes) but the file holds "
+        f"{held} data bytes (truncated or corrupt)"
+    )
+
+
+def read_idx(path: Path, budget: InputBudget) -> np.ndarray:
+    """Read one IDX file, gzipped or not, charging its declared size to ``budget`` before reading.
+
+    Gzip is decompressed as a stream: the header comes first, and no more than the declared
+    data (plus one byte, to detect trailing data) is ever decompressed, so a gzip bomb costs
+    nothing.
+    """
+    where, gzipped = str(path), False
+    try:
+        with path.open("rb") as raw:
+            gzipped = raw.read(2) == b"\x1f\x8b"
+            raw.seek(0)
+            stream = gzip.GzipFile(fileobj=raw, mode="rb") if gzipped else raw
+            dtype, ndim = _idx_layout(stream.read(4), where)
+            shape = _idx_shape(stream.read(4 * ndim), ndim, where)
+            expected = math.prod(shape) * dtype.itemsize
+            if not gzipped and path.stat().st_size - 4 - 4 * ndim != expected:
+                raise _idx_size_error(where, shape, expected, str(path.stat().st_size - 4 - 4 * ndim))
+            budget.take(expected, f"{path.name} (IDX array {list(shape)})")
+            data = stream.read(expected + 1)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ValueError(f"{where}: {'corrupt gzip data' if gzipped else 'cannot read'} ({exc})") from exc
+    if len(data) != expected:
+        raise _idx_size_error(where, shape, expected, str(len(data)) if len(data) < expected else "more")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 
 def _find_idx(root: Path, prefix: str, what: str, rank: int) -> Path:
@@ -233,11 +247,12 @@ def read_mnist_idx(directory: str | os.PathLike[str]) -> RawSplits:
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such directory (expected a folder of MNIST IDX files)")
     out = []
+    budget = InputBudget(root)
     for prefix in ("train", "t10k"):
         images_path = _find_idx(root, prefix, "images", 3)
         labels_path = _find_idx(root, prefix, "labels", 1)
-        images = parse_idx(_read_maybe_gzip(images_path), str(images_path))
-        labels = parse_idx(_read_maybe_gzip(labels_path), str(labels_path))
+        images = read_idx(images_path, budget)
+        labels = read_idx(labels_path, budget)
         if images.ndim != 3:
             raise ValueError(f"{images_path}: expected 3-D images [N, H, W], got shape {list(images.shape)}")
         if images.dtype != np.uint8:
@@ -290,15 +305,51 @@ def _codecs_encode() -> Any:
     return codecs.encode
 
 
+class _ArrayType:
+    """What the global ``numpy.ndarray`` resolves to: a token for ``_reconstruct``, not a constructor.
+
+    Calling ``numpy.ndarray(shape, dtype)`` from a pickle would allocate an array of any size
+    filled with uninitialised memory; numpy's own pickles only name the class as the first
+    argument of ``_reconstruct``.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise pickle.UnpicklingError("refusing to call numpy.ndarray (it allocates uninitialised memory)")
+
+
+_ARRAY_TYPE = _ArrayType()
+
+
+def _safe_reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """``_reconstruct`` as numpy's pickles call it: an empty array that the pickle's state then fills.
+
+    The state (shape, dtype, raw bytes) goes through ``ndarray.__setstate__``, which checks that
+    the bytes match the shape, so every array's data comes from the file itself.
+    """
+    if subtype is not _ARRAY_TYPE or not isinstance(shape, tuple) or shape != (0,):
+        raise pickle.UnpicklingError(
+            "refusing numpy _reconstruct other than numpy's own _reconstruct(ndarray, (0,), ...)"
+        )
+    return _numpy_reconstruct()(np.ndarray, (0,), dtype)
+
+
+def _safe_dtype(*args: Any) -> np.dtype:
+    """``numpy.dtype`` restricted to plain numbers and strings (no objects, no structured types)."""
+    dtype = np.dtype(*args)
+    if dtype.kind not in "biufcSU":
+        raise pickle.UnpicklingError(f"refusing numpy dtype {dtype}: only numeric and string arrays")
+    return dtype
+
+
 # (module, name) -> factory of the one object it may resolve to. Nothing else is importable.
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {}
 for _module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-    _ALLOWED_GLOBALS[(_module, "_reconstruct")] = _numpy_reconstruct
+    _ALLOWED_GLOBALS[(_module, "_reconstruct")] = lambda: _safe_reconstruct
     _ALLOWED_GLOBALS[(_module, "scalar")] = _numpy_scalar
 for _module in ("numpy.core.numeric", "numpy._core.numeric"):
     _ALLOWED_GLOBALS[(_module, "_frombuffer")] = _numpy_frombuffer
-_ALLOWED_GLOBALS[("numpy", "ndarray")] = lambda: np.ndarray
-_ALLOWED_GLOBALS[("numpy", "dtype")] = lambda: np.dtype
+_ALLOWED_GLOBALS[("numpy", "ndarray")] = lambda: _ARRAY_TYPE
+_ALLOWED_GLOBALS[("numpy", "dtype")] = lambda: _safe_dtype
 # protocol-2 pickles written by Python 3 spell ``bytes`` objects as _codecs.encode(str, "latin1")
 _ALLOWED_GLOBALS[("_codecs", "encode")] = _codecs_encode
 
@@ -310,7 +361,10 @@ class RestrictedUnpickler(pickle.Unpickler):
     numpy 1 and numpy 2 module names) and ``_codecs.encode`` (how Python 3 writes ``bytes`` at
     protocol 2). Any other global — ``os.system``, ``builtins.eval``, ``subprocess.Popen``, a
     user class — raises :class:`pickle.UnpicklingError` *before* anything is called, so a
-    malicious pickle cannot execute code.
+    malicious pickle cannot execute code. The numpy ones are narrowed to what numpy's own
+    pickles do: ``numpy.ndarray`` cannot be called (uninitialised memory), ``_reconstruct``
+    only builds the empty array that the pickled state fills, and dtypes are numbers or
+    strings; so every array holds bytes that are in the file.
     """
 
     def find_class(self, module: str, name: str) -> Any:
@@ -340,7 +394,16 @@ def _text(key: Any) -> Any:
     return key.decode("latin1") if isinstance(key, bytes) else key
 
 
-def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+_CIFAR_CLASSES = 10
+_CIFAR_ROW = 3 * 32 * 32
+
+
+def _cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """One batch, checked to be CIFAR-10's documented layout before it is used.
+
+    ``{"data": uint8 [N, 3072], "labels": N ints in [0, num_classes)}``, and no larger than
+    the file that holds it.
+    """
     batch = restricted_load(path)
     if not isinstance(batch, dict):
         raise ValueError(
@@ -350,23 +413,49 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if "data" not in batch or "labels" not in batch:
         raise ValueError(f"{path}: expected keys 'data' and 'labels', found {sorted(map(str, batch))}")
     data = batch["data"]
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+    if (
+        type(data) is not np.ndarray
+        or data.dtype != np.uint8
+        or data.ndim != 2
+        or data.shape[1] != _CIFAR_ROW
+    ):
         shape = list(data.shape) if isinstance(data, np.ndarray) else type(data).__name__
         dtype = data.dtype if isinstance(data, np.ndarray) else "-"
         raise ValueError(f"{path}: 'data' must be a uint8 array [N, 3072] (32x32 RGB), got {shape} {dtype}")
+    if data.nbytes > path.stat().st_size:
+        raise ValueError(f"{path}: 'data' holds {data.nbytes} bytes, more than the file's size (corrupt)")
     labels = batch["labels"]
     if isinstance(labels, list) and not all(type(v) is int for v in labels):
         raise ValueError(f"{path}: labels must be integers")
+    if not isinstance(labels, (list, np.ndarray)):
+        raise ValueError(f"{path}: 'labels' must be a list of integers, got {type(labels).__name__}")
     labels = labels_array(np.asarray(labels), f"{path} labels")
     same_length(data, labels, str(path))
+    if labels.size and labels.max() >= num_classes:
+        raise ValueError(
+            f"{path}: label {int(labels.max())} is outside the {num_classes} classes 0..{num_classes - 1}"
+        )
     return data.reshape(-1, 3, 32, 32), labels
+
+
+def _cifar_class_names(path: Path) -> list[str] | None:
+    if not path.is_file():
+        return None
+    meta = restricted_load(path)
+    if isinstance(meta, dict):
+        names_raw = {_text(k): v for k, v in meta.items()}.get("label_names")
+        if isinstance(names_raw, list) and names_raw and all(isinstance(n, (bytes, str)) for n in names_raw):
+            return [str(_text(n)) for n in names_raw]
+    return None
 
 
 def read_cifar10(directory: str | os.PathLike[str]) -> RawSplits:
     """Read CIFAR-10's python batches (``data_batch_1`` … ``data_batch_5``, ``test_batch``).
 
     ``directory`` may be the ``cifar-10-batches-py`` folder or its parent. Every batch goes
-    through :class:`RestrictedUnpickler`; ``batches.meta`` (optional) supplies class names.
+    through :class:`RestrictedUnpickler` and must hold ``data`` (uint8 ``[N, 3072]``) and
+    ``labels`` (``N`` class ids below 10, or below the number of ``label_names`` in the
+    optional ``batches.meta``, which supplies class names).
     """
     root = Path(directory)
     if not root.is_dir():
@@ -377,16 +466,14 @@ def read_cifar10(directory: str | os.PathLike[str]) -> RawSplits:
     missing = [name for name in names if not (root / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{root}: missing CIFAR-10 batch file(s) {', '.join(missing)}")
-    batches = [_cifar_batch(root / name) for name in names]
+    budget = InputBudget(root)
+    for name in names:  # a batch's arrays are never larger than its file (checked per batch)
+        budget.take((root / name).stat().st_size, f"batch file {name}")
+    class_names = _cifar_class_names(root / "batches.meta")
+    num_classes = len(class_names) if class_names else _CIFAR_CLASSES
+    batches = [_cifar_batch(root / name, num_classes) for name in names]
     x_train = np.concatenate([b[0] for b in batches[:5]])
     y_train = np.concatenate([b[1] for b in batches[:5]])
-    class_names = None
-    if (root / "batches.meta").is_file():
-        meta = restricted_load(root / "batches.meta")
-        if isinstance(meta, dict):
-            names_raw = {_text(k): v for k, v in meta.items()}.get("label_names")
-            if isinstance(names_raw, list) and all(isinstance(n, (bytes, str)) for n in names_raw):
-                class_names = [str(_text(n)) for n in names_raw]
     return RawSplits(
         x_train, y_train, *batches[5], kind="image", class_names=class_names, info={"source": str(root)}
     )
@@ -408,35 +495,59 @@ def _image_files(folder: Path) -> list[Path]:
     )
 
 
+_GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
+_BYTES_PER_PIXEL = 4  # Pillow decodes every mode used here to at most 4 bytes per pixel
+
+
+def _image_header(path: Path) -> tuple[str, tuple[int, int]]:
+    """Mode and (width, height) from the file's header, without decoding the pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.mode, image.size
+    except Image.DecompressionBombError as exc:
+        raise ValueError(f"{path}: refused as a decompression bomb ({exc})") from exc
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"{path}: cannot read image ({exc})") from exc
+
+
 def _load_image(path: Path, mode: str, size: tuple[int, int] | None) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
+            image.verify()  # chunk checksums and the end marker: a truncated PNG would decode
+        with Image.open(path) as image:
             image = image.convert(mode)
             if size is not None and image.size != (size[1], size[0]):
                 image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
             array = np.asarray(image, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ValueError(f"{path}: cannot read image ({exc})") from exc
     return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
 
 
-def _image_mode(files: list[Path], color: str) -> str:
+def _image_mode(headers: dict[Path, tuple[str, tuple[int, int]]], color: str) -> str:
     if color == "grayscale":
         return "L"
-    if color == "rgb":
+    if color == "rgb" or any(mode not in _GRAY_MODES for mode, _ in headers.values()):
         return "RGB"
-    from PIL import Image
-
-    for path in files:
-        try:
-            with Image.open(path) as image:
-                if image.mode not in ("1", "L", "LA", "I", "I;16", "F"):
-                    return "RGB"
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot read image ({exc})") from exc
     return "L"
+
+
+def _common_size(root: Path, headers: dict[Path, tuple[str, tuple[int, int]]]) -> tuple[int, int]:
+    """The one (H, W) all images share, from their headers; else the error that asks for image_size."""
+    sizes: dict[tuple[int, int], Path] = {}
+    for path, (_, (w, h)) in headers.items():
+        sizes.setdefault((h, w), path)
+        if len(sizes) > 1:
+            (a, pa), (b, pb) = list(sizes.items())[:2]
+            raise ValueError(
+                f"{root}: images differ in size ({pa}: {a[0]}x{a[1]}, {pb}: {b[0]}x{b[1]}); "
+                "pass the option image_size=S (or (H, W)) to resize them to a common size"
+            )
+    return next(iter(sizes))
 
 
 def read_folder(
@@ -499,25 +610,28 @@ def read_folder(
     class_names = sorted({name for per in listing.values() for name in per})
     index = {name: i for i, name in enumerate(class_names)}
     all_files = [f for per in listing.values() for files in per.values() for f in files]
-    mode = _image_mode(all_files, color)
+    headers = {path: _image_header(path) for path in all_files}
+    for path, (_, (w, h)) in headers.items():  # what decoding one image costs, before it is decoded
+        InputBudget(path).take(w * h * _BYTES_PER_PIXEL, f"decoding its {w}x{h} pixels")
+    mode = _image_mode(headers, color)
+    shape = (1 if mode == "L" else 3, *(size or _common_size(root, headers)))
+    budget = InputBudget(root)
+    what = f"{len(all_files)} images of {'x'.join(map(str, shape))}"
+    budget.take(len(all_files) * math.prod(shape), what + (f" (image_size={image_size!r})" if size else ""))
     arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    shapes: dict[tuple[int, ...], Path] = {}
     for split, per in listing.items():
-        images, labels = [], []
+        images = np.empty((sum(map(len, per.values())), *shape), dtype=np.uint8)
+        labels, row = [], 0
         for name, files in per.items():
             for path in files:
                 image = _load_image(path, mode, size)
-                shapes.setdefault(image.shape, path)
-                if len(shapes) > 1:
-                    (a, pa), (b, pb) = list(shapes.items())[:2]
-                    raise ValueError(
-                        f"{root}: images differ in size ({pa}: {a[1]}x{a[2]}, {pb}: {b[1]}x{b[2]}); "
-                        "pass the option image_size=S (or (H, W)) to resize them to a common size"
-                    )
-                images.append(image)
+                if image.shape != shape:  # the header lied about the size
+                    raise ValueError(f"{path}: decoded to {list(image.shape)}, its header says {list(shape)}")
+                images[row] = image
+                row += 1
             labels.append(np.full(len(files), index[name], dtype=np.int64))
-        arrays[split] = (np.stack(images), np.concatenate(labels))
-    info = {"source": str(root), "color": mode, "image_size": next(iter(shapes))[1:]}
+        arrays[split] = (images, np.concatenate(labels))
+    info = {"source": str(root), "color": mode, "image_size": shape[1:]}
     if split_layout:
         val = arrays.get("val", (None, None))
         info["split"] = "train/ and test/ sub-folders as given"
@@ -532,8 +646,6 @@ def read_folder(
 
 
 def _seeded_split(y: np.ndarray, test_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
-    from marginkit.data.datasets import stratified_split
-
     train, test = stratified_split(y, test_fraction, seed=split_seed)
     if len(test) == 0:
         raise ValueError(
@@ -547,6 +659,9 @@ def _seeded_split(y: np.ndarray, test_fraction: float, split_seed: int) -> tuple
 # features: x, y arrays
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def read_features(
     path: str | os.PathLike[str], *, test_fraction: float = 0.2, split_seed: int = 0, standardize: bool = True
 ) -> RawSplits:
@@ -558,7 +673,7 @@ def read_features(
     with the mean and standard deviation of the final training split only.
     """
     path = Path(path)
-    arrays = _npz_arrays(path)
+    arrays = read_npz_arrays(path)
     if "x" not in arrays or "y" not in arrays:
         raise ValueError(
             f"{path}: expected arrays 'x' (features [N, D]) and 'y' (integer labels [N]); "
@@ -578,6 +693,12 @@ def read_features(
             )
         if np.iscomplexobj(x) or not np.isfinite(x).all():
             raise ValueError(f"{path}: '{kx}' must hold finite real numbers")
+        largest = float(np.abs(x).max()) if x.size and np.issubdtype(x.dtype, np.floating) else 0.0
+        if largest > _FLOAT32_MAX:  # features are float32 tensors: this would become inf
+            raise ValueError(
+                f"{path}: '{kx}' holds values up to {largest:.3g}, beyond float32's range "
+                f"(|x| <= {_FLOAT32_MAX:.3g}); rescale the features"
+            )
         y = labels_array(arrays[ky], f"{path} '{ky}'")
         same_length(x, y, f"{path} '{kx}'/'{ky}'")
         if suffix and x.shape[1:] != out["x"].shape[1:]:

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from marginkit._npz import NpzError, read_npz
 from marginkit.export.model_file import FORMATS, INPUT_NAME, OUTPUT_NAME, Embedder, load_model_file
-from marginkit.export.npz import NpzError, read_npz
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "MANIFEST", "Bundle", "BundleError", "load_bundle"]
 

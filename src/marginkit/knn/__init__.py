@@ -6,6 +6,7 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "KNNClassifier": "classifier",
+        "IndexFileError": "index_file",
         "model_fingerprint": "fingerprint",
     },
 )

@@ -16,9 +16,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from marginkit.knn._search import exact_search, neg_sqnorms, prepare
+from marginkit.knn._search import candidate_margin, exact_search, neg_sqnorms, prepare, rerank, sqnorms
 
 FAISS_HINT = "pip install 'marginkit[faiss]'"
+_RERANK_BYTES = 64 * 2**20  # temporaries of HNSW's distance recomputation
 
 
 def import_faiss() -> Any:
@@ -43,12 +44,6 @@ class Index(Protocol):
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def vectors(self) -> torch.Tensor: ...
     def state(self) -> dict[str, np.ndarray]: ...
-
-
-def order_by_value_then_index(keys: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sort each row by key descending, then reference index ascending (NumPy, no threads)."""
-    order = np.lexsort((indices, -keys), axis=-1)
-    return np.take_along_axis(keys, order, -1), np.take_along_axis(indices, order, -1)
 
 
 class ExactIndex:
@@ -90,9 +85,10 @@ class ExactIndex:
 class FaissFlatIndex:
     """FAISS exact flat index (inner product on normalised rows for cosine, L2 otherwise).
 
-    FAISS works in float32 on the CPU. It searches ``k + 1`` neighbours so that a tie at the
-    k-th place is detected; those (rare) rows are answered again by the exact torch search
-    over FAISS's own storage, which applies the documented tie-break.
+    FAISS works in float32 on the CPU. It returns ``k`` plus a margin of candidates, which are
+    re-ranked by recomputed distances and certified exactly as by the ``exact`` backend
+    (:func:`~marginkit.knn._search.rerank`); the (rare) rows it cannot certify — near-ties at
+    the k-th place — are answered by the exact torch search over FAISS's own storage.
     """
 
     def __init__(self, metric: str, dim: int, memory_limit_bytes: int):
@@ -100,12 +96,16 @@ class FaissFlatIndex:
         self.metric, self.dtype, self.memory_limit_bytes = metric, torch.float32, memory_limit_bytes
         self.index = faiss.IndexFlatIP(dim) if metric == "cosine" else faiss.IndexFlatL2(dim)
         self._faiss = faiss
+        self._max_sqnorm = 0.0
 
     def __len__(self) -> int:
         return int(self.index.ntotal)
 
     def add(self, vectors: torch.Tensor) -> None:
-        self.index.add(np.ascontiguousarray(vectors.detach().to("cpu", torch.float32).numpy()))
+        vectors = vectors.detach().to("cpu", torch.float32).contiguous()
+        if self.metric == "l2" and len(vectors):
+            self._max_sqnorm = max(self._max_sqnorm, float(sqnorms(vectors).max()))
+        self.index.add(vectors.numpy())
 
     def vectors(self) -> torch.Tensor:
         """Zero-copy view of FAISS's storage: valid until the next :meth:`add`."""
@@ -114,20 +114,23 @@ class FaissFlatIndex:
         return torch.from_numpy(flat).view(n, d)
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q = prepare(queries.detach().cpu(), self.metric, "queries", torch.float32)
-        kk = min(k + 1, len(self))
-        distances, indices = self.index.search(q.numpy(), kk)
-        keys = distances if self.metric == "cosine" else -distances  # larger is closer
-        tied = keys[:, k] == keys[:, k - 1] if kk > k else np.zeros(len(q), dtype=bool)
-        keys, indices = order_by_value_then_index(keys[:, :k], indices[:, :k])
-        values = torch.from_numpy(keys if self.metric == "cosine" else np.sqrt(np.maximum(-keys, 0)))
-        indices = torch.from_numpy(indices)
-        if tied.any():
-            rows = torch.from_numpy(np.flatnonzero(tied))
-            v, i = exact_search(
-                q[rows], self.vectors(), k, metric=self.metric, memory_limit_bytes=self.memory_limit_bytes
+        raw = queries.detach().cpu()
+        q = prepare(raw, self.metric, "queries", torch.float32)
+        n = len(self)
+        width = min(n, k + candidate_margin(k))
+        distances, candidates = self.index.search(q.numpy(), width)
+        approx_sq = 2 - 2 * distances if self.metric == "cosine" else distances  # FAISS L2 is squared
+        refs = self.vectors()
+        values, indices, certified = rerank(
+            raw, refs, torch.from_numpy(candidates), torch.from_numpy(approx_sq), k, metric=self.metric,
+            memory_limit_bytes=self.memory_limit_bytes, exhaustive=width >= n,
+            q_sqnorms=sqnorms(q, "queries") if self.metric == "l2" else None, max_ref_sqnorm=self._max_sqnorm,
+        )  # fmt: skip
+        if not bool(certified.all()):
+            rows = (~certified).nonzero().squeeze(1)
+            values[rows], indices[rows] = exact_search(
+                raw[rows], refs, k, metric=self.metric, memory_limit_bytes=self.memory_limit_bytes
             )
-            values[rows], indices[rows] = v, i
         return values, indices
 
     def state(self) -> dict[str, np.ndarray]:
@@ -144,23 +147,40 @@ class HNSWIndex:
     is not bit-for-bit reproducible; save the index to keep a graph.
     """
 
-    def __init__(
-        self,
-        metric: str,
-        dim: int,
-        m: int,
-        ef_construction: int,
-        ef_search: int,
-        index: Any | None = None,
-    ):
+    def __init__(self, metric: str, dim: int, m: int, ef_construction: int, ef_search: int):
         faiss = import_faiss()
         self.metric, self.dtype = metric, torch.float32
-        if index is None:
-            index = faiss.IndexHNSWFlat(dim, m, faiss.METRIC_L2)
-            index.hnsw.efConstruction = ef_construction
-        self.index = index
+        self.index = faiss.IndexHNSWFlat(dim, m, faiss.METRIC_L2)
+        self.index.hnsw.efConstruction = ef_construction
         self.index.hnsw.efSearch = ef_search
         self._faiss = faiss
+
+    def level_sizes(self) -> np.ndarray:
+        """Neighbour slots of a node per level (FAISS's ``cum_nneighbor_per_level`` for ``M``)."""
+        return self._faiss.vector_to_array(self.index.hnsw.cum_nneighbor_per_level)
+
+    def graph(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """The graph as arrays (levels, offsets, neighbours) and its entry point and top level."""
+        h, to_array = self.index.hnsw, self._faiss.vector_to_array
+        arrays = {
+            "hnsw_levels": to_array(h.levels),
+            "hnsw_offsets": to_array(h.offsets),
+            "hnsw_neighbors": to_array(h.neighbors),
+        }
+        return arrays, {"entry_point": int(h.entry_point), "max_level": int(h.max_level)}
+
+    def set_graph(
+        self, vectors: np.ndarray, arrays: dict[str, np.ndarray], entry_point: int, max_level: int
+    ) -> None:
+        """Install a saved graph over ``vectors`` (checked by ``index_file.check_hnsw_graph``)."""
+        h = self.index.hnsw
+        for name in ("levels", "offsets", "neighbors"):
+            target = getattr(h, name)
+            target.resize(0)
+            self._faiss.copy_array_to_vector(np.ascontiguousarray(arrays[f"hnsw_{name}"]), target)
+        h.entry_point, h.max_level = entry_point, max_level
+        self.index.storage.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        self.index.ntotal = len(vectors)
 
     def __len__(self) -> int:
         return int(self.index.ntotal)
@@ -197,10 +217,12 @@ class HNSWIndex:
                 f"HNSW returned fewer than k={k} neighbours for some queries; raise hnsw_ef_search "
                 f"(now {self.ef_search}) or use the 'faiss' or 'exact' backend"
             )
-        keys, indices = order_by_value_then_index(-distances, labels)
-        sq = np.maximum(-keys, 0)
-        values = 1 - sq / 2 if self.metric == "cosine" else np.sqrt(sq)
-        return torch.from_numpy(values), torch.from_numpy(indices)
+        # Approximate neighbours, exact distances: recomputed and ordered by value then index.
+        values, indices, _ = rerank(
+            queries.detach().cpu(), self.vectors(), torch.from_numpy(labels), torch.from_numpy(distances),
+            k, metric=self.metric, memory_limit_bytes=_RERANK_BYTES, exhaustive=True,
+        )  # fmt: skip
+        return values, indices
 
     def state(self) -> dict[str, np.ndarray]:
-        return {"faiss_index": self._faiss.serialize_index(self.index)}
+        return {"embeddings": self.vectors().numpy().copy(), **self.graph()[0]}

@@ -15,6 +15,20 @@ among *equal computed keys*, increasing reference index; the set of ``k`` neighb
 the first ``k`` in that order. This holds across reference chunks too: per-chunk winners
 are merged with a stable sort in which earlier chunks (lower indices) come first.
 
+Exact distances (:func:`exact_search`). The keys cancel: ``||q||² - key`` loses about
+``D·eps·(||q||² + ||r||²)``, so a point's distance to its own duplicate comes out as 1e-2
+at ``|x| ≈ 12`` in float32, and equal distances compare unequal. :func:`exact_search`
+therefore uses the keys only to pick candidates (``k`` plus a margin): it recomputes their
+squared distances from the differences, ``||q - r||²`` (relative error a few eps of the
+distance itself, exactly 0 for a duplicate, exact on small-integer data), orders them by
+that value then index, and
+*certifies* each row: every reference left out has a key-based squared distance at least
+that of the last candidate, so when that exceeds the k-th recomputed one by more than the
+keys' worst-case rounding error (:func:`key_error_bound`), nothing left out can be nearer.
+Rows that cannot be certified (near-ties at the cut) are searched again with more
+candidates, up to all references, so the result is the exact k-NN of the prepared vectors
+under the contract above, with distances as accurate as the differences allow.
+
 Memory. The query x reference score matrix is never formed whole: the search walks over
 query chunks (and reference chunks when even a few query rows against all references would
 not fit), keeps one reusable score buffer, and merges per-chunk top-k lists. The chunk sizes
@@ -82,9 +96,27 @@ def prepare(x: torch.Tensor, metric: str, name: str, dtype: torch.dtype | None =
     return x.contiguous()
 
 
+_SQNORM_ROWS = 1 << 16  # rows squared at once: bounds the temporary of sqnorms()
+
+
+def sqnorms(x: torch.Tensor, name: str = "embeddings") -> torch.Tensor:
+    """``||x_i||²`` per row as a sum of squares (not a norm squared: exact on integer data).
+
+    Chunked, so the ``[rows, D]`` temporary stays small; a row whose square overflows the
+    working precision is an error (its distances would be inf or NaN).
+    """
+    out = torch.cat([(c * c).sum(dim=1) for c in x.split(_SQNORM_ROWS)]) if x.shape[0] else x.new_zeros(0)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(
+            f"{name} has rows whose squared norm overflows {str(x.dtype).removeprefix('torch.')}; "
+            "rescale them (or use float64)"
+        )
+    return out
+
+
 def neg_sqnorms(references: torch.Tensor) -> torch.Tensor:
-    """``-||r||²`` per reference row: the bias of the ``l2`` key (no ``[N, D]`` temporary)."""
-    return torch.linalg.vector_norm(references, dim=1).square_().neg_()
+    """``-||r||²`` per reference row: the bias of the ``l2`` key (see :func:`sqnorms`)."""
+    return sqnorms(references, "references").neg_()
 
 
 @dataclass(frozen=True)
@@ -202,18 +234,24 @@ def topk_keys(
     memory_limit_bytes: int,
     ref_neg_sqnorms: torch.Tensor | None = None,
     self_offset: int | None = None,
+    exclude: torch.Tensor | None = None,
     plan: ChunkPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact top-``k`` keys, reference indices and query working copies' squared norms.
 
     ``queries`` are raw (validated) rows, prepared chunk by chunk; ``references`` are
     prepared (:func:`prepare`). With ``self_offset = s``, query row ``i`` *is* reference
-    ``s + i`` and is excluded by index (never by distance). Returns ``(keys, indices,
+    ``s + i`` and is excluded by index (never by distance); ``exclude`` (``[Q]`` int64)
+    names the excluded reference of each row explicitly. Returns ``(keys, indices,
     query_sqnorms)`` on the references' device, keys in the references' dtype; for
     ``metric="cosine"`` the squared norms are ones.
     """
     device, dtype = references.device, references.dtype
     nq, n = queries.shape[0], references.shape[0]
+    if self_offset is not None:
+        exclude = torch.arange(self_offset, self_offset + nq, device=device)
+    elif exclude is not None:
+        exclude = exclude.to(device)
     if metric == "l2" and ref_neg_sqnorms is None:
         ref_neg_sqnorms = neg_sqnorms(references)
     if plan is None:
@@ -227,7 +265,7 @@ def topk_keys(
         q = prepare(queries[qs : qs + qc].to(device), metric, "queries", dtype)
         m = q.shape[0]
         if metric == "l2":
-            q_sqnorms[qs : qs + m] = (q * q).sum(dim=1)
+            q_sqnorms[qs : qs + m] = sqnorms(q, "queries")
         best_v: torch.Tensor | None = None
         best_i: torch.Tensor | None = None
         for rs in range(0, n, rc):
@@ -239,9 +277,9 @@ def topk_keys(
                 torch.addmm(ref_neg_sqnorms[rs : rs + w], q, r.T, beta=1, alpha=2, out=s)
             else:
                 torch.mm(q, r.T, out=s)
-            if self_offset is not None:
+            if exclude is not None:
                 rows = torch.arange(m, device=device)
-                cols = self_offset + qs + rows - rs
+                cols = exclude[qs : qs + m] - rs
                 inside = (cols >= 0) & (cols < w)
                 s[rows[inside], cols[inside]] = -math.inf
             v, i = _ordered_topk(s, min(k, w), plan.tie_rows)
@@ -269,6 +307,82 @@ def keys_to_values(keys: torch.Tensor, q_sqnorms: torch.Tensor, metric: str) -> 
     return (q_sqnorms[:, None] - keys).clamp_min(0).sqrt()
 
 
+def sqdist_to_values(sq: torch.Tensor, metric: str) -> torch.Tensor:
+    """Cosine similarities ``1 - d²/2`` (unit rows) or Euclidean distances ``d`` from ``d²``."""
+    return 1 - sq / 2 if metric == "cosine" else sq.sqrt()
+
+
+def key_error_bound(dim: int, dtype: torch.dtype, device: torch.device) -> float:
+    r"""Relative bound ``c`` on the rounding of a key-based squared distance.
+
+    ``|fl(||q||² - 2<q, r> + ||r||²) - ||q - r||²| <= c (||q||² + ||r||²)`` with
+    ``c = 2 (2 γ_D + 4 u)``, ``γ_D = D u / (1 - D u)`` (the dot product's worst case for any
+    summation order, Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1) and ``u``
+    the unit roundoff of the matrix product — TF32's or bfloat16's when CUDA runs float32
+    products in them (``torch.set_float32_matmul_precision``); the factor 2 is a margin for
+    the normalisation of cosine rows.
+    """
+    u = torch.finfo(dtype).eps / 2
+    if dtype == torch.float32 and device.type == "cuda":
+        precision = torch.get_float32_matmul_precision()
+        u = {"high": 2.0**-11, "medium": 2.0**-8}.get(precision, u)
+    gamma = dim * u / max(1e-300, 1 - dim * u)
+    return 2 * (2 * gamma + 4 * u)
+
+
+def rerank(
+    queries: torch.Tensor,
+    references: torch.Tensor,
+    candidates: torch.Tensor,
+    approx_sq: torch.Tensor,
+    k: int,
+    *,
+    metric: str,
+    memory_limit_bytes: int,
+    exhaustive: bool,
+    q_sqnorms: torch.Tensor | None = None,
+    max_ref_sqnorm: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` nearest of each row's ``candidates`` by recomputed ``||q - r||²``; certified rows.
+
+    ``queries`` are raw rows (prepared here, chunk by chunk), ``references`` prepared,
+    ``candidates`` ``[Q, C]`` reference indices and ``approx_sq`` their key-based squared
+    distances (any order); ``q_sqnorms`` (``l2``) and ``max_ref_sqnorm`` scale the keys' error
+    bound. Returns ``(values, indices, certified)``: values as :func:`sqdist_to_values` in
+    increasing distance, equal ones by increasing index, and whether each row provably holds
+    the exact k-NN (see the module docstring) — always when ``exhaustive`` (the candidates are
+    all the references).
+    """
+    device, dtype = references.device, references.dtype
+    nq, c = candidates.shape
+    dim = references.shape[1]
+    candidates = candidates.to(device)
+    sq = torch.empty(nq, c, dtype=dtype, device=device)
+    rows = max(1, (memory_limit_bytes // 2) // max(1, (c + 2) * dim * references.element_size()))
+    for s in range(0, nq, rows):
+        q = prepare(queries[s : s + rows].to(device), metric, "queries", dtype)
+        diff = references[candidates[s : s + rows]]  # [rows, C, D], a copy
+        sq[s : s + rows] = diff.sub_(q[:, None, :]).square_().sum(dim=2)
+        del diff
+    by_index, perm = candidates.sort(dim=1)
+    sq, perm = sq.gather(1, perm).sort(dim=1, stable=True)
+    indices, sq = by_index.gather(1, perm)[:, :k], sq[:, :k]
+    if exhaustive:
+        certified = torch.ones(nq, dtype=torch.bool, device=device)
+    else:
+        scale = 2.0 if metric == "cosine" or q_sqnorms is None else q_sqnorms.to(device) + max_ref_sqnorm
+        wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        bound = key_error_bound(dim, dtype, device) * scale
+        left_out = approx_sq.to(device=device, dtype=wide).amax(dim=1) - bound
+        certified = sq[:, -1].to(wide) * (1 + (dim + 4) * torch.finfo(dtype).eps) < left_out
+    return sqdist_to_values(sq, metric), indices, certified
+
+
+def candidate_margin(k: int) -> int:
+    """Candidates fetched beyond ``k``: enough that a near-tie at the cut rarely needs a retry."""
+    return max(4, k // 8)
+
+
 def exact_search(
     queries: torch.Tensor,
     references: torch.Tensor,
@@ -278,15 +392,104 @@ def exact_search(
     memory_limit_bytes: int,
     ref_neg_sqnorms: torch.Tensor | None = None,
     self_offset: int | None = None,
+    exclude: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact ``k``-NN: ``(values, indices)``, values as in :func:`keys_to_values`."""
-    keys, indices, q_sqnorms = topk_keys(
-        queries,
-        references,
-        k,
-        metric=metric,
-        memory_limit_bytes=memory_limit_bytes,
-        ref_neg_sqnorms=ref_neg_sqnorms,
-        self_offset=self_offset,
-    )
-    return keys_to_values(keys, q_sqnorms, metric), indices
+    """Exact ``k``-NN: ``(values, indices)``, values as in :func:`sqdist_to_values`.
+
+    Candidates by key (:func:`topk_keys`), then :func:`rerank`; rows that are not certified
+    are searched again with four times the candidates, until certified or exhaustive.
+    """
+    device = references.device
+    nq, n = queries.shape[0], references.shape[0]
+    if self_offset is not None:
+        exclude = torch.arange(self_offset, self_offset + nq, device=device)
+    available = n - int(exclude is not None)
+    if metric == "l2" and ref_neg_sqnorms is None:
+        ref_neg_sqnorms = neg_sqnorms(references)
+    max_ref_sqnorm = 1.0 if metric == "cosine" else float(-ref_neg_sqnorms.min())  # type: ignore[union-attr]
+    values = torch.empty(nq, k, dtype=references.dtype, device=device)
+    indices = torch.empty(nq, k, dtype=torch.long, device=device)
+    todo: torch.Tensor | None = None  # rows still to answer; None: all of them
+    width = min(available, k + candidate_margin(k))
+    if not _fits(nq, references, width, memory_limit_bytes):
+        width = k  # no margin within the budget: rows that cannot be certified are retried
+    while True:
+        sub = queries if todo is None else queries[todo.to(queries.device)]
+        sub_exclude = None if exclude is None else (exclude if todo is None else exclude.to(device)[todo])
+        if todo is not None and not _fits(sub.shape[0], references, width, memory_limit_bytes):
+            v, i = exhaustive_search(
+                sub, references, k, metric=metric, memory_limit_bytes=memory_limit_bytes, exclude=sub_exclude
+            )
+            values[todo], indices[todo] = v, i
+            return values, indices
+        keys, cand, q_sq = topk_keys(
+            sub, references, width, metric=metric, memory_limit_bytes=memory_limit_bytes,
+            ref_neg_sqnorms=ref_neg_sqnorms, exclude=sub_exclude,
+        )  # fmt: skip
+        approx_sq = 2 - 2 * keys if metric == "cosine" else q_sq[:, None] - keys
+        v, i, ok = rerank(
+            sub, references, cand, approx_sq, k, metric=metric, memory_limit_bytes=memory_limit_bytes,
+            exhaustive=width >= available, q_sqnorms=q_sq, max_ref_sqnorm=max_ref_sqnorm,
+        )  # fmt: skip
+        if todo is None and bool(ok.all()):
+            return v, i
+        rows = torch.arange(nq, device=device) if todo is None else todo
+        values[rows[ok]], indices[rows[ok]] = v[ok], i[ok]
+        if bool(ok.all()):
+            return values, indices
+        todo, width = rows[~ok], min(available, 4 * width)
+
+
+def _fits(num_queries: int, references: torch.Tensor, k: int, memory_limit_bytes: int) -> bool:
+    try:
+        plan_chunks(num_queries, references.shape[0], references.shape[1], k, references.element_size(),
+                    memory_limit_bytes)  # fmt: skip
+    except ValueError:
+        return False
+    return True
+
+
+def exhaustive_search(
+    queries: torch.Tensor,
+    references: torch.Tensor,
+    k: int,
+    *,
+    metric: str,
+    memory_limit_bytes: int,
+    exclude: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k-NN by ``||q - r||²`` from the differences against every reference (no keys, no BLAS).
+
+    The fallback of :func:`exact_search` for rows whose near-ties need more candidates than
+    the memory budget allows: ``O(N D)`` work per row, in chunks of ``[rows, cols, D]`` under
+    half the budget, merged by (distance, index) as :func:`topk_keys` merges keys.
+    """
+    device, dtype = references.device, references.dtype
+    nq, (n, dim) = queries.shape[0], references.shape
+    cells = max(1, (memory_limit_bytes // 2) // (dim * references.element_size()))
+    rows = max(1, min(nq, cells // n)) if cells >= n else 1
+    cols = n if cells >= n else max(k, cells)
+    values = torch.empty(nq, k, dtype=dtype, device=device)
+    indices = torch.empty(nq, k, dtype=torch.long, device=device)
+    for qs in range(0, nq, rows):
+        q = prepare(queries[qs : qs + rows].to(device), metric, "queries", dtype)
+        best_sq: torch.Tensor | None = None
+        best_i: torch.Tensor | None = None
+        for rs in range(0, n, cols):
+            diff = references[None, rs : rs + cols, :] - q[:, None, :]
+            sq = diff.square_().sum(dim=2)
+            del diff
+            if exclude is not None:
+                own = exclude[qs : qs + rows].to(device) - rs
+                inside = (own >= 0) & (own < sq.shape[1])
+                sq[inside.nonzero().squeeze(1), own[inside]] = math.inf
+            idx = torch.arange(rs, rs + sq.shape[1], device=device).expand_as(sq)
+            if best_sq is not None:
+                assert best_i is not None
+                sq, idx = torch.cat([best_sq, sq], dim=1), torch.cat([best_i, idx], dim=1)
+            sq, perm = sq.sort(dim=1, stable=True)  # earlier (lower) indices first among equals
+            best_sq, best_i = sq[:, :k], idx.gather(1, perm[:, :k])
+        assert best_sq is not None and best_i is not None
+        values[qs : qs + rows] = sqdist_to_values(best_sq, metric)
+        indices[qs : qs + rows] = best_i
+    return values, indices

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -14,11 +13,12 @@ from marginkit._validation import choice, compute_dtype, positive_float, positiv
 from marginkit.knn._backends import ExactIndex, FaissFlatIndex, HNSWIndex, Index, import_faiss
 from marginkit.knn._search import check_embeddings, check_labels, check_metric, exact_search, prepare
 from marginkit.knn.fingerprint import model_fingerprint as fingerprint_of
+from marginkit.knn.index_file import IndexFileError, check_hnsw_graph, fail, read_index, write_index
+
+__all__ = ["BACKENDS", "WEIGHTS", "IndexFileError", "KNNClassifier", "vote_proba"]
 
 BACKENDS = ("exact", "faiss", "hnsw")
 WEIGHTS = ("uniform", "distance")
-_FORMAT = "marginkit.knn.KNNClassifier"
-_FORMAT_VERSION = 1
 
 
 def vote_proba(
@@ -214,7 +214,10 @@ class KNNClassifier:
             )
         embeddings, labels = self._check_new(embeddings, labels, None)
         if self.k > embeddings.shape[0]:
-            raise ValueError(f"k={self.k} exceeds the number of references ({embeddings.shape[0]})")
+            raise ValueError(
+                f"k={self.k} exceeds the number of references ({embeddings.shape[0]}): lower k or fit on "
+                "more references"
+            )
         prepared = self._prepare_refs(embeddings)
         index = self._new_index(prepared.shape[1], prepared.dtype, prepared.device)
         index.add(prepared)
@@ -245,7 +248,7 @@ class KNNClassifier:
             )
         k = self.k if k is None else positive_int(k, "k")
         if k > len(index):
-            raise ValueError(f"k={k} exceeds the number of references ({len(index)})")
+            raise ValueError(f"k={k} exceeds the number of references ({len(index)}): lower k, or add some")
         return x, k
 
     def kneighbors(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,17 +316,22 @@ class KNNClassifier:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the index to ``path`` as one ``.npz`` file, no pickle.
+        """Write the index to ``path`` as one ``.npz`` file, no pickle (:mod:`~marginkit.knn.index_file`).
 
-        Arrays: ``labels`` and ``embeddings`` (prepared references; for ``hnsw`` the FAISS
-        serialisation ``faiss_index`` instead, so the graph is kept), plus ``metadata``, a
-        JSON string: format version, hyper-parameters, dimension, metric, normalisation,
-        number of references and the model fingerprint.
+        Arrays: ``labels``, ``embeddings`` (the prepared references), for ``hnsw`` the graph as
+        plain arrays, and ``metadata``, a JSON string: format version, hyper-parameters,
+        dimension, metric, normalisation, number of references and the model fingerprint.
         """
         index, labels = self._require_fitted()
+        hnsw: dict[str, Any] = {
+            "m": self.hnsw_m,
+            "ef_construction": self.hnsw_ef_construction,
+            "ef_search": self._hnsw_ef_search,
+        }
+        arrays = {"labels": labels.cpu().numpy(), **index.state()}
+        if isinstance(index, HNSWIndex):
+            hnsw.update(index.graph()[1])
         meta = {
-            "format": _FORMAT,
-            "version": _FORMAT_VERSION,
             "k": self.k,
             "metric": self.metric,
             "normalization": "l2" if self.metric == "cosine" else "none",
@@ -332,19 +340,13 @@ class KNNClassifier:
             "memory_limit_mb": self.memory_limit_mb,
             "num_classes": self.num_classes,
             "fixed_num_classes": self._fixed_classes,
-            "hnsw": {
-                "m": self.hnsw_m,
-                "ef_construction": self.hnsw_ef_construction,
-                "ef_search": self._hnsw_ef_search,
-            },
+            "hnsw": hnsw,
             "dimension": self._dim,
             "dtype": str(index.dtype).removeprefix("torch."),
             "num_references": len(index),
             "model_fingerprint": self.model_fingerprint,
         }
-        arrays = {"labels": labels.cpu().numpy(), **index.state(), "metadata": np.array(json.dumps(meta))}
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
+        write_index(path, meta, arrays)
 
     @classmethod
     def load(
@@ -354,23 +356,33 @@ class KNNClassifier:
         expected_fingerprint: str | nn.Module | None = None,
         device: str | torch.device | None = None,
     ) -> KNNClassifier:
-        """Read an index written by :meth:`save` (``numpy.load(..., allow_pickle=False)``).
+        """Read an index written by :meth:`save`, validating it as :meth:`fit` validates its input.
 
-        With ``expected_fingerprint`` (a string or the embedding model itself) loading fails
-        unless the index was saved with the same model fingerprint: embeddings from another
-        model version live in another space, and mixing them silently degrades accuracy.
-        ``device`` places an ``exact`` index (default CPU).
+        Every array header is checked against the file before anything is read (bounded by
+        ``$MARGINKIT_MAX_INPUT_MB``), then every metadata value and array (dtypes, shapes,
+        finite and — for ``cosine`` — unit-norm references, labels within ``num_classes``,
+        the HNSW graph's node ids): any problem raises :class:`IndexFileError` naming the
+        file. With ``expected_fingerprint`` (a string or the embedding model itself) loading
+        fails unless the index was saved with the same model fingerprint: embeddings from
+        another model version live in another space, and mixing them silently degrades
+        accuracy. ``device`` places an ``exact`` index (default CPU).
         """
-        with np.load(path, allow_pickle=False) as z:
-            if "metadata" not in z.files or "labels" not in z.files:
-                raise ValueError(f"{os.fspath(path)!r} is not a saved KNNClassifier (no metadata/labels)")
-            meta = json.loads(str(z["metadata"]))
-            arrays = {name: z[name] for name in z.files if name != "metadata"}
-        if meta.get("format") != _FORMAT or meta.get("version") != _FORMAT_VERSION:
-            raise ValueError(
-                f"{os.fspath(path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
-                f"expected {_FORMAT!r} version {_FORMAT_VERSION}"
+        meta, arrays = read_index(path)
+        hnsw = meta["hnsw"]
+        try:
+            clf = cls(
+                k=meta["k"],
+                metric=meta["metric"],
+                weights=meta["weights"],
+                backend=meta["backend"],
+                memory_limit_mb=meta["memory_limit_mb"],
+                num_classes=meta["num_classes"] if meta["fixed_num_classes"] else None,
+                hnsw_m=hnsw["m"],
+                hnsw_ef_construction=hnsw["ef_construction"],
+                hnsw_ef_search=hnsw["ef_search"],
             )
+        except (TypeError, ValueError) as exc:
+            raise fail(path, f"metadata holds an invalid setting: {exc}") from exc
         if isinstance(expected_fingerprint, nn.Module):
             expected_fingerprint = fingerprint_of(expected_fingerprint)
         stored = meta["model_fingerprint"]
@@ -380,36 +392,17 @@ class KNNClassifier:
                 f"{stored!r}, but expected_fingerprint is {expected_fingerprint!r}; re-embed the "
                 "references with the current model and fit a new index"
             )
-        hnsw = meta["hnsw"]
-        clf = cls(
-            k=meta["k"],
-            metric=meta["metric"],
-            weights=meta["weights"],
-            backend=meta["backend"],
-            memory_limit_mb=meta["memory_limit_mb"],
-            num_classes=meta["num_classes"] if meta["fixed_num_classes"] else None,
-            hnsw_m=hnsw["m"],
-            hnsw_ef_construction=hnsw["ef_construction"],
-            hnsw_ef_search=hnsw["ef_search"],
-        )
-        dim, n = int(meta["dimension"]), int(meta["num_references"])
-        labels = torch.from_numpy(arrays["labels"]).to(torch.long)
-        if clf.backend == "hnsw":
-            faiss = import_faiss()
-            raw = faiss.deserialize_index(arrays["faiss_index"])
-            index: Index = HNSWIndex(
-                clf.metric, dim, clf.hnsw_m, clf.hnsw_ef_construction, hnsw["ef_search"], raw
-            )
+        dim, vectors = int(meta["dimension"]), arrays["embeddings"]
+        index = clf._new_index(dim, getattr(torch, meta["dtype"]), torch.device(device or "cpu"))
+        if isinstance(index, HNSWIndex):
+            try:
+                check_hnsw_graph(meta, arrays, index.level_sizes())
+            except ValueError as exc:
+                raise fail(path, str(exc)) from exc
+            index.set_graph(vectors, arrays, hnsw["entry_point"], hnsw["max_level"])
         else:
-            vectors = torch.from_numpy(arrays["embeddings"])
-            dtype = getattr(torch, meta["dtype"])
-            index = clf._new_index(dim, dtype, torch.device(device or "cpu"))
-            index.add(vectors)
-        if len(index) != n or labels.shape != (n,) or index.vectors().shape[1] != dim:
-            raise ValueError(
-                f"{os.fspath(path)!r} is inconsistent: metadata says {n} references of dimension {dim}, "
-                f"arrays hold {len(index)} vectors and {labels.shape[0]} labels"
-            )
+            index.add(torch.from_numpy(vectors))
+        labels = torch.from_numpy(arrays["labels"].astype(np.int64))
         clf._index, clf._dim, clf.num_classes = index, dim, meta["num_classes"]
         clf._labels = labels.to(device or "cpu") if clf.backend == "exact" else labels
         clf.model_fingerprint = stored

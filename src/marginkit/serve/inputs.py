@@ -151,7 +151,7 @@ def _form_value(key: str, value: str) -> Any:
 
 def parse_form(form: Any, input_shape: tuple[int, ...], limits: Limits) -> Payload:
     """A parsed multipart form (Starlette ``FormData``) -> :class:`Payload`."""
-    from marginkit.export.npz import NpzError, read_npz
+    from marginkit._npz import NpzError, read_npz
 
     fields: dict[str, Any] = {}
     files = []

@@ -8,11 +8,13 @@ checkpoint.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from marginkit._files import _mb
 from marginkit.schedules import Constant, CosineDecay, Join, LinearWarmup
 from marginkit.train.config import TrainConfig
 from marginkit.train.errors import ConfigError
@@ -41,6 +43,11 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available; use device=cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} requested but there are {torch.cuda.device_count()} CUDA devices")
+    mps = getattr(torch.backends, "mps", None)
+    if dev.type == "mps" and not (mps is not None and mps.is_available()):
+        raise ConfigError(f"device {name!r} requested but MPS (Apple GPU) is not available; use device=cpu")
     return dev
 
 
@@ -110,15 +117,16 @@ def build_components(
     spec = LOSSES[config.loss]
     input_shape = tuple(facts["input_shape"])
     model_name = resolve_model_name(config, input_shape, facts.get("name", ""))
+    options = dict(embedding_dim=config.embedding_dim, normalize=config.normalize, **config.model_options)
     try:
-        model = build_model(
-            model_name,
-            input_shape,
-            embedding_dim=config.embedding_dim,
-            normalize=config.normalize,
-            **config.model_options,
-        ).to(device)
+        with torch.device("meta"):  # shapes only: what the model costs, before allocating it
+            skeleton = build_model(model_name, input_shape, **options)
+        head_size = facts["num_classes"] * config.embedding_dim if spec.kind == "class" else 0
+        _check_model_fits(config, model_name, skeleton, head_size, device)
+        model = build_model(model_name, input_shape, **options).to(device)
     except (ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ConfigError(
             f"cannot build model {model_name!r} for input shape {input_shape}: {first}"
@@ -131,6 +139,40 @@ def build_components(
         sub_centers = getattr(loss, "sub_centers", 1)  # SubCenterArcFaceLoss's K is the head's
         head = CosineHead(facts["num_classes"], config.embedding_dim, sub_centers=sub_centers).to(device)
     return model, head, loss
+
+
+#: Bytes of training state per parameter: the float32 weight, its gradient and the optimiser's
+#: state (AdamW's two moments, SGD's momentum).
+_BYTES_PER_PARAMETER = {"adamw": 16, "sgd": 12}
+
+
+def _device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (physical RAM for the CPU), or ``None`` where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "mps":
+        recommended = getattr(getattr(torch, "mps", None), "recommended_max_memory", None)
+        return int(recommended()) if recommended is not None else None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return None
+
+
+def _check_model_fits(
+    config: TrainConfig, name: str, skeleton: nn.Module, head_size: int, device: torch.device
+) -> None:
+    """Refuse a model whose training state alone exceeds the device's memory (a width typo,
+    ``hidden=[65536, 65536, 65536]``), before it is allocated; activations come on top."""
+    n = sum(p.numel() for p in skeleton.parameters()) + head_size
+    need, total = n * _BYTES_PER_PARAMETER[config.optimizer], _device_memory_bytes(device)
+    if total is not None and need > total:
+        raise ConfigError(
+            f"model {name!r} (embedding_dim={config.embedding_dim}, model_options={config.model_options}) "
+            f"has {n:,} parameters: training it needs {_mb(need)} for weights, gradients and "
+            f"{config.optimizer} state, more than the {_mb(total)} of {device}; "
+            "lower the widths in model_options or embedding_dim"
+        )
 
 
 def _param_groups(config: TrainConfig, model: nn.Module, head: nn.Module | None) -> list[dict[str, Any]]:

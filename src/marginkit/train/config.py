@@ -22,12 +22,19 @@ import json
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from marginkit.train.errors import ConfigError, suggest
+from marginkit.train.ranges import (
+    DEVICE_PATTERN,
+    FIELD_RANGES,
+    MODEL_OPTION_RANGES,
+    check_value,
+    loss_option_ranges,
+)
 
 __all__ = [
     "MODEL_NAMES",
@@ -152,6 +159,8 @@ class TrainConfig:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"stored config is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ConfigError("stored config is nested too deeply") from None
         return config_from_dict(raw)
 
     def to_yaml(self) -> str:
@@ -161,64 +170,36 @@ class TrainConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
     def validate(self) -> TrainConfig:
-        """Check every value's type and range; raise :class:`ConfigError` naming the key."""
+        """Check every value's type and range; raise :class:`ConfigError` naming the key.
+
+        Types are coerced first (from YAML or command-line strings), then every field is
+        checked against :data:`marginkit.train.ranges.FIELD_RANGES` and its choices, the
+        loss and backbone options against their ranges, the cross-field rules in
+        :data:`_RULES`, and finally the loss is built once, so that everything the loss
+        itself checks fails here too, before any data is loaded.
+        """
         self.amp = amp_mode(self.amp)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_types()[f.name]))
         if not self.data or not isinstance(self.data, str):
             raise ConfigError("data must be a non-empty data set spec such as 'mnist1d' or 'npz:PATH'")
-        _choice(self.model, "model", MODEL_NAMES)
         from marginkit.train.registry import LOSSES, check_loss_options
 
-        _choice(self.loss, "loss", tuple(LOSSES))
-        check_loss_options(self.loss, self.loss_options)
-        _choice(self.optimizer, "optimizer", OPTIMIZERS)
-        _choice(self.scheduler, "scheduler", SCHEDULERS)
-        _choice(self.knn_metric, "knn_metric", KNN_METRICS)
-        _choice(self.knn_weights, "knn_weights", KNN_WEIGHTS)
-        for name in (
-            "batch_size",
-            "embedding_dim",
-            "k",
-            "samples_per_class",
-            "step_epochs",
-            "eval_every",
-        ):
-            _at_least(getattr(self, name), name, 1)
-        _at_least(self.seed, "seed", 0)
-        for name in ("epochs", "train_per_class", "classes_per_batch", "max_impostors", "num_threads"):
+        for name, choices in {**_CHOICES, "loss": tuple(LOSSES)}.items():
+            _choice(getattr(self, name), name, choices)
+        for name, spec in FIELD_RANGES.items():
             if getattr(self, name) is not None:
-                _at_least(getattr(self, name), name, 1)
-        _at_least(self.eval_batch_size, "eval_batch_size", 1)
-        _at_least(self.precise_bn, "precise_bn", 0)
-        if LOSSES[self.loss].norms and self.normalize:
-            raise ConfigError(
-                f"loss {self.loss!r} adapts its margin to the embedding norms, which normalize: true makes "
-                "all 1: set normalize: false (--set normalize=false)"
-            )
-        if self.samples_per_class < 2 and LOSSES[self.loss].kind == "pair":
-            raise ConfigError("samples_per_class must be >= 2 for pair losses (each anchor needs a positive)")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        for name in ("lr",):
-            if not self.lr > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.head_lr is not None and not self.head_lr > 0:
-            raise ConfigError(f"head_lr must be > 0 or null, got {self.head_lr}")
-        for name in ("weight_decay", "momentum", "warmup_epochs"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.step_gamma <= 1:
-            raise ConfigError(f"step_gamma must be in (0, 1], got {self.step_gamma}")
-        if not self.collective_timeout > 0:
-            raise ConfigError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError(f"grad_clip must be > 0 or null, got {self.grad_clip}")
-        if self.epochs is not None and self.warmup_epochs > self.epochs:
-            raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) must not exceed epochs ({self.epochs})")
-        dev = self.device
-        if not (dev in ("cpu", "auto", "cuda", "mps") or dev.startswith("cuda:")):
-            raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto', got {dev!r}")
+                _in_range(getattr(self, name), spec, name)
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto', got {self.device!r}")
+        for rule in _RULES:
+            problem = rule(self, LOSSES[self.loss].kind)
+            if problem:
+                raise ConfigError(problem)
+        check_loss_options(self.loss, self.loss_options)
+        _ranged_options(self.loss_options, loss_option_ranges(self.loss), "loss_options")
+        _ranged_options(self.model_options, MODEL_OPTION_RANGES, "model_options")
+        _build_loss_once(self)
         return self
 
 
@@ -237,9 +218,86 @@ def _choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
         )
 
 
-def _at_least(value: int, name: str, minimum: int) -> None:
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+_CHOICES = {
+    "model": MODEL_NAMES,
+    "optimizer": OPTIMIZERS,
+    "scheduler": SCHEDULERS,
+    "knn_metric": KNN_METRICS,
+    "knn_weights": KNN_WEIGHTS,
+}
+
+
+def _in_range(value: Any, spec: Any, name: str) -> None:
+    try:
+        check_value(value, spec, name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _ranged_options(options: Mapping[str, Any], ranges: Mapping[str, Any], prefix: str) -> None:
+    for key, value in options.items():
+        if key in ranges:
+            _in_range(value, ranges[key], f"{prefix}.{key}")
+
+
+def _build_loss_once(config: TrainConfig) -> None:
+    from marginkit.train.registry import build_loss
+
+    try:
+        build_loss(config.loss, config.loss_options, k=config.k)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"loss {config.loss!r}: {str(exc).splitlines()[0]}") from None
+
+
+def _warmup_within_epochs(c: TrainConfig, kind: str) -> str | None:
+    if c.epochs is not None and c.warmup_epochs > c.epochs:  # epochs None: chosen from the data
+        return f"warmup_epochs ({c.warmup_epochs}) must not exceed epochs ({c.epochs})"
+    return None
+
+
+def _pair_batches_have_positives(c: TrainConfig, kind: str) -> str | None:
+    if kind == "pair" and c.samples_per_class < 2:
+        return "samples_per_class must be >= 2 for pair losses (each anchor needs a positive)"
+    return None
+
+
+def _pair_batches_have_negatives(c: TrainConfig, kind: str) -> str | None:
+    if kind == "pair" and c.classes_per_batch is not None and c.classes_per_batch < 2:
+        return (
+            f"classes_per_batch must be >= 2 for pair losses (each anchor needs a negative from "
+            f"another class), got {c.classes_per_batch}"
+        )
+    return None
+
+
+def _norm_adaptive_loss_sees_norms(c: TrainConfig, kind: str) -> str | None:
+    from marginkit.train.registry import LOSSES
+
+    if LOSSES[c.loss].norms and c.normalize:
+        return (
+            f"loss {c.loss!r} adapts its margin to the embedding norms, which normalize: true makes "
+            "all 1: set normalize: false (--set normalize=false)"
+        )
+    return None
+
+
+def _batches_of_two(c: TrainConfig, kind: str) -> str | None:
+    if kind == "class" and c.batch_size < 2 and c.model_options.get("norm", "batch") != "none":
+        return (
+            f"batch_size must be >= 2: batch norm needs two samples per training batch "
+            f"(model_options.norm=none removes it), got {c.batch_size}"
+        )
+    return None
+
+
+#: Rules between fields: each returns the error message, or None. (Single values: ranges.py.)
+_RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
+    _warmup_within_epochs,
+    _norm_adaptive_loss_sees_norms,
+    _batches_of_two,
+    _pair_batches_have_positives,
+    _pair_batches_have_negatives,
+)
 
 
 def _coerce(name: str, value: Any, tp: Any) -> Any:
@@ -326,6 +384,7 @@ def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> C
 
 # ---------------------------------------------------------------------- building
 _DICT_KEYS = ("data_options", "model_options", "loss_options")
+_DICT_ALIASES = {"data": "data_options", "model": "model_options", "loss": "loss_options"}  # loss.scale=30
 
 
 def apply_overrides(
@@ -347,6 +406,7 @@ def apply_overrides(
         if "." in key:
             head, _, sub = key.partition(".")
             head = head.replace("-", "_")
+            head = _DICT_ALIASES.get(head, head)
             if head not in _DICT_KEYS:
                 if head in valid:
                     raise ConfigError(f"config key {head!r} is not a mapping; set it as {head}=VALUE")
@@ -387,24 +447,85 @@ def config_from_dict(raw: Mapping[str, Any]) -> TrainConfig:
     return cfg.validate()
 
 
-def load_config(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a mapping (validated later, after overrides)."""
+_YAML_MAX_DEPTH = 32  # a config is flat: a key, an option dictionary, a list inside it
+_YAML_MAX_BYTES = 1 << 20
+
+
+def _strict_loader() -> type:
+    """PyYAML's safe loader, refusing duplicate keys, aliases and nesting deeper than 32."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    class StrictLoader(yaml.SafeLoader):
+        _depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"line {mark.line + 1}: YAML aliases (*name) are not supported in configs")
+            self._depth += 1
+            try:
+                if self._depth > _YAML_MAX_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise ConfigError(f"line {mark.line + 1}: nested deeper than {_YAML_MAX_DEPTH} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise ConfigError(f"duplicate key {key!r} (lines {seen[key]} and {line})")
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the base class reports it
+                    break
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _load_yaml(text: str) -> Any:
+    """``text`` as YAML (see :func:`_strict_loader`): ConfigError for what it refuses."""
+    import yaml
+
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(text, Loader=_strict_loader())
+    except RecursionError:
+        raise ConfigError("nested too deeply") from None
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a mapping (validated later, after overrides).
+
+    Duplicate keys, YAML aliases, nesting deeper than 32 levels and files over 1 MB are
+    refused: a config is a small flat mapping, and with a duplicate key the later value would
+    silently win.
+    """
+    path = Path(path)
+    where = f"config file {str(path)!r}"
+    if not path.is_file():
+        raise ConfigError(f"{where} does not exist")
+    if path.stat().st_size > _YAML_MAX_BYTES:
+        raise ConfigError(f"{where} is larger than 1 MB; a config holds a few keys")
+    import yaml
+
+    try:
+        raw = _load_yaml(path.read_text(encoding="utf-8"))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {first}") from None
+        raise ConfigError(f"{where} is not valid YAML: {first}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text") from None
+        raise ConfigError(f"{where} is not UTF-8 text") from None
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, got {type(raw).__name__}")
+        raise ConfigError(f"{where} must hold a mapping of keys, got {type(raw).__name__}")
     valid = TrainConfig.keys()
     for key in raw:
         if str(key).replace("-", "_") not in valid:
@@ -416,9 +537,11 @@ def _parse_scalar(text: str) -> Any:
     import yaml
 
     try:
-        value = yaml.safe_load(text)
+        value = _load_yaml(text)
     except yaml.YAMLError:
-        return text
+        return text  # not YAML: the plain string
+    except ConfigError as exc:
+        raise ConfigError(f"value {text[:40]!r}: {exc}") from None
     # YAML 1.1 reads "1e-3" as a string; the field coercion handles it for typed fields,
     # for option dictionaries convert here.
     if isinstance(value, str):

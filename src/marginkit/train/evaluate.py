@@ -40,6 +40,7 @@ from torch import nn
 from marginkit.train.config import TrainConfig
 
 __all__ = [
+    "check_k_fits",
     "confusion_matrix",
     "embed",
     "evaluate_model",
@@ -114,6 +115,36 @@ def roc_curve(scores: torch.Tensor, is_genuine: torch.Tensor) -> tuple[np.ndarra
     far = torch.cat([torch.zeros(1, dtype=s.dtype), fp[last] / n_neg])
     tar = torch.cat([torch.zeros(1, dtype=s.dtype), tp[last] / n_pos])
     return far.numpy(), tar.numpy()
+
+
+def check_k_fits(config: TrainConfig, splits: Any, k: int | None = None) -> None:
+    """Refuse, before any training, a K-NN ``k`` that the data set cannot serve.
+
+    Closed set: the references are the training samples, so ``k`` may not exceed their
+    number; open set: leave-one-out within the test split needs ``k + 1`` test samples.
+    Raises :class:`~marginkit.train.config.ConfigError` with what to change.
+    """
+    from marginkit.train.errors import ConfigError
+
+    k = k or config.k
+    if splits.open_set:
+        need, have, what = k + 1, len(splits.test), "test samples (leave-one-out within the test split)"
+    else:
+        need, have, what = k, len(splits.train), "training samples (the K-NN references)"
+    if have < need:
+        fits = have - int(splits.open_set)
+        lower = f"lower --k (at most {fits}) or " if fits >= 1 else ""
+        raise ConfigError(
+            f"k={k} needs at least {need} {what}, but {splits.name!r} has {have}: {lower}use more data "
+            "(a larger train_per_class or data set, a smaller val_fraction)"
+        )
+
+
+def _retrieval_cutoffs(labels: torch.Tensor) -> tuple[int, ...]:
+    """Recall@k cut-offs that the test split can serve (each query has ``N - 1`` references)."""
+    if labels.numel() < 2 or int(torch.bincount(labels).max()) < 2:
+        return ()  # no query has a relevant reference: retrieval is undefined
+    return tuple(k for k in (1, 5, 10) if k <= labels.numel() - 1)
 
 
 def _knn(config: TrainConfig, k: int | None = None) -> Any:
@@ -246,9 +277,11 @@ def evaluate_model(
         )  # fmt: skip
         metrics.update(_jsonable(found))
         arrays.update(curves)
-    retrieval = retrieval_metrics(test_emb, y_test, metric=config.knn_metric)
-    for key, value in _jsonable(retrieval).items():
-        metrics[key] = value
+    cutoffs = _retrieval_cutoffs(y_test)
+    if cutoffs:
+        retrieval = retrieval_metrics(test_emb, y_test, metric=config.knn_metric, ks=cutoffs)
+        for key, value in _jsonable(retrieval).items():
+            metrics[key] = value
     gen = torch.Generator().manual_seed(config.seed)
     n = test_emb.shape[0]
     idx = (
@@ -309,6 +342,7 @@ def evaluate_checkpoint(
             f"data set {splits.name!r} has input shape {tuple(splits.input_shape)}, but the run's model "
             f"expects {tuple(run['facts']['input_shape'])}"
         )
+    check_k_fits(config, splits, k)
     head = run["head"]
     if head is not None and splits.num_classes != run["facts"]["num_classes"]:
         head = None  # another label space: the head's classes mean nothing here

@@ -50,7 +50,7 @@ from marginkit.train.components import (
 )
 from marginkit.train.config import RUNTIME_KEYS, TrainConfig
 from marginkit.train.errors import CheckpointError, ConfigError, RunDirError, TrainingError
-from marginkit.train.evaluate import evaluate_checkpoint, validation_metrics
+from marginkit.train.evaluate import check_k_fits, evaluate_checkpoint, validation_metrics
 from marginkit.train.progress import ProgressBar
 from marginkit.train.registry import LOSSES
 from marginkit.train.rundir import (
@@ -288,6 +288,8 @@ def _train(
     quiet = quiet or not ctx.is_main  # one rank talks and writes the run directory
     if log is None:
         log = (lambda _msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if config is not None:  # an unavailable device fails like a typo: before anything is read or written
+        resolve_device(config.validate().device)
     rundir = RunDir.for_training(run_dir, resume=resume, overwrite=overwrite) if ctx.is_main else None
     try:
         ctx.barrier()
@@ -355,6 +357,7 @@ def _restore(
     if splits is None:
         splits = load_splits(config)
     facts = data_facts(splits)
+    check_k_fits(config, splits)
     if len(splits.val) == 0:
         why = splits.info.get("val_split", "val_fraction=0")
         log(f"no validation split ({why}): best.pt is the last epoch's checkpoint")
