@@ -36,7 +36,7 @@ def test_overrides_coerce_strings_from_the_command_line():
         {"lr": "1e-3", "epochs": "7", "amp": "true", "grad_clip": "none", "train-per-class": "10"},
     )
     assert cfg.lr == pytest.approx(1e-3) and isinstance(cfg.lr, float)
-    assert cfg.epochs == 7 and cfg.amp is True and cfg.grad_clip is None and cfg.train_per_class == 10
+    assert cfg.epochs == 7 and cfg.amp == "bf16" and cfg.grad_clip is None and cfg.train_per_class == 10
 
 
 def test_dotted_keys_set_option_dictionaries():
@@ -137,6 +137,7 @@ def test_registry_kinds_and_names():
         "softmax", "cosface", "arcface", "qmargin", "entmax", "sparsemax",
         "mep", "circle", "class_circle", "triplet", "local_triplet",
         "multi_similarity", "supcon", "ntxent", "contrastive", "smooth_triplet",
+        "combined_margin", "subcenter_arcface", "adaface", "proxy_anchor",
     }  # fmt: skip
     assert {n for n, s in LOSSES.items() if s.kind == "pair"} == {
         "circle", "triplet", "local_triplet",

@@ -6,11 +6,13 @@ also checks checkpoints and errors; CPU, loopback) runs every check (spawning co
 - the sharded head's initial full weight equals the one-process head's (world-size-independent
   initialisation), and it is the reference weight below;
 - every class-level loss (NormSoftmax, CosFace, ArcFace, Q-Margin incl. α = 1, Entmax incl.
-  α > 2, Sparsemax, ClassCircle) on a :class:`ShardedCosineHead`: value, embedding gradients and
+  α > 2, Sparsemax, ClassCircle, CombinedMargin, AdaFace with the norms of the global batch,
+  ProxyAnchor) on a :class:`ShardedCosineHead`: value, embedding gradients and
   head-weight gradients equal the same loss on a plain cosine matrix of the concatenated batch
   (float64: 1e-10, float32: 1e-5), for both ``grad_reduction`` conventions, unequal local
   batches, an empty local batch, reductions ``"sum"``/``"none"``, and the support sizes of the
   alpha losses;
+- sub-centre heads (``sub_centers=3``: SubCenterArcFace, ProxyAnchor), both gradient conventions;
 - class sampling (``sample_rate < 1``): the loss equals the one-process loss restricted to the
   union of the ranks' sampled classes, and every positive class is among them;
 - the pair losses through :class:`GatheredPairLoss`: value and embedding gradients;
@@ -32,19 +34,23 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from marginkit.distributed import all_gather_no_grad, record_collectives
-from marginkit.heads.cosine import cosine_similarity_matrix
+from marginkit.heads.cosine import NormedCosines, class_cosines, cosine_similarity_matrix, embedding_norms
 from marginkit.heads.sharded import ShardedCosineHead
 from marginkit.losses import (
+    AdaFaceLoss,
     ArcFaceLoss,
     CircleLoss,
     ClassCircleLoss,
+    CombinedMarginLoss,
     CosFaceLoss,
     EntmaxLoss,
     GatheredPairLoss,
     LocalMarginTripletLoss,
     NormSoftmaxLoss,
+    ProxyAnchorLoss,
     QMarginLoss,
     SparsemaxLoss,
+    SubCenterArcFaceLoss,
     TripletMarginLoss,
 )
 from marginkit.ops.classes import class_block
@@ -79,7 +85,15 @@ def class_losses():
         EntmaxLoss(alpha=2.5, scale=4.0),
         SparsemaxLoss(scale=4.0),
         ClassCircleLoss(margin=0.25, gamma=16.0),
+        CombinedMarginLoss(0.9, 0.4, 0.15, scale=16.0, reduction="none"),
+        AdaFaceLoss(scale=16.0, margin=0.4, t_alpha=1.0),  # t_alpha = 1: no state across calls
+        ProxyAnchorLoss(alpha=16.0, margin=0.1),
     ]
+
+
+def head_output(loss, cos, e):
+    """What the trainer passes: AdaFace gets the norms along (head(e, with_norms=True))."""
+    return NormedCosines(cos, embedding_norms(e)) if isinstance(loss, AdaFaceLoss) else cos
 
 
 def pair_losses():
@@ -112,10 +126,10 @@ def global_data(full_weight, sizes, dtype, seed):
 def reference(loss, e_all, y_all, weight, columns=None, labels=None):
     e = e_all.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    cos = cosine_similarity_matrix(e, w)
+    cos = class_cosines(e, w)
     if columns is not None:
         cos = cos[:, columns]
-    value = loss(cos, y_all if labels is None else labels)
+    value = loss(head_output(loss, cos, e), y_all if labels is None else labels)
     value.backward(torch.ones_like(value))
     support = getattr(loss, "last_support_size", None)
     return value.detach(), e.grad, w.grad, support
@@ -234,6 +248,77 @@ def check_loss_on_the_axis(me, world, expected_weight, sizes, tol):
     assert_close(head.weight.grad, ref_gw[mine], tol, "axis loss weight grad")
 
 
+def ignoring_losses():
+    """Class losses with ignore_index and, for the alpha losses, a learnable alpha."""
+    return [
+        NormSoftmaxLoss(scale=10.0, ignore_index=-100),
+        ArcFaceLoss(scale=16.0, margin=0.5, reduction="sum", ignore_index=-100),
+        QMarginLoss(
+            alpha=torch.nn.Parameter(torch.tensor(1.3, dtype=torch.float64)),
+            scale=16.0,
+            margin=0.2,
+            ignore_index=-100,
+        ),
+        EntmaxLoss(
+            alpha=torch.nn.Parameter(torch.tensor(1.6, dtype=torch.float64)),
+            scale=8.0,
+            reduction="none",
+            ignore_index=-100,
+        ),
+    ]
+
+
+def check_ignore_index(me, world, expected_weight, sizes, tol):
+    """ignore_index and a learnable alpha on the class axis equal one process (rank 0: all ignored)."""
+    head = ShardedCosineHead(NUM_CLASSES, DIM, seed=SEED, grad_reduction="sum", dtype=torch.float64)
+    full = head.full_state_dict()["weight"]
+    e_all, y_all = global_data(full, sizes, torch.float64, 5)
+    y_all[:3] = -100  # every row of rank 0 with the worker's sizes
+    y_all[-1] = -100
+    start = sum(sizes[:me])
+    rows = slice(start, start + sizes[me])
+    mine = slice(head.class_offset, head.class_offset + head.num_local)
+    for loss in ignoring_losses():
+        name = f"{loss!r} rank {me}"
+        alpha = loss.alpha if isinstance(getattr(loss, "alpha", None), torch.nn.Parameter) else None
+        ref_value, ref_ge, ref_gw, _ = reference(loss, e_all, y_all, full)
+        ref_ga = None if alpha is None else alpha.grad.clone()
+        if alpha is not None:
+            alpha.grad = None
+        e = e_all[rows].clone().requires_grad_(True)
+        head.zero_grad()
+        value = loss(head(e), y_all[rows])
+        value.backward(torch.ones_like(value))
+        assert_close(value.detach(), ref_value, tol, name + " value")
+        assert_close(e.grad, ref_ge[rows], tol, name + " embedding grad")
+        assert_close(head.weight.grad, ref_gw[mine], tol, name + " weight grad")
+        if alpha is not None:
+            assert_close(alpha.grad, ref_ga, tol, name + " alpha grad")
+
+
+def check_sub_centres(me, world, sizes, tol):
+    """Sub-centre heads: each rank holds every sub-centre of its classes; the losses reduce as usual."""
+    for grad_reduction, factor in (("sum", 1), ("mean", world)):
+        head = ShardedCosineHead(
+            NUM_CLASSES, DIM, seed=SEED, sub_centers=3, grad_reduction=grad_reduction, dtype=torch.float64
+        )
+        full = head.full_state_dict()["weight"]
+        assert full.shape == (NUM_CLASSES, 3, DIM)
+        e_all, y_all = global_data(full[:, 0], sizes, torch.float64, 6)
+        start = sum(sizes[:me])
+        rows = slice(start, start + sizes[me])
+        mine = slice(head.class_offset, head.class_offset + head.num_local)
+        for loss in (SubCenterArcFaceLoss(16.0, 0.4, sub_centers=3), ProxyAnchorLoss(alpha=16.0)):
+            ref_value, ref_ge, ref_gw, _ = reference(loss, e_all, y_all, full)
+            e = e_all[rows].clone().requires_grad_(True)
+            head.zero_grad()
+            value = loss(head(e), y_all[rows])
+            value.backward()
+            assert_close(value.detach(), ref_value, tol, f"sub-centre {loss!r} value")
+            assert_close(e.grad, factor * ref_ge[rows], tol, f"sub-centre {loss!r} embedding grad")
+            assert_close(head.weight.grad, ref_gw[mine], tol, f"sub-centre {loss!r} weight grad")
+
+
 def _worker(me, world, expected_weight):
     torch.manual_seed(1234 + me)  # the code under test must not depend on the global RNG per rank
     sizes = [3 + (r * 2) % 5 for r in range(world)]  # unequal local batches
@@ -243,6 +328,10 @@ def _worker(me, world, expected_weight):
     check_class_losses(me, world, expected_weight, torch.float64, 1e-10, "mean", empty_first, 3)
     check_sampling(me, world, expected_weight, 1e-10)
     check_loss_on_the_axis(me, world, expected_weight, sizes, 1e-10)
+    check_ignore_index(me, world, expected_weight, sizes, 1e-10)
+
+
+    check_sub_centres(me, world, sizes, 1e-10)
     check_pair_losses(me, world, 1e-10)
     check_communication(me, world)
     dist.barrier()
@@ -263,6 +352,10 @@ def test_one_process_sharded_head_equals_plain_losses(gen):
     check_class_losses(0, 1, expected, torch.float64, 1e-12, "mean", [9], 1)
     check_class_losses(0, 1, expected, torch.float32, 1e-6, "sum", [9], 2)
     check_loss_on_the_axis(0, 1, expected, [9], 1e-12)
+    check_ignore_index(0, 1, expected, [9], 1e-12)
+
+
+    check_sub_centres(0, 1, [9], 1e-12)
     check_pair_losses(0, 1, 1e-12)
 
 
@@ -272,8 +365,11 @@ def test_reference_data_is_not_degenerate():
     e, y = global_data(weight, [12], torch.float64, 1)
     cos = cosine_similarity_matrix(e, weight)
     for loss in class_losses():
+        if isinstance(loss, ProxyAnchorLoss):  # one value per batch
+            assert 1e-3 < float(loss(cos, y)) < 30
+            continue
         loss.reduction = "none"
-        values = loss(cos, y)
+        values = loss(head_output(loss, cos, e), y)
         assert bool((values > 1e-3).sum() >= 3), f"{loss!r}: losses {values}"
         assert bool((values < 30).all()), f"{loss!r}: saturated losses {values}"
     support = EntmaxLoss(alpha=1.5, scale=8.0, reduction="none")

@@ -224,6 +224,30 @@ def test_bf16_autocast_and_sgd_step_schedule_run(tmp_path, data_spec):
     assert result.history[1]["lr"] == pytest.approx(cfg.lr * cfg.step_gamma)
 
 
+def test_fp16_autocast_with_gradient_scaler_runs(tmp_path, data_spec):
+    from marginkit.train.trainer import mixed_precision
+
+    cfg = small_config(data_spec, epochs=2, amp="fp16", grad_clip=1.0, loss="arcface")
+    result = train(cfg, tmp_path / "r", quiet=True, report=False)
+    assert result.finished and all(math.isfinite(row["train_loss"]) for row in result.history)
+    assert cfg.amp == "fp16" and small_config(data_spec, amp=True).amp == "bf16"
+    assert small_config(data_spec, amp="false").amp == "off"
+    with pytest.raises(ConfigError, match="amp must be one of off, bf16, fp16"):
+        small_config(data_spec, amp="fp8")
+    context, scaler = mixed_precision("fp16", torch.device("cpu"))
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+    with context:
+        assert torch.nn.Linear(3, 2)(torch.ones(1, 3)).dtype == torch.float16
+    assert mixed_precision("bf16", torch.device("cpu"))[1] is None
+
+
+def test_norm_adaptive_loss_needs_unnormalised_embeddings(tmp_path, data_spec):
+    with pytest.raises(ConfigError, match="set normalize: false"):
+        small_config(data_spec, loss="adaface")
+    cfg = small_config(data_spec, loss="adaface", normalize=False, epochs=1)
+    assert train(cfg, tmp_path / "r", quiet=True, report=False).finished
+
+
 def test_lr_schedule_warmup_cosine_step():
     s = LRSchedule("cosine", total_steps=10, warmup_steps=2, steps_per_epoch=5, step_epochs=1, gamma=0.5)
     assert [s(0), s(1)] == [0.5, 1.0]
@@ -277,7 +301,8 @@ def test_load_splits_cache_returns_same_object(data_spec):
 def test_every_registered_loss_trains_and_evaluates(tmp_path, data_spec, loss):
     from marginkit.train.registry import LOSSES
 
-    result = train(small_config(data_spec, loss=loss, epochs=1), tmp_path / "r", quiet=True, report=False)
+    cfg = small_config(data_spec, loss=loss, epochs=1, normalize=not LOSSES[loss].norms)
+    result = train(cfg, tmp_path / "r", quiet=True, report=False)
     m = result.metrics
     assert math.isfinite(result.history[0]["train_loss"]) and 0 <= m["knn_accuracy"] <= 1
     assert ("head_accuracy" in m) == (LOSSES[loss].kind == "class")

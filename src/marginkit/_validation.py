@@ -158,6 +158,21 @@ def reduce(loss: torch.Tensor, reduction: Reduction, weight: torch.Tensor | None
     raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
+def reduce_kept(loss: torch.Tensor, keep: torch.Tensor | None, reduction: Reduction) -> torch.Tensor:
+    """:func:`reduce` over the rows where ``keep`` holds: ``F.cross_entropy``'s ``ignore_index`` semantics.
+
+    Other rows are 0 in ``"none"`` and contribute nothing (value or gradient) to ``"sum"`` and
+    ``"mean"``; ``"mean"`` divides by the number of kept rows, so when every row is ignored it is
+    NaN (0/0), as in torch, with a zero gradient.
+    """
+    if keep is None:
+        return reduce(loss, reduction)
+    loss = loss.masked_fill(~keep.reshape(loss.shape), 0.0)
+    if reduction == "mean":
+        return loss.sum() / keep.sum()
+    return reduce(loss, reduction)
+
+
 # Cosines may leave [-1, 1] by this much (normalisation round-off, half precision).
 COSINE_ATOL = 1e-3
 

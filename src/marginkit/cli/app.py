@@ -106,7 +106,12 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
             help_ = f"{help_} (default: {defaults[key]})"
         g.add_argument(flag, dest=f"opt_{key}", type=typ, metavar=key.upper(), help=help_)
     g.add_argument(
-        "--amp", dest="opt_amp", action="store_const", const=True, help="bf16 autocast (default: off)"
+        "--amp",
+        dest="opt_amp",
+        nargs="?",
+        const="bf16",
+        choices=("bf16", "fp16", "off"),
+        help="autocast: bf16 (the default of a bare --amp) or fp16 (with a gradient scaler); default: off",
     )
     g.add_argument(
         "--set",

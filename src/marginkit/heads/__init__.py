@@ -6,6 +6,7 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "CosineHead": "cosine",
+        "NormedCosines": "cosine",
         "ShardedCosineHead": "sharded",
         "ShardedCosines": "sharded",
     },

@@ -26,15 +26,25 @@ divided by ``eps`` (as :func:`torch.nn.functional.normalize`), giving cosine 0, 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from marginkit._validation import float_tensor, positive_int, real
+from marginkit._validation import compute_dtype, float_tensor, positive_int, real
+from marginkit.ops.classes import ClassBlock, class_block
+from marginkit.ops.norms import robust_norm
 
-__all__ = ["CosineHead", "accepts_sparse_grad", "cosine_similarity_matrix"]
+__all__ = [
+    "CosineHead",
+    "NormedCosines",
+    "accepts_sparse_grad",
+    "class_cosines",
+    "cosine_similarity_matrix",
+    "embedding_norms",
+]
 
 _EPS = 1e-12  # same as torch.nn.functional.normalize
 
@@ -52,7 +62,7 @@ class _CosineFn(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, e: torch.Tensor, w: torch.Tensor, eps: float
     ) -> torch.Tensor:
-        e_norm = torch.linalg.vector_norm(e, dim=-1, keepdim=True)
+        e_norm = robust_norm(e)
         e_inv = e_norm.clamp_min(eps).reciprocal()
         e_hat = e * e_inv
         w_norm = torch.linalg.vector_norm(w, dim=-1)
@@ -83,6 +93,33 @@ class _CosineFn(torch.autograd.Function):
             k_scaled = g2.mul_(cos.reshape(-1, cos.shape[-1])).sum(dim=0)
             grad_w.addcmul_(w, (-(w_inv * k_scaled) * w_live).unsqueeze(1))
         return grad_e, grad_w, None
+
+
+class _Upcast(torch.autograd.Function):
+    """``x.to(dtype)`` whose backward saturates the gradient at the input dtype's largest finite value.
+
+    The gradient of a normalisation is ``~1/‖e‖``: for a float16 embedding of norm 1e-6 (or a
+    zero one, floored at ``eps``) it exceeds float16's range (65504), and a plain cast back
+    would make it ``inf``. NaN stays NaN.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        ctx.dtype = x.dtype
+        return x.to(dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        top = torch.finfo(ctx.dtype).max
+        return grad.clamp(-top, top).to(ctx.dtype), None
+
+
+def _upcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``; from a narrower float type with a saturating backward (:class:`_Upcast`)."""
+    if x.dtype == dtype or torch.finfo(x.dtype).max >= torch.finfo(dtype).max:
+        return x.to(dtype)
+    return _Upcast.apply(x, dtype)
 
 
 def _sparse_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -148,7 +185,43 @@ def cosine_similarity_matrix(
     """
     dtype = torch.float64 if torch.float64 in (embeddings.dtype, centres.dtype) else torch.float32
     with _autocast_off(embeddings.device.type):
-        return _CosineFn.apply(embeddings.to(dtype), centres.to(dtype), eps)
+        return _CosineFn.apply(_upcast(embeddings, dtype), _upcast(centres, dtype), eps)
+
+
+def class_cosines(embeddings: torch.Tensor, weight: torch.Tensor, eps: float = _EPS) -> torch.Tensor:
+    """Class cosines ``[..., C]`` for centres ``[C, D]``, or sub-centres ``[C, K, D]`` (max over ``k``).
+
+    With sub-centres the class cosine is its best sub-centre's,
+    ``c_bj = max_k cos(e_b, w_jk)`` (Deng et al., "Sub-center ArcFace", ECCV 2020); its gradient
+    goes to that sub-centre only (the lowest ``k`` on ties).
+    """
+    if weight.dim() == 2:
+        return cosine_similarity_matrix(embeddings, weight, eps)
+    c, k, d = weight.shape
+    every = cosine_similarity_matrix(embeddings, weight.reshape(c * k, d), eps)
+    return every.unflatten(-1, (c, k)).max(dim=-1).values
+
+
+@dataclass(frozen=True)
+class NormedCosines:
+    """A head's cosines ``[B, C]`` with the norms ``[B]`` of the embeddings (detached, float32/64).
+
+    What ``CosineHead(...)(e, with_norms=True)`` returns, for losses whose margin depends on the
+    feature norm (:class:`marginkit.losses.AdaFaceLoss`); every class-level loss accepts it
+    (it provides ``class_block``) and reads the cosines only.
+    """
+
+    cosines: torch.Tensor
+    norms: torch.Tensor
+
+    def class_block(self, labels: Any) -> ClassBlock:
+        return class_block(self.cosines, labels)
+
+
+def embedding_norms(embeddings: torch.Tensor) -> torch.Tensor:
+    """Detached norms ``[...]`` of embeddings ``[..., D]`` (float32, float64 for float64), overflow-free."""
+    with torch.no_grad():
+        return robust_norm(embeddings.detach().to(compute_dtype(embeddings.dtype))).squeeze(-1)
 
 
 class CosineHead(nn.Module):
@@ -162,15 +235,24 @@ class CosineHead(nn.Module):
     module. Centres are initialised uniformly on the unit sphere (normal rows, normalised),
     so the gradients have the scale of unit vectors.
 
+    With ``sub_centers=K > 1`` each class has ``K`` centres, ``weight [C, K, D]``, and its cosine
+    is the best one's, :math:`c_{bj} = \\max_k \\cos\\angle(e_b, w_{jk})` (Deng et al.,
+    "Sub-center ArcFace", ECCV 2020: noisy samples gather at non-dominant sub-centres).
+
     Numerics: float32 (float64 if the embeddings or the centres are float64) whatever the input
-    dtype, also under autocast; zero embeddings give cosine 0 (norms are clamped at ``eps``).
+    dtype, also under autocast; zero embeddings give cosine 0 (norms are clamped at ``eps``);
+    embedding norms are computed after dividing each row by its largest entry (no overflow for
+    huge embeddings); the gradient returned to float16 embeddings saturates at float16's largest
+    value instead of overflowing to ``inf`` (norms of 1e-6 and below).
 
     Args:
         num_classes: ``C ≥ 1``.
         embedding_dim: ``D ≥ 1``.
+        sub_centers: ``K ≥ 1`` centres per class (default 1: ``weight [C, D]``).
         eps: norm floor (default 1e-12, as :func:`torch.nn.functional.normalize`).
 
-    Shape: embeddings ``[..., D]`` → cosines ``[..., C]`` (float32/float64).
+    Shape: embeddings ``[..., D]`` → cosines ``[..., C]`` (float32/float64); with
+    ``with_norms=True`` a :class:`NormedCosines` that also holds the embedding norms ``[...]``.
 
     Example:
         >>> import torch
@@ -191,20 +273,23 @@ class CosineHead(nn.Module):
         num_classes: int,
         embedding_dim: int,
         *,
+        sub_centers: int = 1,
         eps: float = _EPS,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_classes, self.embedding_dim, self.eps = head_arguments(num_classes, embedding_dim, eps)
-        self.weight = nn.Parameter(torch.empty(num_classes, embedding_dim, device=device, dtype=dtype))
+        self.sub_centers = positive_int(sub_centers, "sub_centers")
+        shape = centre_shape(num_classes, self.sub_centers, embedding_dim)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Centres uniform on the unit sphere (standard normal rows, normalised)."""
         with torch.no_grad():
             nn.init.normal_(self.weight)
-            self.weight.div_(torch.linalg.vector_norm(self.weight, dim=1, keepdim=True).clamp_min(self.eps))
+            self.weight.div_(torch.linalg.vector_norm(self.weight, dim=-1, keepdim=True).clamp_min(self.eps))
 
     def _check(self, embeddings: Any) -> torch.Tensor:
         float_tensor(embeddings, "embeddings", min_dim=1)
@@ -215,9 +300,14 @@ class CosineHead(nn.Module):
             )
         return embeddings
 
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Cosines ``[..., C]`` between the embeddings ``[..., D]`` and the class centres."""
-        return cosine_similarity_matrix(self._check(embeddings), self.weight, self.eps)
+    def forward(self, embeddings: torch.Tensor, *, with_norms: bool = False) -> torch.Tensor | NormedCosines:
+        """Cosines ``[..., C]`` between the embeddings ``[..., D]`` and the class centres.
+
+        ``with_norms=True``: a :class:`NormedCosines` (cosines and the detached embedding norms),
+        for :class:`~marginkit.losses.AdaFaceLoss`.
+        """
+        cosines = class_cosines(self._check(embeddings), self.weight, self.eps)
+        return NormedCosines(cosines, embedding_norms(embeddings)) if with_norms else cosines
 
     def logits(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Alias of :meth:`forward` (the cosines are the logits before a loss's scale/margin)."""
@@ -229,4 +319,12 @@ class CosineHead(nn.Module):
         return self.forward(embeddings).argmax(dim=-1)
 
     def extra_repr(self) -> str:
-        return f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, eps={self.eps:g}"
+        k = f", sub_centers={self.sub_centers}" if self.sub_centers > 1 else ""
+        return f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}{k}, eps={self.eps:g}"
+
+
+def centre_shape(num_classes: int, sub_centers: int, embedding_dim: int) -> tuple[int, ...]:
+    """``[C, D]``, or ``[C, K, D]`` with ``K > 1`` sub-centres per class."""
+    if sub_centers == 1:
+        return (num_classes, embedding_dim)
+    return (num_classes, sub_centers, embedding_dim)

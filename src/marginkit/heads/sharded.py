@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from marginkit._validation import choice, real
+from marginkit._validation import choice, positive_int, real
 from marginkit.distributed import ShardedAxis, balanced_slices, is_distributed, rank, world_size
 from marginkit.distributed._collectives import exchange, gather_rows, gather_rows_with_grad, where_rank
 from marginkit.distributed._group import FLOAT_DTYPES, Group, comm_device
-from marginkit.heads.cosine import _EPS, cosine_similarity_matrix, head_arguments
+from marginkit.heads.cosine import _EPS, centre_shape, class_cosines, embedding_norms, head_arguments
 from marginkit.ops.classes import ClassBlock
 
 __all__ = ["ShardedCosineHead", "ShardedCosines", "balanced_slices", "supports_sharding"]
@@ -81,6 +81,9 @@ class ShardedCosineHead(nn.Module):
             ranks after backward (``"mean"`` is DistributedDataParallel's averaging).
         seed: initialisation (and sampling) seed. ``None`` draws one from torch's global
             generator on the group's first rank and broadcasts it (a collective).
+        sub_centers: ``K ≥ 1`` centres per class (as :class:`~marginkit.heads.CosineHead`:
+            ``weight [num_local, K, D]``, the class cosine is the best sub-centre's; a class's
+            sub-centres live on the rank that owns the class).
         eps: norm floor (as :class:`~marginkit.heads.CosineHead`).
         device, dtype: of the local centres.
 
@@ -112,6 +115,7 @@ class ShardedCosineHead(nn.Module):
         *,
         grad_reduction: str = "mean",
         seed: int | None = None,
+        sub_centers: int = 1,
         eps: float = _EPS,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -120,6 +124,7 @@ class ShardedCosineHead(nn.Module):
         self.num_classes, self.embedding_dim, self.eps = head_arguments(num_classes, embedding_dim, eps)
         self.sample_rate = real(sample_rate, "sample_rate", low=0, high=1, open_low=True)
         self.grad_reduction = choice(grad_reduction, "grad_reduction", ("mean", "sum"))
+        self.sub_centers = positive_int(sub_centers, "sub_centers")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be None or a non-negative int, got {seed!r}")
         self.group = group
@@ -131,9 +136,8 @@ class ShardedCosineHead(nn.Module):
                 f"{self.num_classes} for a group of {self.world_size} ranks (every rank needs a class)"
             )
         self.class_offset, self.num_local = balanced_slices(self.num_classes, self.world_size)[self.rank]
-        self.weight = nn.Parameter(
-            torch.empty(self.num_local, self.embedding_dim, device=device, dtype=dtype)
-        )
+        shape = centre_shape(self.num_local, self.sub_centers, self.embedding_dim)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.seed = self._agree_on_seed(seed)
         self._sample_gen: torch.Generator | None = None
         self.last_class_index: Tensor | None = None
@@ -162,10 +166,11 @@ class ShardedCosineHead(nn.Module):
                 gen = torch.Generator().manual_seed(_mix(self.seed, block))
                 first = block * INIT_BLOCK
                 size = min(INIT_BLOCK, self.num_classes - first)
-                values = torch.randn(size, self.embedding_dim, generator=gen, dtype=torch.float64)
+                shape = centre_shape(size, self.sub_centers, self.embedding_dim)
+                values = torch.randn(shape, generator=gen, dtype=torch.float64)
                 lo, hi = max(start - first, 0), min(stop - first, size)
                 values = values[lo:hi]
-                values /= torch.linalg.vector_norm(values, dim=1, keepdim=True).clamp_min(self.eps)
+                values /= torch.linalg.vector_norm(values, dim=-1, keepdim=True).clamp_min(self.eps)
                 self.weight[first + lo - start : first + hi - start].copy_(values)
 
     def slice_sizes(self) -> list[int]:
@@ -236,8 +241,13 @@ class ShardedCosineHead(nn.Module):
             and int(self.sample_rate * self.num_local) < self.num_local
         )
 
-    def forward(self, embeddings: Tensor) -> ShardedCosines:
-        """Gather the embeddings ``[B_r, D]`` of every rank; cosines against the local centres."""
+    def forward(self, embeddings: Tensor, *, with_norms: bool = False) -> ShardedCosines:
+        """Gather the embeddings ``[B_r, D]`` of every rank; cosines against the local centres.
+
+        The output always carries the global batch's embedding norms (:attr:`ShardedCosines.norms`),
+        so ``with_norms`` (accepted for one call site with :class:`~marginkit.heads.CosineHead`)
+        changes nothing.
+        """
         sizes = self._exchange_and_check(embeddings)
         if is_distributed(self.group):
             scale = float(self.world_size) if self.grad_reduction == "mean" else 1.0
@@ -261,7 +271,7 @@ class ShardedCosineHead(nn.Module):
 
     def _cosines(self, embeddings: Tensor, index: Tensor | None) -> Tensor:
         weight = self.weight if index is None else self.weight.index_select(0, index)
-        return cosine_similarity_matrix(embeddings, weight, self.eps)
+        return class_cosines(embeddings, weight, self.eps)
 
     def _sampled_block(self, embeddings: Tensor, positives: Tensor) -> tuple[Tensor, Tensor]:
         """Sampled columns (sorted local ids) for these local positives, and their cosines."""
@@ -347,7 +357,8 @@ class ShardedCosineHead(nn.Module):
         key = prefix + "weight"
         value = state_dict.get(key)
         if isinstance(value, Tensor):
-            full, local = (self.num_classes, self.embedding_dim), (self.num_local, self.embedding_dim)
+            full = centre_shape(self.num_classes, self.sub_centers, self.embedding_dim)
+            local = centre_shape(self.num_local, self.sub_centers, self.embedding_dim)
             if tuple(value.shape) == full and full != local:
                 state_dict = {**state_dict, key: self.local_rows(value)}
             elif tuple(value.shape) != local:
@@ -394,6 +405,7 @@ class ShardedCosineHead(nn.Module):
             f"classes=[{self.class_offset}, {self.class_offset + self.num_local}), "
             f"rank={self.rank}/{self.world_size}, sample_rate={self.sample_rate:g}, "
             f"grad_reduction={self.grad_reduction!r}"
+            + (f", sub_centers={self.sub_centers}" if self.sub_centers > 1 else "")
         )
 
 
@@ -450,6 +462,11 @@ class ShardedCosines:
     @property
     def global_batch(self) -> int:
         return sum(self.batch_sizes)
+
+    @property
+    def norms(self) -> Tensor:
+        """The norms ``[B]`` of the global batch's embeddings (detached; for AdaFace's margin)."""
+        return embedding_norms(self.embeddings)
 
     @property
     def cosines(self) -> Tensor:

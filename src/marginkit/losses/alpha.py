@@ -26,9 +26,10 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, real, reduce
+from marginkit._validation import REDUCTIONS, choice, positive_float, reduce_kept
 from marginkit.heads.cosine import accepts_sparse_grad
 from marginkit.ops.alpha import qmargin_loss
+from marginkit.ops.alpha._api import checked_alpha
 from marginkit.ops.classes import class_block
 
 __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
@@ -37,32 +38,39 @@ __all__ = ["EntmaxLoss", "QMarginLoss", "SparsemaxLoss"]
 class _AlphaCosineLoss(nn.Module):
     """Shared forward of the alpha losses on cosine logits (hyper-parameters are plain attributes)."""
 
-    alpha: float
+    alpha: float | Tensor
     scale: float
     margin: float
     reads_class_blocks: ClassVar[bool] = True  # accepts a ShardedCosineHead's output
 
     def __init__(
         self,
-        alpha: float,
+        alpha: float | Tensor,
         scale: float,
         margin: float,
         topk: int | float | None,
         reduction: str,
         candidates: bool,
+        ignore_index: int | None = None,
+        logits: bool = False,
     ) -> None:
         super().__init__()
-        self.alpha = alpha
+        self.alpha = alpha  # an nn.Parameter registers itself (a learnable alpha)
         self.scale = scale
         self.margin = margin
         self.topk = topk
         self.reduction = choice(reduction, "reduction", REDUCTIONS)
         self.candidates = candidates
+        self.ignore_index = ignore_index
+        if not isinstance(logits, bool):
+            raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
+        self.logits = logits
         self._check_hyper()
         self.last_support_size: Tensor | None = None
 
-    def _check_hyper(self) -> tuple[float, float, float]:
-        alpha = real(self.alpha, "alpha", low=1)
+    def _check_hyper(self) -> tuple[float | Tensor, float, float]:
+        # a tensor alpha (per row, or learnable) is checked by the op, without a host sync here
+        alpha = self.alpha if isinstance(self.alpha, Tensor) else checked_alpha(self.alpha)
         return (
             alpha,
             positive_float(self.scale, "scale"),
@@ -70,16 +78,19 @@ class _AlphaCosineLoss(nn.Module):
         )
 
     def forward(self, cosines: Any, labels: Tensor) -> Tensor:
-        """Loss of ``cosines`` ``[..., C]`` (in ``[-1, 1]``) against integer ``labels`` ``[...]``.
+        """Loss of ``cosines`` ``[..., C]`` (in ``[-1, 1]``; any finite scores with ``logits=True``)
+        against integer ``labels`` ``[...]``.
 
         Returns the reduced loss (``"none"``: one value per example, float32 or float64) and
         stores the number of active classes per example in ``last_support_size`` (a tensor,
         no host synchronisation). A :class:`~marginkit.heads.ShardedCosineHead`'s output (with
         this rank's labels) gives the same loss over every rank's classes (a global τ;
-        ``docs/distributed.md``).
+        ``docs/distributed.md``). Rows labelled ``ignore_index`` count as in ``F.cross_entropy``
+        (0 in ``"none"``, left out of ``"sum"`` and ``"mean"``; a mean over no row is NaN).
         """
         alpha, scale, margin = self._check_hyper()
-        block = class_block(cosines, labels, batch_dims=True)
+        name = "logits" if self.logits else "cosines"
+        block = class_block(cosines, labels, name=name, batch_dims=True, ignore_index=self.ignore_index)
         loss, support = qmargin_loss(
             block,
             alpha,
@@ -88,14 +99,20 @@ class _AlphaCosineLoss(nn.Module):
             topk=self.topk,
             candidates=bool(self.candidates),
             sparse_grad=accepts_sparse_grad(block.scores),
+            name=name,
+            cosines=not self.logits,
         )
         self.last_support_size = support.reshape(block.batch_shape)
-        return reduce(loss.reshape(block.batch_shape), self.reduction)
+        keep = None if block.keep is None else block.keep.reshape(block.batch_shape)
+        return reduce_kept(loss.reshape(block.batch_shape), keep, self.reduction)
 
     def extra_repr(self) -> str:
         topk = "" if self.topk is None else f", topk={self.topk}"
-        hyper = f"alpha={self.alpha}, scale={self.scale}, margin={self.margin}"
-        return f"{hyper}{topk}, reduction={self.reduction!r}"
+        alpha = "<tensor>" if isinstance(self.alpha, Tensor) else self.alpha
+        hyper = f"alpha={alpha}, scale={self.scale}, margin={self.margin}"
+        extra = "" if self.ignore_index is None else f", ignore_index={self.ignore_index}"
+        extra += ", logits=True" if self.logits else ""
+        return f"{hyper}{topk}, reduction={self.reduction!r}{extra}"
 
 
 class QMarginLoss(_AlphaCosineLoss):
@@ -117,13 +134,20 @@ class QMarginLoss(_AlphaCosineLoss):
     support and the labels), and the head skips its two dense gradient products.
 
     Args:
-        alpha: ``>= 1`` (paper: 1.25 for faces, 1.5–1.75 for speakers).
+        alpha: ``>= 1`` (paper: 1.25 for faces, 1.5–1.75 for speakers): a float, or a tensor
+            (0-d: shared; or of the batch shape: per example), learnable when it requires grad
+            (e.g. an ``nn.Parameter``, which the loss then registers; keep it ``>= 1``, e.g.
+            ``1 + softplus(raw)``: alpha < 1 is refused). The gradient w.r.t. alpha is implicit
+            (the closed form, as ``entmax_bisect``'s). ``(alpha − 1)·scale·margin > 700`` is
+            refused: the loss would exceed float64's range.
         scale: ``s > 0`` (paper: 32–35 for faces at α = 1.25; best s falls as α rises).
         margin: ``m >= 0``.
         topk: ``None``, an int or a fraction in ``(0, 1]``: exact top-K truncation, run only
             when some row has more than K candidates (rows failing the integrity check are
             recomputed exactly).
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        ignore_index: ``None`` or a label value whose rows do not count, as in
+            ``F.cross_entropy`` (0 in ``"none"``; ``"mean"`` over the other rows, NaN if none).
         candidates: keyword-only; ``False`` disables the candidate filter (the root finder then
             runs on all ``C`` classes; for benchmarks).
 
@@ -146,15 +170,16 @@ class QMarginLoss(_AlphaCosineLoss):
 
     def __init__(
         self,
-        alpha: float = 1.25,
+        alpha: float | Tensor = 1.25,
         scale: float = 35.0,
         margin: float = 0.2,
         topk: int | float | None = None,
         reduction: str = "mean",
+        ignore_index: int | None = None,
         *,
         candidates: bool = True,
     ) -> None:
-        super().__init__(alpha, scale, margin, topk, reduction, candidates)
+        super().__init__(alpha, scale, margin, topk, reduction, candidates, ignore_index)
 
 
 class EntmaxLoss(_AlphaCosineLoss):
@@ -167,8 +192,15 @@ class EntmaxLoss(_AlphaCosineLoss):
     margin :math:`1/((\alpha-1)s) = 0.125` at α = 1.25; when changing ``alpha``, keeping
     :math:`(\alpha-1)s` fixed keeps that margin (the paper: the best s falls as α rises).
 
+    With ``logits=True`` the input is any finite scores (raw logits, no cosine head) instead of
+    cosines, and ``scale`` defaults to 1: the loss is then ``entmax.EntmaxBisectLoss`` on the
+    logits.
+
     Args:
-        alpha: ``>= 1``. scale: ``s > 0``. topk, reduction, candidates: as in :class:`QMarginLoss`.
+        alpha: ``>= 1``, float or tensor (learnable), as in :class:`QMarginLoss`.
+        scale: ``s > 0`` (default 32 on cosines, 1 with ``logits=True``).
+        topk, reduction, ignore_index, candidates: as in :class:`QMarginLoss`.
+        logits: keyword-only; ``True`` accepts raw logits (only finiteness is checked).
 
     Example:
         >>> import torch
@@ -179,14 +211,17 @@ class EntmaxLoss(_AlphaCosineLoss):
 
     def __init__(
         self,
-        alpha: float = 1.25,
-        scale: float = 32.0,
+        alpha: float | Tensor = 1.25,
+        scale: float | None = None,
         topk: int | float | None = None,
         reduction: str = "mean",
+        ignore_index: int | None = None,
         *,
         candidates: bool = True,
+        logits: bool = False,
     ) -> None:
-        super().__init__(alpha, scale, 0.0, topk, reduction, candidates)
+        scale = (1.0 if logits else 32.0) if scale is None else scale
+        super().__init__(alpha, scale, 0.0, topk, reduction, candidates, ignore_index, logits)
 
 
 class SparsemaxLoss(_AlphaCosineLoss):
@@ -201,7 +236,10 @@ class SparsemaxLoss(_AlphaCosineLoss):
     same 0.125 cosine margin as :class:`EntmaxLoss`'s defaults.
 
     Args:
-        scale: ``s > 0``. topk, reduction, candidates: as in :class:`QMarginLoss`.
+        scale: ``s > 0`` (default 8 on cosines, 1 with ``logits=True``).
+        topk, reduction, ignore_index, candidates: as in :class:`QMarginLoss`.
+        logits: keyword-only; ``True`` accepts raw logits (only finiteness is checked): the loss
+            is then ``entmax.SparsemaxLoss`` on the logits.
 
     Example:
         >>> import torch
@@ -212,10 +250,13 @@ class SparsemaxLoss(_AlphaCosineLoss):
 
     def __init__(
         self,
-        scale: float = 8.0,
+        scale: float | None = None,
         topk: int | float | None = None,
         reduction: str = "mean",
+        ignore_index: int | None = None,
         *,
         candidates: bool = True,
+        logits: bool = False,
     ) -> None:
-        super().__init__(2.0, scale, 0.0, topk, reduction, candidates)
+        scale = (1.0 if logits else 8.0) if scale is None else scale
+        super().__init__(2.0, scale, 0.0, topk, reduction, candidates, ignore_index, logits)

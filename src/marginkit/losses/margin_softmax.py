@@ -30,11 +30,19 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, reduce
+from marginkit._validation import REDUCTIONS, choice, positive_float, positive_int, reduce_kept
 from marginkit.ops.classes import class_block
+from marginkit.ops.margins import arcface_target, combined_margin_target
 from marginkit.ops.softmax import ScaledLogits, class_cross_entropy
 
-__all__ = ["ArcFaceLoss", "CosFaceLoss", "NormSoftmaxLoss", "margin_softmax_loss"]
+__all__ = [
+    "ArcFaceLoss",
+    "CombinedMarginLoss",
+    "CosFaceLoss",
+    "NormSoftmaxLoss",
+    "SubCenterArcFaceLoss",
+    "margin_softmax_loss",
+]
 
 TargetFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -46,6 +54,8 @@ def margin_softmax_loss(
     target_fn: TargetFn,
     *,
     name: str = "cosines",
+    ignore_index: int | None = None,
+    logits: bool = False,
 ) -> torch.Tensor:
     """Per-example margin-softmax cross-entropy ``[B]`` (no reduction).
 
@@ -59,46 +69,36 @@ def margin_softmax_loss(
         target_fn: elementwise ``f`` applied to the target cosines (unscaled), differentiable
             by autograd (its derivative is taken on the ``[B]`` target column only).
         name: argument name used in error messages.
+        ignore_index: rows whose label equals it are 0 (``None``: every label must be a class).
+        logits: ``True``: any finite scores (raw logits) instead of cosines.
 
     Returns:
         ``[B]`` losses in float32 (float64 for float64 input).
     """
+    loss, keep = _per_example(cosines, labels, scale, target_fn, name, ignore_index, logits)
+    return loss if keep is None else loss.masked_fill(~keep, 0.0)
+
+
+def _per_example(
+    cosines: Any,
+    labels: torch.Tensor,
+    scale: float,
+    target_fn: TargetFn,
+    name: str,
+    ignore_index: int | None,
+    logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The losses ``[B]`` and the rows that count (``None``: all)."""
     scale = positive_float(scale, "scale")
-    block = class_block(cosines, labels, name=name)
-    return class_cross_entropy(block, lambda c: scale * target_fn(c), ScaledLogits(scale), name=name)
+    block = class_block(cosines, labels, name=name, ignore_index=ignore_index)
+    loss = class_cross_entropy(
+        block, lambda c: scale * target_fn(c), ScaledLogits(scale), name=name, cosines=not logits
+    )
+    return loss, block.keep
 
 
 def _identity(c: torch.Tensor) -> torch.Tensor:
     return c
-
-
-def _wide(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """float64 where the device has it (not MPS): for the ``[B]`` target column only."""
-    return dtype if device.type == "mps" else torch.float64
-
-
-def _arcface_target(c: torch.Tensor, margin: float) -> torch.Tensor:
-    """``cos(θ + m)`` while ``c > cos(π - m)`` (``θ = arccos c``), else ``c - m·sin(m)``.
-
-    ``cos(θ + m) = c·cos(m) - sin(θ)·sin(m)`` with ``sin(θ) = sqrt((1 - c)(1 + c))``: no
-    ``arccos`` (whose derivative is infinite at ``c = ±1``). The radicand is clamped at the
-    INPUT dtype's machine epsilon, i.e. ``c = ±1`` is treated, inside the sqrt only, as its
-    nearest representable neighbour: the derivative ``cos(m) + c·sin(m)/sin(θ)`` stays finite
-    everywhere (at most ``≈ 1 + sin(m)/sqrt(eps)``, 1.4e3 in float32 at m = 0.5), the value
-    error is at most ``sqrt(eps)·sin(m)`` (1.7e-4 in float32, where one ulp of ``c`` below 1
-    already moves ``θ`` by 3.5e-4). Both branches are finite everywhere, so the unselected
-    branch of ``torch.where`` never leaks a NaN into the gradient.
-
-    Evaluated in float64 (B values only) and rounded to the input dtype: rounding is monotone,
-    so the float32 target logit is monotone too; a float32 evaluation is not, by an ulp or
-    two, near the switch point where the slope is zero.
-    """
-    eps = torch.finfo(c.dtype).eps
-    x = c.to(_wide(c.dtype, c.device))
-    sin_theta = ((1 - x) * (1 + x)).clamp_min(eps).sqrt()
-    cos_m, sin_m = math.cos(margin), math.sin(margin)
-    arc = x * cos_m - sin_theta * sin_m
-    return torch.where(x > math.cos(math.pi - margin), arc, x - margin * sin_m).to(c.dtype)
 
 
 class _MarginSoftmaxBase(nn.Module):
@@ -107,11 +107,15 @@ class _MarginSoftmaxBase(nn.Module):
     scale: float
     reduction: str
     reads_class_blocks: ClassVar[bool] = True  # accepts a ShardedCosineHead's output
+    logits: bool = False  # raw logits instead of cosines (NormSoftmaxLoss's option)
 
-    def __init__(self, scale: float, reduction: str) -> None:
+    def __init__(self, scale: float, reduction: str, ignore_index: int | None = None) -> None:
         super().__init__()
         self.scale = positive_float(scale, "scale")
         self.reduction = choice(reduction, "reduction", REDUCTIONS)
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise TypeError(f"ignore_index must be None or an int, got {type(ignore_index).__name__}")
+        self.ignore_index = ignore_index
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
         """Unscaled target value ``f(c_y)`` (elementwise)."""
@@ -128,17 +132,26 @@ class _MarginSoftmaxBase(nn.Module):
         Returns a scalar for ``reduction="mean"``/``"sum"``, else ``[B]``; float32 (float64 for
         float64 input) whatever the input dtype. A :class:`~marginkit.heads.ShardedCosineHead`'s
         output (with this rank's labels) gives the same loss over every rank's classes, so one
-        call site ``loss(head(e), labels)`` serves both heads.
+        call site ``loss(head(e), labels)`` serves both heads. Rows labelled ``ignore_index``
+        count as in ``F.cross_entropy`` (0 in ``"none"``, left out of ``"sum"`` and ``"mean"``; a
+        mean over no row is NaN).
         """
         self._check_hyper()
-        loss = margin_softmax_loss(cosines, labels, float(self.scale), self.target)
-        return reduce(loss, self.reduction)
+        name = "logits" if self.logits else "cosines"
+        loss, keep = _per_example(
+            cosines, labels, float(self.scale), self.target, name, self.ignore_index, self.logits
+        )
+        return reduce_kept(loss, keep, self.reduction)
 
     def extra_repr(self) -> str:
         items = [f"scale={self.scale}"]
         if hasattr(self, "margin"):
             items.append(f"margin={self.margin}")
         items.append(f"reduction={self.reduction!r}")
+        if self.ignore_index is not None:
+            items.append(f"ignore_index={self.ignore_index}")
+        if self.logits:
+            items.append("logits=True")
         return ", ".join(items)
 
 
@@ -152,9 +165,16 @@ class NormSoftmaxLoss(_MarginSoftmaxBase):
     NormFace shows ``s`` must be large enough for the softmax to saturate (its bound grows
     with ``log C``), so raise it for very many classes.
 
+    With ``logits=True`` the input is any finite scores (raw logits, no cosine head) and
+    ``scale`` defaults to 1: the loss is then ``F.cross_entropy`` on the logits.
+
     Args:
-        scale: ``s > 0`` (plain attribute: a schedule may change it between steps).
+        scale: ``s > 0`` (plain attribute: a schedule may change it between steps); default 30
+            on cosines, 1 with ``logits=True``.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        ignore_index: ``None`` or a label value whose rows do not count, as in
+            ``F.cross_entropy`` (0 in ``"none"``; ``"mean"`` over the other rows, NaN if none).
+        logits: keyword-only; ``True`` accepts raw logits (only finiteness is checked).
 
     Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
 
@@ -166,8 +186,18 @@ class NormSoftmaxLoss(_MarginSoftmaxBase):
         0.1593
     """
 
-    def __init__(self, scale: float = 30.0, reduction: str = "mean") -> None:
-        super().__init__(scale, reduction)
+    def __init__(
+        self,
+        scale: float | None = None,
+        reduction: str = "mean",
+        ignore_index: int | None = None,
+        *,
+        logits: bool = False,
+    ) -> None:
+        if not isinstance(logits, bool):
+            raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
+        super().__init__((1.0 if logits else 30.0) if scale is None else scale, reduction, ignore_index)
+        self.logits = logits
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
         return _identity(cos_y)
@@ -185,6 +215,7 @@ class CosFaceLoss(_MarginSoftmaxBase):
     Args:
         scale: ``s > 0``; margin: ``m ≥ 0`` (plain attributes; a schedule may change them).
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        ignore_index: as in :class:`NormSoftmaxLoss`.
 
     Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
 
@@ -198,8 +229,14 @@ class CosFaceLoss(_MarginSoftmaxBase):
 
     margin: float
 
-    def __init__(self, scale: float = 64.0, margin: float = 0.4, reduction: str = "mean") -> None:
-        super().__init__(scale, reduction)
+    def __init__(
+        self,
+        scale: float = 64.0,
+        margin: float = 0.4,
+        reduction: str = "mean",
+        ignore_index: int | None = None,
+    ) -> None:
+        super().__init__(scale, reduction, ignore_index)
         self.margin = positive_float(margin, "margin", allow_zero=True)
 
     def _check_hyper(self) -> None:
@@ -235,6 +272,7 @@ class ArcFaceLoss(_MarginSoftmaxBase):
     Args:
         scale: ``s > 0``; margin: ``m`` in radians, ``0 ≤ m ≤ π/2`` (plain attributes).
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        ignore_index: as in :class:`NormSoftmaxLoss`.
 
     Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
 
@@ -248,8 +286,14 @@ class ArcFaceLoss(_MarginSoftmaxBase):
 
     margin: float
 
-    def __init__(self, scale: float = 64.0, margin: float = 0.5, reduction: str = "mean") -> None:
-        super().__init__(scale, reduction)
+    def __init__(
+        self,
+        scale: float = 64.0,
+        margin: float = 0.5,
+        reduction: str = "mean",
+        ignore_index: int | None = None,
+    ) -> None:
+        super().__init__(scale, reduction, ignore_index)
         self.margin = _arc_margin(margin)
 
     def _check_hyper(self) -> None:
@@ -257,7 +301,7 @@ class ArcFaceLoss(_MarginSoftmaxBase):
         _arc_margin(self.margin)
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
-        return _arcface_target(cos_y, float(self.margin))
+        return arcface_target(cos_y, float(self.margin))
 
 
 def _arc_margin(margin: Any) -> float:
@@ -265,3 +309,112 @@ def _arc_margin(margin: Any) -> float:
     if margin > math.pi / 2:
         raise ValueError(f"margin must be an angle in radians in [0, π/2], got {margin}")
     return margin
+
+
+class SubCenterArcFaceLoss(ArcFaceLoss):
+    """Sub-center ArcFace: ArcFace on a head with ``K`` sub-centres per class (Deng et al., ECCV 2020).
+
+    .. math:: c_{bj} = \\max_{k < K} \\cos\\angle(e_b, w_{jk}),\\qquad
+              \\ell = \\text{ArcFace}(c, y)
+
+    Deng, Guo, Liu, Zafeiriou, "Sub-center ArcFace: Boosting Face Recognition by Large-Scale
+    Noisy Web Faces", ECCV 2020. The max over a class's sub-centres is the head's
+    (:class:`~marginkit.heads.CosineHead` / :class:`~marginkit.heads.ShardedCosineHead` with
+    ``sub_centers=K``: the class cosine is the best sub-centre's, its gradient goes to that
+    sub-centre), so this loss is :class:`ArcFaceLoss` on those cosines; ``sub_centers`` is the
+    ``K`` the head is built with (the trainer reads it). Any class-level loss runs on a
+    sub-centre head; with ``K = 1`` this is ArcFace.
+
+    Args:
+        scale: ``s > 0``; margin: ``m`` in radians, ``0 ≤ m ≤ π/2``.
+        sub_centers: ``K ≥ 1`` for the head (pytorch-metric-learning's default 3).
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+
+    Shape: cosines ``[B, C]`` (the sub-centre head's), labels ``[B]`` → scalar (``[B]`` with ``"none"``).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.heads import CosineHead
+        >>> from marginkit.losses import SubCenterArcFaceLoss
+        >>> torch.manual_seed(0) and None
+        >>> head = CosineHead(num_classes=10, embedding_dim=4, sub_centers=3)
+        >>> e, y = torch.randn(8, 4), torch.randint(0, 10, (8,))
+        >>> SubCenterArcFaceLoss(scale=30.0)(head(e), y).backward()
+        >>> head.weight.shape
+        torch.Size([10, 3, 4])
+    """
+
+    def __init__(
+        self, scale: float = 64.0, margin: float = 0.5, sub_centers: int = 3, reduction: str = "mean"
+    ) -> None:
+        super().__init__(scale, margin, reduction)
+        self.sub_centers = positive_int(sub_centers, "sub_centers")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sub_centers={self.sub_centers}"
+
+
+class CombinedMarginLoss(_MarginSoftmaxBase):
+    """InsightFace's combined margin: target logit ``s·(cos(m₁·θ_y + m₂) − m₃)``.
+
+    .. math::
+
+        \\ell(c, y) = -\\log \\frac{e^{s f(c_y)}}{e^{s f(c_y)} + \\sum_{j\\ne y} e^{s c_j}},
+        \\qquad f(c) = \\cos(m_1 \\arccos c + m_2) - m_3
+
+    (InsightFace / arcface_torch ``CombinedMarginLoss``; SphereFace's multiplicative ``m₁``,
+    ArcFace's additive angular ``m₂``, CosFace's additive cosine ``m₃``.) Past the angle where
+    ``m₁θ + m₂`` reaches ``π`` the target continues monotonically
+    (:func:`marginkit.ops.margins.combined_margin_target`). ``(1, 0, m)`` is exactly
+    :class:`CosFaceLoss` with margin ``m``, ``(1, m, 0)`` exactly :class:`ArcFaceLoss`.
+
+    Args:
+        m1: ``m₁ > 0``; m2: ``0 ≤ m₂ ≤ π/2`` (radians); m3: ``m₃ ≥ 0``; the switch angle
+            ``(π − m₂)/m₁`` must be at least ``π/2`` (``m₁ ≤ 2 − 2m₂/π``), so that ``f`` is
+            monotone. Plain attributes: a schedule may change them.
+        scale: ``s > 0``.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+
+    Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
+
+    Example:
+        >>> import torch
+        >>> from marginkit.losses import CombinedMarginLoss
+        >>> cos = torch.tensor([[0.9, 0.1, -0.2], [0.0, 0.5, 0.4]])
+        >>> round(float(CombinedMarginLoss(0.9, 0.4, 0.15, scale=10.0)(cos, torch.tensor([0, 1]))), 4)
+        1.6526
+    """
+
+    m1: float
+    m2: float
+    m3: float
+
+    def __init__(
+        self, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0, scale: float = 64.0, reduction: str = "mean"
+    ) -> None:
+        super().__init__(scale, reduction)
+        self.m1, self.m2, self.m3 = _combined_margins(m1, m2, m3)
+
+    def _check_hyper(self) -> None:
+        super()._check_hyper()
+        _combined_margins(self.m1, self.m2, self.m3)
+
+    def target(self, cos_y: torch.Tensor) -> torch.Tensor:
+        return combined_margin_target(cos_y, float(self.m1), float(self.m2), float(self.m3))
+
+    def extra_repr(self) -> str:
+        return f"m1={self.m1}, m2={self.m2}, m3={self.m3}, scale={self.scale}, reduction={self.reduction!r}"
+
+
+def _combined_margins(m1: Any, m2: Any, m3: Any) -> tuple[float, float, float]:
+    m1 = positive_float(m1, "m1")
+    m2 = positive_float(m2, "m2", allow_zero=True)
+    m3 = positive_float(m3, "m3", allow_zero=True)
+    if m2 > math.pi / 2:
+        raise ValueError(f"m2 must be an angle in radians in [0, π/2], got {m2}")
+    if (math.pi - m2) / m1 < math.pi / 2:
+        raise ValueError(
+            f"m1 must be at most 2 − 2·m2/π = {2 - 2 * m2 / math.pi:.4g} for m2={m2} (the target "
+            f"cos(m1·θ + m2) − m3 must stay monotone in θ: its switch angle (π − m2)/m1 ≥ π/2), got m1={m1}"
+        )
+    return m1, m2, m3

@@ -24,6 +24,7 @@ from torch import nn
 
 from marginkit._validation import REDUCTIONS, choice, positive_float, positive_int
 from marginkit.mining.triplets import _batch_hard_select, _local_select, _semi_hard_select
+from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import (
     DISTANCES,
     PairBatch,
@@ -164,8 +165,8 @@ class _TripletBase(nn.Module):
     def _embed(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch.x, batch.y
         if self.normalize:
-            x = F.normalize(x, dim=-1)
-            y = x if batch.self_ref else F.normalize(y, dim=-1)
+            x = unit_rows(x)
+            y = x if batch.self_ref else unit_rows(y)
         return x, y
 
     def _hinge(self, t: torch.Tensor) -> torch.Tensor:
@@ -232,13 +233,20 @@ class _TripletBase(nn.Module):
         """The one host sync of a forward: NaN check, warnings, and ``extra`` integers."""
         if not self.validate:
             return read_flags(*extra) if extra else []
-        nonfinite, no_pos, collapsed, *rest = read_flags(
+        nonfinite, overflow, no_pos, collapsed, *rest = read_flags(
             nonfinite_flag(batch.x, batch.y),
+            nonfinite_flag(dist),
             ~pos.any(),
             collapsed_flag(_sq_dist(dist.detach(), self.distance), self._scale(x, y), batch.self_ref),
             *extra,
         )
         report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed)
+        if overflow:  # finite embeddings whose squared distances exceed the dtype (|e| ≳ 1e19 in float32)
+            top = float(torch.maximum(batch.x.detach().abs().max(), batch.y.detach().abs().max()))
+            raise ValueError(
+                f"embeddings are too large: their {self.distance} distances overflow {dist.dtype} "
+                f"(largest |entry| {top:.3g}); scale them down or set normalize=True"
+            )
         return rest
 
 

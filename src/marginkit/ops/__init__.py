@@ -18,5 +18,6 @@ __getattr__, __dir__, __all__ = attach(
         "contrastive_loss": "contrastive",
         "class_block": "classes",
         "class_cross_entropy": "softmax",
+        "proxy_anchor_loss": "proxy_anchor",
     },
 )

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -119,6 +119,8 @@ class ClassBlock:
         owned: ``[B]`` bool, the label's column is in this block; ``None``: every row's is.
         axis: where the reductions over the classes run.
         batch_shape: the leading shape of the examples (``B = prod(batch_shape)``).
+        keep: ``[B]`` bool, the rows that count (``None``: all); rows whose label was the
+            ``ignore_index`` of :func:`class_block` carry class 0 in ``labels`` instead.
     """
 
     scores: Tensor
@@ -127,6 +129,7 @@ class ClassBlock:
     owned: Tensor | None
     axis: ClassAxis
     batch_shape: tuple[int, ...]
+    keep: Tensor | None = None
 
     def max(self, values: Tensor) -> Tensor:
         """Row maximum over every class of the axis, ``[B]`` (no gradient: for shifts)."""
@@ -192,7 +195,14 @@ class _AxisTarget(torch.autograd.Function):
         return out, None, None, None
 
 
-def class_block(scores: Any, labels: Any, *, name: str = "cosines", batch_dims: bool = False) -> ClassBlock:
+def class_block(
+    scores: Any,
+    labels: Any,
+    *,
+    name: str = "cosines",
+    batch_dims: bool = False,
+    ignore_index: int | None = None,
+) -> ClassBlock:
     """The :class:`ClassBlock` of a loss's input: a tensor of scores, or a sharded head's output.
 
     A tensor ``[B, C]`` (``[..., C]`` with ``batch_dims``) and integer ``labels`` of its batch
@@ -200,11 +210,31 @@ def class_block(scores: Any, labels: Any, *, name: str = "cosines", batch_dims: 
     the loss checks with reductions it computes anyway) and make a block on a
     :class:`LocalAxis`. Any other object providing ``class_block(labels)`` (the output of a
     :class:`~marginkit.heads.ShardedCosineHead`) builds its own block: a collective there.
+
+    ``ignore_index``: labels equal to it mark rows that do not count (``block.keep`` is False
+    there; they are given class 0 so that every row stays a valid problem). On a sharded head's
+    output, ``keep`` covers the global batch (one more MAX reduction of ``[B]``).
     """
+    keep = None
+    if ignore_index is not None:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be None or an int, got {type(ignore_index).__name__}")
+        label_tensor(labels, "labels")
+        keep = labels != ignore_index
+        labels = labels.masked_fill(~keep, 0)
     if not isinstance(scores, Tensor):
         make = getattr(scores, "class_block", None)
         if make is not None:
-            return make(labels)
+            block = make(labels)
+            if keep is None:
+                return block
+            rows = getattr(scores, "local_rows", None)
+            if rows is None:
+                raise TypeError(f"{name}: ignore_index needs to know this process's rows (local_rows)")
+            flags = torch.zeros(block.labels.shape[0], dtype=torch.float32, device=block.labels.device)
+            flags[rows] = keep.reshape(-1).to(device=flags.device, dtype=flags.dtype)
+            (flags,) = block.axis.max_(flags)
+            return replace(block, keep=flags > 0)
     float_tensor(scores, name, min_dim=1 if batch_dims else 0, allow_empty=True, check_values=False)
     if not batch_dims and scores.dim() != 2:
         raise ValueError(f"{name} must have shape [batch, num_classes], got shape {tuple(scores.shape)}")
@@ -217,4 +247,6 @@ def class_block(scores: Any, labels: Any, *, name: str = "cosines", batch_dims: 
     # a [B, C] input is used as is (no view node: a sparse gradient can reach its producer)
     flat = scores if scores.dim() == 2 else scores.reshape(-1, num_classes)
     y = labels.reshape(-1).to(device=scores.device, dtype=torch.long)
-    return ClassBlock(flat, y, y, None, LocalAxis(num_classes), tuple(scores.shape[:-1]))
+    if keep is not None:
+        keep = keep.reshape(-1).to(scores.device)
+    return ClassBlock(flat, y, y, None, LocalAxis(num_classes), tuple(scores.shape[:-1]), keep)

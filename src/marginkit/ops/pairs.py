@@ -24,9 +24,9 @@ import warnings
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from marginkit._validation import compute_dtype, float_tensor, label_tensor
+from marginkit.ops.norms import unit_rows
 
 DISTANCES = ("squared_l2", "l2", "cosine")
 
@@ -71,8 +71,8 @@ def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_similarity_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``[B, R]`` cosine similarities (rows normalised with ``F.normalize``, finite at 0)."""
-    return F.normalize(x, dim=-1) @ F.normalize(y, dim=-1).T
+    """``[B, R]`` cosine similarities (rows normalised, finite at 0 and for huge entries)."""
+    return unit_rows(x) @ unit_rows(y).T
 
 
 def distance_matrix(x: torch.Tensor, y: torch.Tensor, distance: str) -> torch.Tensor:
@@ -89,7 +89,7 @@ def distance_matrix(x: torch.Tensor, y: torch.Tensor, distance: str) -> torch.Te
 def rowwise_distance(x: torch.Tensor, y: torch.Tensor, distance: str) -> torch.Tensor:
     """Distances between matching rows of ``x`` and ``y`` (both ``[T, D]``), computed exactly."""
     if distance == "cosine":
-        return 1.0 - (F.normalize(x, dim=-1) * F.normalize(y, dim=-1)).sum(-1)
+        return 1.0 - (unit_rows(x) * unit_rows(y)).sum(-1)
     sq = (x - y).pow(2).sum(-1)
     return safe_sqrt(sq) if distance == "l2" else sq
 

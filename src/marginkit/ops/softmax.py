@@ -79,13 +79,18 @@ class ScaledLogits:
         return cos.amin(), torch.maximum(rest_max.max() / self.scale, target.max())
 
 
-def _outside(lo: Tensor, hi: Tensor) -> Tensor:
-    """Are the extremes NaN/inf or outside ``[-1, 1]`` (up to rounding)? A 0-d bool tensor."""
-    return ~(torch.isfinite(lo) & torch.isfinite(hi) & (lo >= -1 - COSINE_ATOL) & (hi <= 1 + COSINE_ATOL))
+def _outside(lo: Tensor, hi: Tensor, cosines: bool = True) -> Tensor:
+    """Are the extremes NaN/inf or (``cosines``) outside ``[-1, 1]`` (up to rounding)? A 0-d bool tensor."""
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    if not cosines:
+        return ~finite
+    return ~(finite & (lo >= -1 - COSINE_ATOL) & (hi <= 1 + COSINE_ATOL))
 
 
-def _sharded_message(name: str) -> Callable[[str], str]:
+def _sharded_message(name: str, cosines: bool = True) -> Callable[[str], str]:
     def message(where: str) -> str:
+        if not cosines:
+            return f"{name} must be finite{where}: NaN or infinite values"
         return (
             f"{name} must be finite cosines in [-1, 1] (up to rounding){where}: NaN/inf or out-of-range "
             "values (check the embeddings and the class centres)"
@@ -94,20 +99,29 @@ def _sharded_message(name: str) -> Callable[[str], str]:
     return message
 
 
-def check_scores(block: ClassBlock, lo: Tensor, hi: Tensor, name: str, *parts: Tensor) -> tuple[Tensor, ...]:
+def _finite_range(lo: Tensor, hi: Tensor, name: str) -> None:
+    if not (math.isfinite(float(lo.detach())) and math.isfinite(float(hi.detach()))):
+        raise ValueError(f"{name} contains NaN or infinite values")
+
+
+def check_scores(
+    block: ClassBlock, lo: Tensor, hi: Tensor, name: str, *parts: Tensor, cosines: bool = True
+) -> tuple[Tensor, ...]:
     """The first MAX reduction of a loss, with the check of the scores folded into it.
 
     ``lo``/``hi`` are this block's score extremes; ``parts`` are MAX-reduced with the flags and
     returned reduced. Every process raises the same error if any process's scores are not
-    cosines (one process: :func:`marginkit._validation.cosine_range`'s detailed error).
+    cosines (one process: :func:`marginkit._validation.cosine_range`'s detailed error), or, with
+    ``cosines=False`` (raw logits), not finite.
     """
     axis = block.axis
-    flags = axis.flags(lambda: _outside(lo, hi), parts[0].dtype)
+    flags = axis.flags(lambda: _outside(lo, hi, cosines), parts[0].dtype)
     if flags is None:
         reduced = axis.max_(*parts)
     else:
         *reduced, flags = axis.max_(*parts, flags)
-    axis.raise_flagged(flags, lambda: cosine_range(lo, hi, name), _sharded_message(name))
+    local = (lambda: cosine_range(lo, hi, name)) if cosines else (lambda: _finite_range(lo, hi, name))
+    axis.raise_flagged(flags, local, _sharded_message(name, cosines))
     return tuple(reduced)
 
 
@@ -122,6 +136,7 @@ class _CrossEntropy(torch.autograd.Function):
         logits: LogitMap,
         target_fn: TargetFn,
         name: str,
+        cosines: bool = True,
     ) -> Tensor:
         column, owned = block.column, block.owned
         c_y = target_entry(cos, column, owned)
@@ -129,7 +144,7 @@ class _CrossEntropy(torch.autograd.Function):
         write_target(buf, column, owned, -math.inf)  # the label's column out of the max and the sum
         rest_max = buf.amax(dim=1)
         lo, hi = logits.extremes(cos, rest_max, c_y)
-        rest_max, c_y = check_scores(block, lo, hi, name, rest_max, c_y)
+        rest_max, c_y = check_scores(block, lo, hi, name, rest_max, c_y, cosines=cosines)
         with torch.enable_grad():  # the margin's derivative: autograd on the [B] label scores
             leaf = c_y.detach().requires_grad_(True)
             t_val = target_fn(leaf)
@@ -166,11 +181,11 @@ class _CrossEntropy(torch.autograd.Function):
         else:
             grad_cos = buf.mul_((grad * inv_total).unsqueeze(1)).mul_(slope)
         write_target(grad_cos, column, owned, -grad * d_target)
-        return grad_cos, None, None, None, None
+        return grad_cos, None, None, None, None, None
 
 
 def class_cross_entropy(
-    block: ClassBlock, target: TargetFn, logits: LogitMap, *, name: str = "cosines"
+    block: ClassBlock, target: TargetFn, logits: LogitMap, *, name: str = "cosines", cosines: bool = True
 ) -> Tensor:
     r"""Per-example softmax cross-entropy with target logit ``target(c_y)``, ``[B]`` (no reduction).
 
@@ -183,6 +198,8 @@ def class_cross_entropy(
         logits: ``z`` of the other classes (:class:`ScaledLogits`,
             :class:`marginkit.ops.circle.CircleNegatives`).
         name: the scores' name in error messages.
+        cosines: ``True``: the scores must be cosines in ``[-1, 1]``; ``False``: any finite
+            scores (raw logits, e.g. ``NormSoftmaxLoss(logits=True)``).
 
     Returns:
         ``[B]`` losses in float32 (float64 for float64 scores), the same on every process of a
@@ -199,4 +216,4 @@ def class_cross_entropy(
     cos = block.scores.to(compute_dtype(block.scores.dtype))
     if cos.shape[0] == 0:
         return cos.sum(dim=1)  # empty, connected to the graph
-    return _CrossEntropy.apply(cos, block, logits, target, name)
+    return _CrossEntropy.apply(cos, block, logits, target, name, cosines)

@@ -187,7 +187,9 @@ def parallelize(
     if supports_sharding(loss_fn):
         from marginkit.heads.sharded import ShardedCosineHead
 
-        sharded = ShardedCosineHead(head.num_classes, head.embedding_dim, seed=0, eps=head.eps)
+        sharded = ShardedCosineHead(
+            head.num_classes, head.embedding_dim, seed=0, eps=head.eps, sub_centers=head.sub_centers
+        )
         sharded = sharded.to(device=device, dtype=head.weight.dtype)
         sharded.load_state_dict(head.state_dict())  # the one-process initialisation, re-sliced
 
@@ -269,7 +271,7 @@ def evaluation_head(head: Any, sharded: bool, state: dict[str, Tensor]) -> nn.Mo
         return head
     from marginkit.heads import CosineHead
 
-    plain = CosineHead(head.num_classes, head.embedding_dim, eps=head.eps)
+    plain = CosineHead(head.num_classes, head.embedding_dim, eps=head.eps, sub_centers=head.sub_centers)
     plain = plain.to(device=head.weight.device, dtype=head.weight.dtype)
     plain.load_state_dict(state)
     return plain

@@ -131,12 +131,13 @@ def build_components(
         raise ConfigError(
             f"cannot build model {model_name!r} for input shape {input_shape}: {first}"
         ) from None
+    loss = build_loss(config.loss, config.loss_options, k=config.k).to(device)
     head = None
     if spec.kind == "class":
         from marginkit.heads import CosineHead
 
-        head = CosineHead(facts["num_classes"], config.embedding_dim).to(device)
-    loss = build_loss(config.loss, config.loss_options, k=config.k).to(device)
+        sub_centers = getattr(loss, "sub_centers", 1)  # SubCenterArcFaceLoss's K is the head's
+        head = CosineHead(facts["num_classes"], config.embedding_dim, sub_centers=sub_centers).to(device)
     return model, head, loss
 
 

@@ -79,7 +79,8 @@ class TrainConfig:
         class centres' learning rate, default ``lr``), ``weight_decay``, ``momentum`` (sgd),
         ``scheduler`` (cosine | step | none, stepped per iteration), ``warmup_epochs``
         (linear warm-up, may be fractional), ``step_epochs``/``step_gamma`` (step schedule),
-        ``grad_clip`` (max global gradient norm, ``None`` = off), ``amp`` (bf16 autocast),
+        ``grad_clip`` (max global gradient norm, ``None`` = off), ``amp`` (``off`` | ``bf16``
+        autocast | ``fp16`` autocast with ``torch.amp.GradScaler``; ``true`` means ``bf16``),
         ``precise_bn`` — after every epoch, recompute batch-norm running statistics as exact
         averages over up to this many training samples (0 = off): with short budgets the
         exponential running averages lag the weights and eval-mode embeddings collapse.
@@ -122,7 +123,7 @@ class TrainConfig:
     step_epochs: int = 10
     step_gamma: float = 0.1
     grad_clip: float | None = None
-    amp: bool = False
+    amp: str = "off"
     precise_bn: int = 4096
     samples_per_class: int = 10
     classes_per_batch: int | None = None
@@ -177,6 +178,7 @@ class TrainConfig:
         :data:`_RULES`, and finally the loss is built once, so that everything the loss
         itself checks fails here too, before any data is loaded.
         """
+        self.amp = amp_mode(self.amp)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_types()[f.name]))
         if not self.data or not isinstance(self.data, str):
@@ -268,6 +270,17 @@ def _pair_batches_have_negatives(c: TrainConfig, kind: str) -> str | None:
     return None
 
 
+def _norm_adaptive_loss_sees_norms(c: TrainConfig, kind: str) -> str | None:
+    from marginkit.train.registry import LOSSES
+
+    if LOSSES[c.loss].norms and c.normalize:
+        return (
+            f"loss {c.loss!r} adapts its margin to the embedding norms, which normalize: true makes "
+            "all 1: set normalize: false (--set normalize=false)"
+        )
+    return None
+
+
 def _batches_of_two(c: TrainConfig, kind: str) -> str | None:
     if kind == "class" and c.batch_size < 2 and c.model_options.get("norm", "batch") != "none":
         return (
@@ -280,6 +293,7 @@ def _batches_of_two(c: TrainConfig, kind: str) -> str | None:
 #: Rules between fields: each returns the error message, or None. (Single values: ranges.py.)
 _RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
     _warmup_within_epochs,
+    _norm_adaptive_loss_sees_norms,
     _batches_of_two,
     _pair_batches_have_positives,
     _pair_batches_have_negatives,
@@ -344,6 +358,24 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
+
+
+#: ``amp`` values: no autocast, bfloat16 autocast, float16 autocast with a gradient scaler.
+AMP_MODES = ("off", "bf16", "fp16")
+_AMP_ALIASES = {"true": "bf16", "on": "bf16", "yes": "bf16", "1": "bf16", "bfloat16": "bf16", "false": "off",
+                "no": "off", "0": "off", "none": "off", "float16": "fp16", "half": "fp16"}  # fmt: skip
+
+
+def amp_mode(value: Any) -> str:
+    """``amp`` as one of :data:`AMP_MODES` (``True``, from older configs and checkpoints, is ``bf16``)."""
+    if isinstance(value, bool) or value is None:
+        return "bf16" if value else "off"
+    if isinstance(value, str):
+        key = value.strip().lower()
+        mode = _AMP_ALIASES.get(key, key)
+        if mode in AMP_MODES:
+            return mode
+    raise ConfigError(f"amp must be one of {', '.join(AMP_MODES)} (or true/false), got {value!r}")
 
 
 def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> ConfigError:

@@ -171,7 +171,16 @@ LOSS_OPTION_RANGES: dict[str, dict[str, Spec]] = {
     "triplet": {"margin": _real(0, 1e3)},  # a (squared) distance
     "local_triplet": {"margin": _real(0, 1e3)},
     "smooth_triplet": {"margin": _real(0, 1e3)},
-    "contrastive": {"pos_margin": _real(0, 1e3), "neg_margin": _real(0, 1e3)},  # distances
+    # cos(m1 θ + m2) - m3: m1 a factor on the angle, m2 an angle (radians), m3 a cosine offset
+    "combined_margin": {"m1": _real(0, 2, open_lo=True), "m2": _real(0, math.pi / 2), "m3": _COSINE_MARGIN},
+    "subcenter_arcface": {"margin": _real(0, math.pi / 2), "sub_centers": _int(1, 100)},
+    "adaface": {
+        "margin": _real(0, math.pi / 2),
+        "h": _real(0, 1, open_lo=True),  # the share of the norm distribution the margin spans
+        "t_alpha": _real(0, 1),  # momentum of the norm statistics
+        "eps": _real(0, 1, open_lo=True),
+    },
+    "proxy_anchor": {"margin": _COSINE_MARGIN},
     # alpha, beta scale a cosine gap (as `scale` does); base and epsilon are cosines
     "multi_similarity": {
         "alpha": _real(0, 1e3, open_lo=True),
@@ -181,6 +190,7 @@ LOSS_OPTION_RANGES: dict[str, dict[str, Spec]] = {
     },
     "supcon": {"temperature": _real(1e-3, 100)},  # cosines / temperature: |scale| <= 1e3, as `scale`
     "ntxent": {"temperature": _real(1e-3, 100)},
+    "contrastive": {"pos_margin": _real(0, 1e3), "neg_margin": _real(0, 1e3)},
 }
 
 

@@ -38,7 +38,9 @@ class LossSpec:
     ``target`` is ``"module:Class"``; ``defaults`` are this library's training defaults
     (overridable with ``loss_options``); ``alpha`` marks the alpha-divergence family
     (sparse posteriors: the report shows their support sizes); ``scores`` marks losses that
-    take scaled scores rather than cosines (wrapped in :class:`ScaledScoresLoss`).
+    take scaled scores rather than cosines (wrapped in :class:`ScaledScoresLoss`); ``norms``
+    marks losses that read the embedding norms (the head's ``with_norms=True`` output; the
+    model must not normalise its embeddings).
     """
 
     name: str
@@ -48,6 +50,7 @@ class LossSpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     alpha: bool = False
     scores: bool = False
+    norms: bool = False
 
     def loss_class(self) -> type[nn.Module]:
         module, _, cls = self.target.partition(":")
@@ -64,6 +67,17 @@ LOSSES: dict[str, LossSpec] = {
                  {"scale": 16.0, "margin": 0.2}),
         LossSpec("arcface", "class", f"{_L}:ArcFaceLoss", "ArcFace: additive angular margin",
                  {"scale": 16.0, "margin": 0.2}),
+        LossSpec("combined_margin", "class", f"{_L}:CombinedMarginLoss",
+                 "InsightFace's combined margin cos(m1·θ + m2) − m3",
+                 {"m1": 1.0, "m2": 0.3, "m3": 0.2, "scale": 16.0}),
+        LossSpec("subcenter_arcface", "class", f"{_L}:SubCenterArcFaceLoss",
+                 "ArcFace on K sub-centres per class (max over sub-centres)",
+                 {"scale": 16.0, "margin": 0.2, "sub_centers": 3}),
+        LossSpec("adaface", "class", f"{_L}:AdaFaceLoss",
+                 "AdaFace: margin adapted to the embedding norm (needs normalize: false)",
+                 {"scale": 16.0, "margin": 0.4}, norms=True),
+        LossSpec("proxy_anchor", "class", f"{_L}:ProxyAnchorLoss",
+                 "Proxy-Anchor: class centres as anchors over the batch", {"alpha": 32.0, "margin": 0.1}),
         LossSpec("qmargin", "class", f"{_L}:QMarginLoss",
                  "Q-Margin: alpha-divergence Fenchel–Young loss, margin in the reference measure",
                  {"alpha": 1.25, "scale": 16.0, "margin": 0.2}, alpha=True),

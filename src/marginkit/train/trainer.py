@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,6 +197,12 @@ class _Run:
     best_metric: float = -math.inf
     best_epoch: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    scaler: Any = None  # fp16's torch.amp.GradScaler (built at the first epoch of this process)
+
+    @property
+    def spec_norms(self) -> bool:
+        """Does the loss read the embedding norms (``head(e, with_norms=True)``)?"""
+        return LOSSES[self.config.loss].norms
 
     def checkpoint(self) -> dict[str, Any]:
         """The checkpoint of the completed epochs (collective when the head is sharded)."""
@@ -410,6 +417,29 @@ def _epochs(run: _Run, end_epoch: int, *, quiet: bool) -> None:
         run.log(_epoch_line(row, run.config.epochs))
 
 
+def mixed_precision(
+    amp: str, device: torch.device
+) -> tuple[contextlib.AbstractContextManager[Any], torch.amp.GradScaler | None]:
+    """The autocast context and gradient scaler of ``amp`` (:data:`~marginkit.train.config.AMP_MODES`).
+
+    ``fp16`` is float16 autocast with a ``torch.amp.GradScaler`` (float16's range needs the loss
+    scaled up; the scaler is not checkpointed: a resumed run starts from torch's initial scale).
+    The heads compute cosines in float32 either way. A device without float16 (or bfloat16)
+    autocast is refused here.
+    """
+    if amp == "off":
+        return contextlib.nullcontext(), None
+    dtype = torch.float16 if amp == "fp16" else torch.bfloat16
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warns and disables autocast for an unsupported dtype
+            context = torch.autocast(device_type=device.type, dtype=dtype)
+    except (RuntimeError, UserWarning) as exc:
+        raise ConfigError(f"amp {amp!r} is not supported on device {device.type!r}: {exc}") from None
+    scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+    return context, scaler
+
+
 def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
     """One pass over the training batches; returns the epoch's loss sum, steps, samples, lr, time."""
     ctx, config, par, optimizer = run.ctx, run.config, run.par, run.optimizer
@@ -419,11 +449,9 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
         run.head.train()
     run.batches.set_epoch(epoch)
     train_x, train_y = run.splits.train.x, run.splits.train.y
-    autocast = (
-        torch.autocast(device_type=run.device.type, dtype=torch.bfloat16)
-        if config.amp
-        else contextlib.nullcontext()
-    )
+    autocast, scaler = mixed_precision(config.amp, run.device)
+    if scaler is not None:  # one scaler for the run: its scale carries over between epochs
+        run.scaler = scaler = run.scaler or scaler
     params = [p for g in optimizer.param_groups for p in g["params"]]
     shards = list(run.head.parameters()) if par.sharded else []
     others = [p for p in params if not any(p is q for q in shards)]
@@ -445,7 +473,10 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
                     f"embeddings became non-finite at epoch {epoch + 1}, step {n_steps + 1} "
                     "(the weights diverged); lower lr or set grad_clip"
                 )
-            out = par.head(emb) if par.head is not None else emb
+            if par.head is None:
+                out = emb
+            else:  # a norm-adaptive loss (AdaFace) gets the embedding norms along
+                out = par.head(emb, with_norms=True) if run.spec_norms else par.head(emb)
         loss = par.loss(out.float() if isinstance(out, torch.Tensor) else out, yb)
         if not torch.isfinite(loss):
             raise TrainingError(
@@ -453,11 +484,22 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
                 "lower lr or set grad_clip"
             )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if scaler is None:
+            loss.backward()
+        else:  # fp16: scaled backward; a step with inf/NaN gradients is skipped, the scale lowered
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
         if config.grad_clip is not None:
             _ddp.clip_grad_norm(ctx, others, shards, config.grad_clip)
-        optimizer.step()
-        run.scheduler.step()
+        if scaler is None:
+            optimizer.step()
+            run.scheduler.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+            with warnings.catch_warnings():  # the schedule counts iterations, skipped fp16 steps too
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+                run.scheduler.step()
         run.global_step += 1
         n_steps += 1
         n_samples += batch_samples

@@ -12,6 +12,7 @@ from torch import Tensor
 from marginkit._validation import compute_dtype, float_tensor, positive_int, real
 from marginkit.ops.alpha._autograd import _LossFunction, _OnAxis, _SoftargmaxFunction
 from marginkit.ops.alpha._candidates import (
+    _F64_MAX_EXPONENT,
     _Blocks,
     _label_bounds,
     _label_maxima,
@@ -42,36 +43,57 @@ def _checked_blocks(x2d: Tensor, name: str) -> _Blocks:
     return blocks
 
 
+_ALPHA_BELOW_ONE = (
+    "alpha < 1 is not supported (the alpha-divergence softargmax is then dense and heavy-tailed); "
+    "a learnable alpha can be kept >= 1 as alpha = 1 + softplus(raw)"
+)
+
+
 def _alpha_rows(
-    alpha: Any, batch_shape: torch.Size, cdt: torch.dtype, device: torch.device
+    alpha: Any, batch_shape: torch.Size | tuple[int, ...], cdt: torch.dtype, device: torch.device
 ) -> tuple[Tensor, float | None]:
-    """``beta = alpha − 1`` per row ``[N]`` (floored at ``_BETA_FLOOR``), and ``alpha`` if it is a scalar."""
+    """``beta = alpha − 1`` per row ``[N]`` (floored at ``_BETA_FLOOR``), and ``alpha`` if a fixed scalar.
+
+    An ``alpha`` tensor that requires grad gives a ``beta`` in its graph (the floor passes the
+    gradient straight through) and no scalar: the solver then computes the gradient w.r.t. β.
+    """
     n_rows = math.prod(batch_shape)
     if isinstance(alpha, Tensor):
-        if alpha.requires_grad:
-            raise ValueError(
-                "alpha must not require grad: the gradient with respect to alpha is not implemented "
-                "(detach it, or treat alpha as a hyper-parameter)"
-            )
         if alpha.dtype == torch.bool or torch.is_complex(alpha):
             raise TypeError(f"alpha must be a real tensor, got dtype {alpha.dtype}")
-        if alpha.numel() == 1:
+        learnable = alpha.requires_grad and torch.is_grad_enabled()
+        if alpha.numel() == 1 and not learnable:
             return _alpha_rows(float(alpha), batch_shape, cdt, device)
-        a = alpha.detach().to(device=device, dtype=torch.float64)
-        if bool(torch.isnan(a).any()) or bool((a < 1).any()) or not bool(torch.isfinite(a).all()):
-            raise ValueError("alpha must be finite and >= 1 everywhere, got values outside [1, inf) or NaN")
+        a = alpha.detach()
+        if bool(torch.isnan(a).any()) or not bool(torch.isfinite(a).all()):
+            raise ValueError("alpha must be finite everywhere, got NaN or infinite values")
+        if bool((a < 1).any()):
+            raise ValueError(
+                f"alpha must be >= 1 everywhere, got a minimum of {float(a.min()):.6g}: {_ALPHA_BELOW_ONE}"
+            )
+        src = alpha if learnable else a
         try:
-            a = torch.broadcast_to(a, batch_shape)
+            rows = torch.broadcast_to(src.reshape(()) if src.numel() == 1 else src, batch_shape)
         except RuntimeError:
             raise ValueError(
                 f"alpha must be a float or a tensor broadcastable to the batch shape {tuple(batch_shape)}, "
                 f"got shape {tuple(alpha.shape)}"
             ) from None
-        beta = (a.reshape(n_rows) - 1).clamp_min(_BETA_FLOOR).to(cdt)
-        return beta, None
-    a = real(alpha, "alpha", low=1)
+        beta = rows.reshape(n_rows).to(device=device, dtype=cdt) - 1
+        floor = (_BETA_FLOOR - beta.detach()).clamp_min(0.0)
+        return beta + floor, None  # max(β, floor) in value, gradient 1
+    a = checked_alpha(alpha)
     beta = torch.full((n_rows,), max(a - 1.0, _BETA_FLOOR), dtype=cdt, device=device)
     return beta, a
+
+
+def checked_alpha(alpha: Any) -> float:
+    """A scalar ``alpha >= 1`` as a float (a clear error otherwise, alpha < 1 included)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a real number or a tensor, got {type(alpha).__name__}")
+    if math.isfinite(alpha) and alpha < 1:
+        raise ValueError(f"alpha must be >= 1, got {alpha}: {_ALPHA_BELOW_ONE}")
+    return real(alpha, "alpha", low=1)
 
 
 def _alpha_batch(alpha: Any, logits: Tensor, dim: int) -> Any:
@@ -148,8 +170,9 @@ def alpha_softargmax(
         logits: ``[..., n, ...]`` scores; ``-inf`` marks masked classes (probability exactly 0);
             NaN and ``+inf`` are rejected, and so is a row that is entirely ``-inf``.
         alpha: ``>= 1``; a float or a tensor broadcastable to the batch shape (``logits`` without
-            ``dim``) or of ``logits``' shape with size 1 along ``dim`` (per-row alpha). No
-            gradient flows to ``alpha`` (a tensor that requires grad is rejected).
+            ``dim``) or of ``logits``' shape with size 1 along ``dim`` (per-row alpha). A tensor
+            that requires grad is learnable: its gradient is implicit (``docs/qmargin.md``; for
+            ``q ≡ 1`` that of ``entmax_bisect``). ``alpha < 1`` is refused.
         q: positive reference measure broadcastable to ``logits`` (``None``: all ones). Gradients
             flow to ``q``.
         dim: the class dimension.
@@ -199,7 +222,7 @@ def alpha_softargmax(
     elif x2d.shape[0] == 0:
         p2d = x2d.clone()
     else:
-        x2d, lq2d, beta, blocks = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
+        x2d, lq2d, beta, blocks, _ = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         p2d = _SoftargmaxFunction.apply(x2d, lq2d, blocks, beta, beta_scalar, k, bool(candidates))
     return p2d.reshape(x.shape).movedim(-1, dim).to(logits.dtype)
@@ -232,7 +255,8 @@ def alpha_divergence_loss(
     Args:
         logits: ``[..., n]`` scores (class dimension last); ``-inf`` allowed except at the label.
         labels: integer class ids of shape ``logits.shape[:-1]``.
-        alpha: ``>= 1``, float or per-row tensor (broadcastable to ``logits.shape[:-1]``).
+        alpha: ``>= 1``, float or per-row tensor (broadcastable to ``logits.shape[:-1]``),
+            learnable when it requires grad (as in :func:`alpha_softargmax`).
         q: positive reference measure broadcastable to ``logits`` (``None``: all ones);
             gradients flow to ``q``.
         topk: as in :func:`alpha_softargmax` (the value is exact whatever it is).
@@ -272,15 +296,17 @@ def alpha_divergence_loss(
     elif x2d.shape[0] == 0:
         loss = x2d.to(cdt).sum(-1)  # empty, but connected to the graph
     else:
-        x2d, lq2d, beta, blocks = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
+        x2d, lq2d, beta, blocks, log_c = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
+        if log_c is not None:  # ℓ(θ; c·q̃) = c^{−β} ℓ(c^β θ; q̃)
+            loss = loss * torch.exp(-beta * log_c).to(loss.dtype)
     return loss.reshape(logits.shape[:-1])
 
 
 def qmargin_loss(
     block: ClassBlock,
-    alpha: float,
+    alpha: float | Tensor,
     scale: float,
     margin: float,
     *,
@@ -288,6 +314,7 @@ def qmargin_loss(
     candidates: bool = True,
     sparse_grad: bool = False,
     name: str = "cosines",
+    cosines: bool = True,
 ) -> tuple[Tensor, Tensor]:
     r"""Q-Margin family loss per example on a class block: :math:`\theta = s\,c`, :math:`q_y = e^{-sm}`.
 
@@ -306,7 +333,10 @@ def qmargin_loss(
     Args:
         block: cosines in ``[-1, 1]`` (rounding up to 1e-3 outside is accepted), labels, axis
             (:func:`marginkit.ops.classes.class_block`).
-        alpha: ``α >= 1``; scale: ``s > 0``; margin: ``m >= 0`` (validated by the caller).
+        alpha: ``α >= 1``: a float, or a tensor (0-d, or broadcastable to ``block.batch_shape``:
+            per row) that may require grad (the gradient w.r.t. α is implicit, as in
+            ``entmax_bisect``); scale: ``s > 0``; margin: ``m >= 0`` (validated by the caller).
+            :math:`(\alpha - 1)sm > 700` is refused: the loss exceeds float64's range.
         topk: ``None``, an int or a fraction in ``(0, 1]``: exact top-K truncation when some row
             has more candidates (one process only; ignored on a partitioned axis).
         candidates: ``False`` solves on the full rows.
@@ -314,6 +344,8 @@ def qmargin_loss(
             solution is compact (only for a producer that accepts one:
             :func:`marginkit.heads.cosine.accepts_sparse_grad`).
         name: the cosines' name in error messages.
+        cosines: ``True``: the scores must be cosines in ``[-1, 1]``; ``False``: any finite
+            scores (raw logits).
 
     Returns:
         ``(loss [B], support size [B])``: float32 (float64 for float64 cosines, and when
@@ -332,15 +364,27 @@ def qmargin_loss(
     cdt = compute_dtype(x2d.dtype)
     if n_rows == 0:  # empty, but connected to the graph
         return x2d.to(cdt).sum(-1), torch.zeros(0, dtype=torch.long, device=x2d.device)
-    if alpha == 1.0:  # softmax(θ + log q): CosFace
+    beta, scalar_alpha = _alpha_rows(alpha, block.batch_shape, cdt, x2d.device)
+    if scalar_alpha == 1.0:  # softmax(θ + log q): CosFace
         loss = class_cross_entropy(
-            block, lambda c: scale * c - scale * margin, ScaledLogits(scale), name=name
+            block, lambda c: scale * c - scale * margin, ScaledLogits(scale), name=name, cosines=cosines
         )
         return loss, torch.full_like(block.labels, axis.num_classes)
+    beta_max = float(beta.detach().max()) if scalar_alpha is None else scalar_alpha - 1.0
+    alpha = 1.0 + beta_max  # (for the messages)
     log_q_label = -scale * margin
+    if (alpha - 1.0) * scale * margin > _F64_MAX_EXPONENT:
+        # D_f(e_y, q) contains (q_y^{-β} − 1)/(αβ) = (e^{βsm} − 1)/(αβ), and p_y = 0: the loss itself
+        raise ValueError(
+            f"the Q-Margin loss exceeds float64's range: (alpha - 1) * scale * margin = "
+            f"{(alpha - 1.0) * scale * margin:.4g} > {_F64_MAX_EXPONENT:g} "
+            f"(alpha={alpha:g}, scale={scale:g}, "
+            f"margin={margin:g}; the label's weight q_y = exp(-scale * margin) enters the loss as "
+            "(q_y^(1 - alpha) - 1) / (alpha (alpha - 1))): lower the scale, the margin or alpha"
+        )
     x2d = x2d.contiguous()
-    if _offset_overflows(cdt, alpha - 1.0, log_q_label):  # e.g. α = 3, s·m ≥ 40: loss beyond float32
-        x2d, cdt = x2d.double(), torch.float64
+    if _offset_overflows(cdt, beta_max, log_q_label):  # e.g. α = 3, s·m ≥ 40: loss beyond float32
+        x2d, cdt, beta = x2d.double(), torch.float64, beta.double()
     sparse_grad = sparse_grad and x2d is block.scores
     k = None if axis.partitioned else _topk_count(topk, n)
     override = log_q_label != 0.0
@@ -349,13 +393,14 @@ def qmargin_loss(
     lo_c = x2d.amin()
     with _serial(blocks.bmax.numel(), x2d.device):
         others, x_y = _label_maxima(x2d, blocks, column, owned, override)
-        others, x_y = check_scores(block, lo_c, blocks.rowmax.amax(), name, others, x_y)
-        beta = torch.full((n_rows,), alpha - 1.0, dtype=cdt, device=x2d.device)
+        others, x_y = check_scores(block, lo_c, blocks.rowmax.amax(), name, others, x_y, cosines=cosines)
         logq_y = torch.full((n_rows,), log_q_label, dtype=cdt, device=x2d.device) if override else None
-        lo, hi, theta_y = _label_bounds(others, x_y, scale, beta, cdt, logq_y, axis.num_classes)
+        shift = torch.maximum(others, x_y)  # the row maximum over every class: the solver's frame
+        lo, hi, theta_y = _label_bounds(others, x_y, scale, beta, cdt, logq_y, axis.num_classes, shift)
         # the label's weight on the entries of this block: q = 1 (no override) on rows it does not own
         logq_label = logq_y if logq_y is None or owned is None else torch.where(owned, logq_y, 0.0)
-    on = _OnAxis(axis, (lo, hi), theta_y, logq_y, owned)
+    on = _OnAxis(axis, (lo, hi), theta_y, logq_y, owned, shift)
+    beta_scalar = None if scalar_alpha is None else scalar_alpha - 1.0
     return _LossFunction.apply(
-        x2d, None, column, blocks, beta, alpha - 1.0, scale, logq_label, k, candidates, sparse_grad, on
+        x2d, None, column, blocks, beta, beta_scalar, scale, logq_label, k, candidates, sparse_grad, on
     )

@@ -2,7 +2,8 @@ r"""Autograd functions of the alpha softargmax and its Fenchel–Young loss: clo
 
 With :math:`w_j = q_j^{\beta} p_j^{1-\beta}` on the support, the softargmax's Jacobian is
 :math:`J = \mathrm{diag}(w) - w w^\top / \sum w`, and the loss's gradient is exactly
-:math:`p - e_y`: neither differentiates through the solver.
+:math:`p - e_y`: neither differentiates through the solver. The derivative with respect to
+:math:`\beta = \alpha - 1` (a learnable alpha) is implicit too (:func:`_beta_partials`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,46 @@ import torch
 from torch import Tensor
 
 from marginkit._validation import compute_dtype
-from marginkit.ops.alpha._candidates import _Blocks, _Entries, _offset
+from marginkit.ops.alpha._candidates import _Blocks, _Entries, _logits, _offset
 from marginkit.ops.alpha._memory import _serial
 from marginkit.ops.alpha._solve import _Solution, _solve
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
+
+# Below this |v| the series of v + log(1 − v) is summed (the direct form cancels).
+_SERIES_BELOW = 0.1
+_SERIES_TERMS = 18
+
+
+def _v_plus_log1m(v: Tensor) -> Tensor:
+    r""":math:`v + \log(1 - v) = -\sum_{k \ge 2} v^k / k` for :math:`v < 1`, accurate near 0."""
+    direct = v + torch.log1p(-v.clamp_max(1.0 - torch.finfo(v.dtype).eps))
+    small = v.abs() < _SERIES_BELOW
+    vs = torch.where(small, v, 0.0)
+    series = torch.zeros_like(vs)
+    power = vs * vs
+    for k in range(2, _SERIES_TERMS + 1):
+        series = series - power / k
+        power = power * vs
+    return torch.where(small, series, direct)
+
+
+def _beta_partials(p: Tensor, u: Tensor, theta: Tensor, tau_e: Tensor, beta_e: Tensor) -> Tensor:
+    r"""Per entry :math:`a_j = \partial p_j/\partial\beta` at fixed τ (float64; 0 off the support).
+
+    From :math:`\log p_j = \log q_j + \log(u_j)/\beta`, :math:`u_j = 1 + \beta(\theta_j - \tau)`:
+    :math:`a_j = p_j\,(1 - 1/u_j - \log u_j)/\beta^2 = p_j\,\phi(v_j)/\beta^2` with
+    :math:`v_j = 1 - 1/u_j` and :math:`\phi(v) = v + \log(1 - v)`, summed as a series near 0 so
+    that the :math:`1/\beta^2` of entmax's form (Correia et al., 2019) cancels analytically as
+    :math:`\alpha \to 1` (:math:`a_j \to -p_j(\theta_j - \tau)^2/2`). With
+    :math:`d\tau/d\beta = \sum a/\sum w`, :math:`dp_j/d\beta = a_j - w_j \sum a / \sum w`:
+    for :math:`q \equiv 1` exactly ``entmax_bisect``'s gradient w.r.t. alpha.
+    """
+    f64 = torch.float64
+    b = beta_e.to(f64)
+    eps_ = (theta.to(f64) - tau_e.to(f64)) * b  # u − 1, without the rounding of u
+    on = (p > 0) & (u > 0)
+    v = torch.where(on, eps_ / (1.0 + eps_).clamp_min(torch.finfo(f64).tiny), 0.0)
+    return torch.where(on, p.to(f64) * _v_plus_log1m(v) / (b * b), 0.0)
 
 
 class _SoftargmaxFunction(torch.autograd.Function):
@@ -32,11 +69,20 @@ class _SoftargmaxFunction(torch.autograd.Function):
         candidates: bool,
     ) -> Tensor:
         sol = _solve(
-            x, blocks, scale=1.0, beta=beta, beta_scalar=beta_scalar, logq=logq, k=k, candidates=candidates
+            x,
+            blocks,
+            scale=1.0,
+            beta=beta,
+            beta_scalar=beta_scalar,
+            logq=logq,
+            k=k,
+            candidates=candidates,
+            shift=blocks.rowmax,
         )
         ctx.shape = x.shape
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
         ctx.save_for_backward(sol.p, sol.w, *sol.entries.saved())
+        ctx.beta_terms = (sol.u, sol.theta, sol.tau, beta) if ctx.needs_input_grad[3] else None
         return sol.entries.scatter(sol.p, x.dtype)
 
     @staticmethod
@@ -53,14 +99,20 @@ class _SoftargmaxFunction(torch.autograd.Function):
             grad_x = entries.scatter((w * centred).masked_fill_(~on, 0.0), x_dtype, gradient=True)
         if ctx.needs_input_grad[1]:
             grad_logq = entries.scatter((p * centred).masked_fill_(~on, 0.0), q_dtype, gradient=True)
-        return grad_x, grad_logq, None, None, None, None, None
+        grad_beta = None
+        if ctx.beta_terms is not None:  # Σ_j g_j dp_j/dβ = Σ_j a_j (g_j − ⟨w, g⟩/Σw)
+            u, theta, tau, beta = ctx.beta_terms
+            a = _beta_partials(p, u, theta, entries.per_entry(tau), entries.per_entry(beta))
+            grad_beta = entries.rowsum(a * centred.to(a.dtype)).to(beta.dtype)
+        return grad_x, grad_logq, None, grad_beta, None, None, None
 
 
 class _OnAxis(NamedTuple):
     """What a loss on a class axis computed before the solve (over every class of the axis).
 
     ``bounds``: ``(τ_lo, τ_hi)``; ``theta_y``/``logq_y``: the label's logit and ``log q`` per row;
-    ``owned``: the label's column is in this block (``None``: every row's).
+    ``owned``: the label's column is in this block (``None``: every row's); ``shift``: the row
+    maximum of the scores over every class (the solver's frame; bounds and ``theta_y`` are in it).
     """
 
     axis: ClassAxis
@@ -68,6 +120,7 @@ class _OnAxis(NamedTuple):
     theta_y: Tensor
     logq_y: Tensor | None
     owned: Tensor | None
+    shift: Tensor
 
 
 def _loss_value(
@@ -96,6 +149,57 @@ def _loss_value(
     return loss.clamp_min_(0.0), support.round().long()
 
 
+def _expm1_slope(z: Tensor) -> Tensor:
+    r""":math:`h(z) = (z e^z - (e^z - 1))/z^2` (:math:`\to 1/2` at 0; a series there)."""
+    small = z.abs() < _SERIES_BELOW
+    zs = torch.where(small, z, 0.0)
+    series, power, fact = torch.zeros_like(zs), torch.ones_like(zs), 2.0
+    for n in range(2, _SERIES_TERMS + 2):
+        series = series + power * ((n - 1) / fact)
+        power = power * zs
+        fact *= n + 1
+    zd = torch.where(small, 1.0, z)
+    return torch.where(small, series, (zd * torch.exp(zd) - torch.expm1(zd)) / (zd * zd))
+
+
+def _loss_beta_derivative(
+    p: Tensor,
+    u: Tensor,
+    entries: _Entries,
+    beta: Tensor,
+    logq_y: Tensor | None,
+    theta: Tensor,
+    tau: Tensor,
+    theta_y: Tensor,
+    loss: Tensor,
+    axis: ClassAxis,
+) -> Tensor:
+    r""":math:`d\ell/d\beta` per row of the Fenchel–Young loss (float64), from its support-only form.
+
+    :math:`\ell = (\beta I + R)/\alpha` with :math:`I = \langle p, \theta - \theta_y\rangle` and
+    :math:`R = \tau - \theta_y + E(q_y) = \alpha\ell - \beta I`, so
+    :math:`d\ell/d\beta = (I - R)/\alpha^2 + (\beta\,dI + d\tau + dE)/\alpha` with
+    :math:`dI = \sum_j (a_j - w_j\,d\tau)(\theta_j - \theta_y)`, :math:`d\tau = \sum a / \sum w`
+    (:func:`_beta_partials`) and :math:`dE/d\beta = (\log q_y)^2 h(-\beta\log q_y)`. The four row
+    sums run on the class ``axis`` (one SUM on a partitioned one).
+    """
+    f64 = torch.float64
+    b = beta.to(f64)
+    a = _beta_partials(p, u, theta, entries.per_entry(tau), entries.per_entry(beta))
+    on = (p > 0) & (u > 0)
+    pf = p.to(f64)
+    w = torch.where(on, pf / torch.where(on, u.to(f64), 1.0), 0.0)
+    spread = torch.where(on, theta.to(f64) - entries.per_entry(theta_y.to(f64)), 0.0)
+    sums = axis.sum_(torch.stack([entries.rowsum(t) for t in (a, w, a * spread, w * spread, pf * spread)]))[0]
+    s_a, s_w, s_as, s_ws, inner = sums.unbind(0)
+    d_tau = s_a / s_w
+    d_inner = s_as - d_tau * s_ws
+    alpha = 1.0 + b
+    d_e = torch.zeros_like(b) if logq_y is None else logq_y.to(f64) ** 2 * _expm1_slope(-b * logq_y.to(f64))
+    rest = loss.to(f64) * alpha - b * inner  # = τ − θ_y + E(q_y)
+    return (inner - rest) / alpha**2 + (b * d_inner + d_tau + d_e) / alpha
+
+
 class _LossFunction(torch.autograd.Function):
     """Alpha Fenchel–Young loss and support size per row; ``on``: the loss runs on a class axis."""
 
@@ -118,13 +222,14 @@ class _LossFunction(torch.autograd.Function):
         cdt = compute_dtype(x.dtype)
         if on is None:  # the label entries are in x
             bounds, axis, owned = None, ONE_PROCESS, None
-            theta_y = x.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt) * scale
+            shift = x.amax(1) if blocks is None else blocks.rowmax
+            theta_y = _logits(x.gather(1, label.unsqueeze(1)).squeeze(1), shift, scale, cdt)
             if logq is not None:
                 logq_y = logq.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt)
             else:
                 logq_y = None if logq_label is None else logq_label.to(cdt)
         else:
-            axis, bounds, theta_y, logq_y, owned = on.axis, on.bounds, on.theta_y, on.logq_y, on.owned
+            axis, bounds, theta_y, logq_y, owned, shift = on
         sol = _solve(
             x,
             blocks,
@@ -139,6 +244,7 @@ class _LossFunction(torch.autograd.Function):
             bounds=bounds,
             axis=axis,
             theta_y=theta_y,
+            shift=shift,
         )
         with _serial(sol.p.numel(), sol.p.device):
             loss, support = _loss_value(sol, theta_y, logq_y, beta)
@@ -146,6 +252,7 @@ class _LossFunction(torch.autograd.Function):
         ctx.shape, ctx.scale, ctx.sparse_grad = x.shape, scale, sparse_grad
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
         ctx.save_for_backward(sol.p, sol.u, label, owned, beta, logq_y, *sol.entries.saved())
+        ctx.beta_terms = (sol.theta, sol.tau, theta_y, loss, axis) if ctx.needs_input_grad[4] else None
         return loss, support
 
     @staticmethod
@@ -174,4 +281,9 @@ class _LossFunction(torch.autograd.Function):
             grad_logq = entries.scatter(p * u * entries.per_entry(ga), q_dtype, gradient=True)
             at_y = -torch.exp(-beta * logq_y) * ga
             grad_logq.scatter_add_(1, y, at_y.unsqueeze(1).to(q_dtype))
-        return grad_x, grad_logq, None, None, None, None, None, None, None, None, None, None
+        grad_beta = None
+        if ctx.beta_terms is not None:
+            grad_beta = (g * _loss_beta_derivative(p, u, entries, beta, logq_y, *ctx.beta_terms)).to(
+                beta.dtype
+            )
+        return grad_x, grad_logq, None, None, grad_beta, None, None, None, None, None, None, None

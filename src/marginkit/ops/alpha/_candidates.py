@@ -249,14 +249,54 @@ def _offset_overflows(cdt: torch.dtype, beta_max: float, logq_min: float) -> boo
     return cdt == torch.float32 and beta_max * -min(0.0, logq_min) > _F32_MAX_OFFSET_EXPONENT
 
 
+# c^β (c the largest q of a row) beyond e^this overflows float64: the measure is refused.
+_F64_MAX_EXPONENT = 700.0
+
+
 def _widened_for_measure(
     cdt: torch.dtype, x2d: Tensor, lq2d: Tensor | None, beta: Tensor, blocks: _Blocks
-) -> tuple[Tensor, Tensor | None, Tensor, _Blocks]:
-    """The op's inputs in float64 when a general measure's offsets would overflow float32, else as given."""
-    if lq2d is None or not _offset_overflows(cdt, float(beta.max()), float(lq2d.detach().min())):
-        return x2d, lq2d, beta, blocks
-    x64 = x2d.double()
-    return x64, lq2d.double(), beta.double(), _Blocks(x64)
+) -> tuple[Tensor, Tensor | None, Tensor, _Blocks, Tensor | None]:
+    r"""The op's inputs with a general measure normalised per row, in float64 if float32 would overflow.
+
+    With :math:`c = \max_j q_j` per row and :math:`q = c\,\tilde q`,
+    :math:`c\,\tilde q_j u_j^{1/\beta} = \tilde q_j (c^\beta u_j)^{1/\beta}` gives
+    :math:`p(\theta; q) = p(c^\beta\theta; \tilde q)` and, for the Fenchel–Young loss (the
+    divergence scales as :math:`D_f(p, c\tilde q) = c^{-\beta} D_f(p, \tilde q) + K(c, \tilde q)`),
+    :math:`\ell(\theta; q) = c^{-\beta}\ell(c^\beta\theta; \tilde q)`. With :math:`\tilde q \le 1`
+    the bounds hold in floating point whatever the scale of ``q`` (a measure of 1e30 would
+    otherwise leave :math:`u_j \approx q_j^{-\beta}` below the resolution of
+    :math:`1 + \beta(\theta_j - \tau)`).
+    ``c`` is a constant of the identity (no gradient needed through it). Returns
+    ``(x, log q̃, β, blocks, log c)``; ``log c`` is ``None`` when every row's largest ``q`` is 1.
+    """
+    if lq2d is None:
+        return x2d, lq2d, beta, blocks, None
+    log_c: Tensor | None = lq2d.detach().amax(-1)
+    assert log_c is not None
+    growth = float((beta.detach() * log_c).max()) if log_c.numel() else 0.0
+    if growth > _F64_MAX_EXPONENT:
+        raise ValueError(
+            f"q is too large for alpha: (alpha - 1) * log(max q) reaches {growth:.4g} "
+            f"> {_F64_MAX_EXPONENT:g}; "
+            "alpha_softargmax(θ, α, c·q) = alpha_softargmax(c^(α-1)·θ, α, q) would need logits beyond "
+            "float64's range: divide q by a constant (or lower alpha)"
+        )
+    if not bool((log_c != 0).any()):
+        log_c = None
+    wide = growth > _F32_MAX_OFFSET_EXPONENT or _offset_overflows(
+        cdt,
+        float(beta.detach().max()),
+        float(lq2d.detach().min()) - (0.0 if log_c is None else float(log_c.max())),
+    )
+    if wide and cdt == torch.float32:
+        x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()
+        log_c = None if log_c is None else log_c.double()
+    if log_c is not None:
+        x2d = x2d * torch.exp(beta * log_c).unsqueeze(1).to(x2d.dtype)
+        lq2d = lq2d - log_c.unsqueeze(1).to(lq2d.dtype)
+    if wide or log_c is not None:
+        blocks = _Blocks(x2d.detach() if x2d.requires_grad else x2d)
+    return x2d, lq2d, beta, blocks, log_c
 
 
 def _entry_logq(
@@ -299,16 +339,17 @@ def _label_bounds(
     cdt: torch.dtype,
     logq_label: Tensor | None,
     num_classes: int,
+    shift: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""``(τ_lo, τ_hi, θ_y)`` of rows with ``q_j = 1`` except ``q_y`` (``logq_label``; ``None``: 1).
 
     From the row's largest logit off the label and the label's logit (over every class):
     :math:`\tau_{lo} = \max(\max_{j\ne y}\theta_j, \theta_y - E(q_y))` (every :math:`p_j \le 1`) and
     :math:`\tau_{hi} = \max_j\theta_j - E(n)` with ``n = num_classes`` (a total measure at least
-    :math:`\sum_j q_j` while :math:`q_y \le 1`).
+    :math:`\sum_j q_j` while :math:`q_y \le 1`). In the frame of ``shift`` (:func:`_logits`).
     """
-    theta_y = x_y.to(cdt) * scale
-    theta_others = others.to(cdt) * scale
+    theta_y = _logits(x_y, shift, scale, cdt)
+    theta_others = _logits(others, shift, scale, cdt)
     top = torch.maximum(theta_others, theta_y)
     log_n = torch.tensor(float(num_classes), dtype=cdt, device=top.device).log()
     hi = top - _offset(log_n, beta)
@@ -326,27 +367,47 @@ def _row_bounds(
     logq: Tensor | None,
     label: Tensor | None,
     logq_label: Tensor | None,
+    shift: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``(τ_lo, τ_hi)`` of the full rows of one process, ``[N]`` each (``τ_hi`` ``None`` for a general q).
 
     No ``[N, n]`` temporary unless ``q`` is a general dense measure: with ``q ≤ 1`` (q ≡ 1 or
-    the label override with a margin ≥ 0) the total measure is at most ``n``.
+    the label override with a margin ≥ 0) the total measure is at most ``n``. In the frame of
+    ``shift`` (:func:`_logits`).
     """
     if logq is not None:
-        return (x.to(cdt) * scale - _offset(logq.to(cdt), beta.unsqueeze(-1))).amax(-1), None
+        theta = _logits(x, None if shift is None else shift.unsqueeze(-1), scale, cdt)
+        return (theta - _offset(logq.to(cdt), beta.unsqueeze(-1))).amax(-1), None
     if label is None or logq_label is None:
-        top = blocks.rowmax.to(cdt) * scale
+        top = _logits(blocks.rowmax, shift, scale, cdt)
         log_n = torch.tensor(float(x.shape[1]), dtype=cdt, device=x.device).log()
         return top, top - _offset(log_n, beta)
     others, x_y = _label_maxima(x, blocks, label, None, override=True)
-    lo, hi, _ = _label_bounds(others, x_y, scale, beta, cdt, logq_label, x.shape[1])
+    lo, hi, _ = _label_bounds(others, x_y, scale, beta, cdt, logq_label, x.shape[1], shift)
     return lo, hi if bool((logq_label <= 0).all()) else None
 
 
-def _threshold(lo: Tensor, beta: Tensor, scale: float) -> Tensor:
-    """Candidate threshold ``(τ_lo − 1/β)/scale`` in the units of x, lowered by a few ulps so that
-    rounding never drops an entry that the solver's arithmetic would find active."""
+def _logits(x: Tensor, shift: Tensor | None, scale: float, cdt: torch.dtype) -> Tensor:
+    r"""The logits :math:`\theta = s\,(x - \text{shift})` in ``cdt`` (a new tensor).
+
+    The solver works in the frame of a per-row ``shift`` (the row maximum of ``x``, over every
+    class of the axis): the softargmax depends on :math:`\theta_j - \tau` only, and
+    :math:`x - \max x` is exact in floating point for the entries that matter (Sterbenz), so
+    large logits lose no accuracy in :math:`1 + \beta(\theta_j - \tau)`. ``shift`` broadcasts
+    against ``x`` (``[N]`` for ``[N]`` values, ``[N, 1]`` for rows, per entry for flat entries).
+    """
+    if shift is None:
+        return torch.mul(x.to(cdt), scale)
+    theta = x.to(cdt) - shift.to(cdt)
+    return theta.mul_(scale) if scale != 1.0 else theta
+
+
+def _threshold(lo: Tensor, beta: Tensor, scale: float, shift: Tensor | None = None) -> Tensor:
+    """Candidate threshold ``(τ_lo − 1/β)/scale + shift`` in the units of x, lowered by a few ulps
+    so that rounding never drops an entry that the solver's arithmetic would find active."""
     thr = (lo - 1.0 / beta) / scale
+    if shift is not None:
+        thr = thr + shift.to(thr.dtype)
     return thr - 8 * torch.finfo(lo.dtype).eps * (thr.abs() + 1.0 / (beta * scale))
 
 

@@ -157,6 +157,11 @@ class _Problem:
         rowsum = self.entries.rowsum
         return rowsum(p), rowsum(w), rowsum(p * spread), rowsum(on.to(p.dtype))
 
+    def to(self, dtype: torch.dtype) -> _Problem:
+        """The same problem with its arithmetic in ``dtype`` (the entry layout shared)."""
+        logq = None if self.logq is None else self.logq.to(dtype)
+        return _Problem(self.entries, self.theta.to(dtype), logq, self.beta.to(dtype), self.beta_scalar)
+
     def select(self, keep: Tensor) -> _Problem:
         """The flat problem restricted to the entries where ``keep`` holds."""
         idx = keep.nonzero().squeeze(1)

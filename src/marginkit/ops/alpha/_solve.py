@@ -14,6 +14,7 @@ from marginkit.ops.alpha._candidates import (
     _Entries,
     _entry_logq,
     _label_logq_min,
+    _logits,
     _padded,
     _row_bounds,
     _threshold,
@@ -77,10 +78,44 @@ def _solve_problem(
     fused = theta_y if axis.partitioned else None
     with _serial(problem.theta.numel(), problem.theta.device):
         tau, problem, _, stats = _find_tau(problem, lo, hi, hybrid=hybrid, axis=axis, theta_y=fused)
+        dtype = tau.dtype
+        if hybrid and dtype != torch.float64:
+            tau, problem, stats = _refined(problem, tau, lo, hi, axis, fused)
         p, w, u = problem.support(tau)
         entries = problem.entries
         p = p / entries.per_entry(stats.mass)  # the mass at τ: the last evaluation's
-    return _Solution(tau, p, w, u, problem.theta, entries, stats)
+    if tau.dtype != dtype:
+        p, w, u, tau = p.to(dtype), w.to(dtype), u.to(dtype), tau.to(dtype)
+        stats = _Stats(*(None if v is None else v.to(dtype) for v in stats))
+    return _Solution(tau, p, w, u, problem.theta.to(dtype), entries, stats)
+
+
+# The float64 refinement of α > 2 searches within this many float32 ulps of the float32 root.
+_REFINE_ULPS = 64.0
+
+
+def _refined(
+    problem: _Problem, tau: Tensor, lo: Tensor, hi: Tensor, axis: ClassAxis, theta_y: Tensor | None
+) -> tuple[Tensor, _Problem, _Stats]:
+    r"""The root again in float64, from the float32 root, on the (shrunk) entries of the float32 solve.
+
+    For α > 2 the probabilities :math:`p_j = q_j u_j^{1/\beta}` are ill-conditioned in τ near the
+    edge of the support (:math:`\partial p_j/\partial\tau = -w_j`, :math:`w_j \propto
+    u_j^{1/\beta - 1}` unbounded as :math:`u_j \to 0`), although they are well-conditioned in θ:
+    a τ accurate to float32's resolution can leave a small active :math:`p_j` wrong in its second
+    digit. A few float64 Newton steps on the candidates (the support plus a few) restore it; the
+    solution is rounded back to float32. The bracket is the float32 one narrowed to
+    ``_REFINE_ULPS`` ulps around the float32 root.
+    """
+    f64 = torch.float64
+    eps = torch.finfo(tau.dtype).eps
+    width = _REFINE_ULPS * eps * (1.0 + tau.abs())
+    lo64 = torch.maximum(lo, tau - width).to(f64)
+    hi64 = torch.maximum(torch.minimum(hi, tau + width), tau).to(f64)
+    problem64 = problem.to(f64)
+    fused = None if theta_y is None else theta_y.to(f64)
+    tau64, problem64, _, stats = _find_tau(problem64, lo64, hi64, hybrid=True, axis=axis, theta_y=fused)
+    return tau64, problem64, stats
 
 
 class _PlusLabel:
@@ -109,6 +144,7 @@ def _block_subset_bound(
     logq_label: Tensor | None,
     lo: Tensor,
     hi: Tensor | None,
+    shift: Tensor | None = None,
 ) -> Tensor:
     r"""A tighter lower bound on τ: a verified Newton iterate of the problem on the block maxima.
 
@@ -119,7 +155,7 @@ def _block_subset_bound(
     root; it is close to the root when the support is spread over many blocks (exactly when
     :math:`\tau_{lo}` is loose). A few Newton steps on the dense ``[N, n/_BLOCK]`` maxima from
     ``lo`` (which is also the subset's own lower bound) suffice: the lower end of the bracket only
-    moves to iterates whose mass was verified to be :math:`\ge 1`.
+    moves to iterates whose mass was verified to be :math:`\ge 1`. In the frame of ``shift``.
     """
     if hi is None:
         return lo  # a general label weight: no cheap upper bound to safeguard the steps
@@ -128,10 +164,13 @@ def _block_subset_bound(
     bmax = blocks.bmax_excluding if with_label else blocks.bmax
     cdt = compute_dtype(bmax.dtype)
     problem: _Problem | _PlusLabel
-    problem = _Problem(_Entries(n_rows, bmax.shape[1]), bmax.to(cdt) * scale, None, beta, beta_scalar)
+    row_shift = None if shift is None else shift.unsqueeze(1)
+    problem = _Problem(
+        _Entries(n_rows, bmax.shape[1]), _logits(bmax, row_shift, scale, cdt), None, beta, beta_scalar
+    )
     if with_label:
         assert label is not None and logq_label is not None
-        theta_y = x.gather(1, label.unsqueeze(1)).to(cdt) * scale
+        theta_y = _logits(x.gather(1, label.unsqueeze(1)), row_shift, scale, cdt)
         logq_y = logq_label.to(cdt).unsqueeze(1)
         problem = _PlusLabel(problem, _Problem(_Entries(n_rows, 1), theta_y, logq_y, beta, beta_scalar))
     hybrid = beta_scalar > 1 if beta_scalar is not None else bool((beta > 1).any())
@@ -142,7 +181,7 @@ def _block_subset_bound(
 
 
 class _Rows(NamedTuple):
-    """The rows to solve: scores ``x`` ``[N, n]`` (θ = scale·x), β per row, and q (see :func:`_solve`)."""
+    """The rows to solve: scores ``x`` ``[N, n]`` (θ = scale·(x − shift)), β per row, q (:func:`_solve`)."""
 
     x: Tensor
     scale: float
@@ -151,6 +190,7 @@ class _Rows(NamedTuple):
     logq: Tensor | None
     label: Tensor | None
     logq_label: Tensor | None
+    shift: Tensor | None = None
 
 
 def _solve_candidates(
@@ -170,18 +210,20 @@ def _solve_candidates(
     every class of ``axis`` (default: :func:`_row_bounds` of one process). The block-maxima
     bound, a per-process decision, is skipped on a partitioned axis.
     """
-    x, scale, beta, beta_scalar, logq, label, logq_label = rows
+    x, scale, beta, beta_scalar, logq, label, logq_label, shift = rows
     n_rows, n = x.shape
     cdt = compute_dtype(x.dtype)
     # without a dense measure everything up to the candidate gather acts on [N] or the block maxima
     with _serial(blocks.bmax.numel() if logq is None else x.numel(), x.device):
         lo, hi = (
-            _row_bounds(x, blocks, scale, beta, cdt, logq, label, logq_label) if bounds is None else bounds
+            _row_bounds(x, blocks, scale, beta, cdt, logq, label, logq_label, shift)
+            if bounds is None
+            else bounds
         )
-        thr = _threshold(lo, beta, scale)
+        thr = _threshold(lo, beta, scale, shift)
         if logq is None and not axis.partitioned and not blocks.sparse(thr):
-            lo = _block_subset_bound(blocks, x, scale, beta, beta_scalar, label, logq_label, lo, hi)
-            thr = _threshold(lo, beta, scale)
+            lo = _block_subset_bound(blocks, x, scale, beta, beta_scalar, label, logq_label, lo, hi, shift)
+            thr = _threshold(lo, beta, scale, shift)
     flat = blocks.above(thr)
     if flat.numel() > _DENSE_FRACTION * x.numel():
         if k is not None:
@@ -194,6 +236,8 @@ def _solve_candidates(
         if k is not None and widest > k:
             return None
         theta = x.reshape(-1).index_select(0, flat).to(cdt)
+        if shift is not None:
+            theta = theta.sub_(entries.per_entry(shift.to(cdt)))
         if scale != 1.0:
             theta = theta.mul_(scale)
         if n_rows * widest <= _PAD_FACTOR * flat.numel():
@@ -211,6 +255,7 @@ def _solve_dense(
     logq: Tensor | None,
     label: Tensor | None,
     logq_label: Tensor | None,
+    shift: Tensor | None = None,
     *,
     bounds: tuple[Tensor, Tensor | None] | None = None,
     axis: ClassAxis = ONE_PROCESS,
@@ -218,7 +263,7 @@ def _solve_dense(
 ) -> _Solution:
     """Solve on the full rows (candidate reduction disabled): every iteration touches ``[N, n]``."""
     cdt = compute_dtype(x.dtype)
-    theta = x.to(cdt) * scale
+    theta = _logits(x, None if shift is None else shift.unsqueeze(1), scale, cdt)
     entries = _Entries(x.shape[0], x.shape[1])
     lq = _entry_logq(entries, cdt, logq, label, logq_label)
     problem = _Problem(entries, theta, lq, beta, beta_scalar, _label_logq_min(logq, label, logq_label))
@@ -261,14 +306,18 @@ def _solve(
     bounds: tuple[Tensor, Tensor | None] | None = None,
     axis: ClassAxis = ONE_PROCESS,
     theta_y: Tensor | None = None,
+    shift: Tensor | None = None,
 ) -> _Solution:
-    """Solve every row of ``x`` (``[N, n]``; θ = scale·x; q from ``logq`` or the label override).
+    """Solve every row of ``x`` (``[N, n]``; θ = scale·(x − shift); q from ``logq`` or the label override).
 
-    ``bounds``, ``axis``, ``theta_y``: as in :func:`_solve_candidates`. The top-``k`` restriction
-    decides per process which rows to solve again: one process only (``axis`` not partitioned).
+    ``shift``: per row, in the units of x (``None``: 0); the row maximum over every class of the
+    axis keeps the solve accurate for large logits (:func:`_logits`). ``bounds``, ``theta_y`` and
+    the solution's τ are in its frame. ``bounds``, ``axis``, ``theta_y``: as in
+    :func:`_solve_candidates`. The top-``k`` restriction decides per process which rows to solve
+    again: one process only (``axis`` not partitioned).
     """
     n_rows, n = x.shape
-    rows = _Rows(x, scale, beta, beta_scalar, logq, label, logq_label)
+    rows = _Rows(x, scale, beta, beta_scalar, logq, label, logq_label, shift)
     if k is not None and k < n:
         if axis.partitioned:
             raise ValueError("topk needs every class of a row in one process (not a partitioned class axis)")
@@ -279,7 +328,7 @@ def _solve(
                 return sol
         cdt = compute_dtype(x.dtype)
         vals, idx = x.topk(k, dim=-1)
-        theta = vals.to(cdt) * scale
+        theta = _logits(vals, None if shift is None else shift.unsqueeze(1), scale, cdt)
         entries = _Entries(n_rows, n, col=idx)
         lq = _entry_logq(entries, cdt, logq, label, logq_label)
         problem = _Problem(entries, theta, lq, beta, beta_scalar, _label_logq_min(logq, label, logq_label))
@@ -299,6 +348,7 @@ def _solve(
             label=None if label is None else label[bad],
             logq_label=None if logq_label is None else logq_label[bad],
             candidates=candidates,
+            shift=None if shift is None else shift[bad],
         )
         return _merge_rows(sol, bad, sub)
     if candidates:

@@ -1,0 +1,36 @@
+"""Vector norms and unit vectors that neither overflow nor underflow in the squares.
+
+``torch.linalg.vector_norm`` and ``F.normalize`` square the entries: in float32 a row of
+1e30 has norm ``inf`` (its unit vector becomes 0, every cosine 0) and a row of 1e-25 norm 0.
+Dividing each row by its largest magnitude first keeps the squares in ``[0, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["robust_norm", "unit_rows"]
+
+
+def _row_scale(x: Tensor) -> Tensor:
+    """Largest magnitude of each row (keepdim, detached), 1 for all-zero rows."""
+    top = x.detach().abs().amax(dim=-1, keepdim=True)
+    return torch.where(top > 0, top, 1.0)
+
+
+def robust_norm(x: Tensor) -> Tensor:
+    """``‖x‖`` over the last dimension (keepdim), computed on the rows divided by their largest entry."""
+    top = _row_scale(x)
+    return torch.linalg.vector_norm(x / top, dim=-1, keepdim=True).mul_(top)
+
+
+def unit_rows(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """``F.normalize(x, dim=-1)`` of the rescaled rows: the same unit vectors, for any finite scale.
+
+    The scale is detached (the unit vector does not depend on it), so the gradient is
+    ``F.normalize``'s at ``x / max|x|``, divided by ``max|x|``. Rows of norm below ``eps`` (after
+    rescaling: all-zero rows) stay 0.
+    """
+    return F.normalize(x / _row_scale(x), dim=-1, eps=eps)
