@@ -20,14 +20,21 @@ computed once per enrollment and test *embedding* (:func:`cohort_stats`: chunks 
 against the cohort, each chunk's scores reduced to ``μ, σ`` before the next), and trials
 index into them (``trials``). Every function here keeps its temporaries under
 ``memory_limit_mb``; not counted are its inputs and its outputs (the ``[T]`` normalised
-scores; 16 bytes per row of ``CohortStats``).
+scores; 16 bytes per row of ``CohortStats``). Within the budget a chunk's score block is kept
+to about 16 MB (at least 256 rows): the selection then reads back what the product or the copy
+just wrote from the cache rather than from memory. For :func:`cohort_stats` the bound is
+``2·C·D`` working-precision values (the cohort's cast and normalised copy) plus, per chunk row,
+``C`` scores, ``2·D`` values of the normalised embeddings and ``28·top_k`` bytes of kept scores.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from marginkit._validation import (
@@ -43,6 +50,12 @@ from marginkit.metrics._roc import numpy_path
 
 METHODS = ("s-norm", "as-norm", "z-norm", "t-norm")
 _TRIAL_BYTES = 96  # per trial and chunk: 4 gathered float64 statistics, the score, results, indices
+# A chunk's score block is written (product or copy) and then read back by the selection: one that
+# fits the last-level cache is read back from it, not from memory. Fewer than _MIN_ROWS rows per
+# product make the matrix multiply re-pack the cohort too often.
+_BLOCK_BYTES = 16 * 2**20
+_MIN_ROWS = 256
+_MIN_BAND = 64  # rows per selection thread: fewer are not worth a thread's hand-over
 
 
 @dataclass(frozen=True)
@@ -88,13 +101,16 @@ def _row_bytes(cohort_size: int, top_k: int | None, itemsize: int) -> int:
     return cohort_size * itemsize + width * (8 + 8 + itemsize + 8)
 
 
-def _rows_per_chunk(per_row: int, fixed: int, budget: int, what: str) -> int:
+def _rows_per_chunk(per_row: int, fixed: int, budget: int, what: str, block_row: int | None = None) -> int:
+    """Rows per chunk under the budget; at most a cache-sized block when ``block_row`` (bytes) is given."""
     rows = (budget - fixed) // per_row
     if rows < 1:
         need = (fixed + per_row) / 2**20
         raise ValueError(
             f"memory_limit_mb={budget / 2**20:.4g} is too small for {what}: at least {need:.3g} MB"
         )
+    if block_row is not None:
+        rows = min(rows, max(_MIN_ROWS, _BLOCK_BYTES // block_row))
     return int(rows)
 
 
@@ -104,12 +120,18 @@ def _check_finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="marginkit-select")
+
+
 def _largest(block: torch.Tensor, k: int, scratch: torch.Tensor | None) -> torch.Tensor:
     """The ``k`` largest values of each row, in no order.
 
     On CPU numpy's introselect (``np.partition``) reorders in place: a copy of ``block`` in
     ``scratch`` (a reused buffer: no fresh pages per chunk), or ``block`` itself when
-    ``scratch`` is None (then a temporary of ours). Elsewhere ``torch.topk``.
+    ``scratch`` is None (then a temporary of ours). It is single-threaded and releases the GIL,
+    so bands of rows go to ``torch.get_num_threads()`` threads. Elsewhere ``torch.topk``.
     """
     if not numpy_path(block):
         return torch.topk(block, k, dim=1, sorted=False).values
@@ -117,7 +139,11 @@ def _largest(block: torch.Tensor, k: int, scratch: torch.Tensor | None) -> torch
         block = scratch[: block.numel()].view(block.shape).copy_(block)
     a = block.numpy()
     cut = a.shape[1] - k
-    a.partition(cut, axis=1)
+    threads = min(torch.get_num_threads(), a.shape[0] // _MIN_BAND)
+    if threads > 1:
+        list(_pool(threads).map(lambda band: band.partition(cut, axis=1), np.array_split(a, threads)))
+    else:
+        a.partition(cut, axis=1)
     return torch.from_numpy(a[:, cut:])
 
 
@@ -171,7 +197,8 @@ def _stats_from_scores(scores: object, name: str, top_k: int | None, budget: int
         raise ValueError(f"{name} is an empty cohort: it must hold at least one cohort score per row")
     top_k = _check_top_k(top_k, c, name)
     scores = scores.detach()
-    rows = _rows_per_chunk(_row_bytes(c, top_k, 8), 0, budget, f"one row of {name}")
+    itemsize = torch.finfo(compute_dtype(scores.dtype)).bits // 8
+    rows = _rows_per_chunk(_row_bytes(c, top_k, 8), 0, budget, f"one row of {name}", c * itemsize)
     mean = torch.empty(n, dtype=torch.float64, device=scores.device)
     std = torch.empty_like(mean)
     scratch = _scratch(min(rows, n), c, top_k, scores)
@@ -219,7 +246,7 @@ def cohort_stats(
     d = cohort.shape[1]
     fixed = 2 * c * d * itemsize  # the cast and the normalised copy of the cohort
     per_row = _row_bytes(c, top_k, itemsize) + 2 * d * itemsize
-    rows = _rows_per_chunk(per_row, fixed, budget, f"a cohort of {c} x {d}")
+    rows = _rows_per_chunk(per_row, fixed, budget, f"a cohort of {c} x {d}", c * itemsize)
     k = prepare(cohort.detach(), "cosine", "cohort", dtype)
     n = embeddings.shape[0]
     mean = torch.empty(n, dtype=torch.float64, device=k.device)
