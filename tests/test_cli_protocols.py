@@ -47,6 +47,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 def open_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("protocol-run") / "run"
     assert main(["train", *IDENTITIES, "--loss", "cosface", "--epochs", "2", *TINY, "--out", str(run)]) == 0
+    _check_summary(run)  # train writes RUN/summary.json from its metrics.json
     return run
 
 
@@ -60,6 +61,34 @@ def embeddings(open_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def _metrics(run: Path) -> dict:
     return json.loads((run / "metrics.json").read_text())
+
+
+def _check_summary(run: Path) -> dict:
+    """RUN/summary.json: one row, in the format of compare's rows, holding metrics.json's figures."""
+    (row,) = json.loads((run / "summary.json").read_text())
+    m = _metrics(run)
+    assert (row["loss"], row["kind"], row["n_seeds"], row["runs"]) == ("cosface", "class", 1, [str(run)])
+    assert row["knn_accuracy"] == m["knn_accuracy"] and row["knn_accuracy_std"] is None
+    assert row["seconds"] == m["train_seconds"]
+    for key, prefix in [("verification", "ver"), ("verification_normalized", "ver_norm"),
+                        ("templates", "tpl"), ("templates_normalized", "tpl_norm")]:  # fmt: skip
+        if key not in m:
+            assert f"{prefix}_eer" not in row, key
+            continue
+        for field in ("eer", "auc", "min_dcf", "cllr", "min_cllr", "actual_dcf"):  # Cllr: --protocol only
+            if field in m[key] or field in ("eer", "auc", "min_dcf"):
+                assert row[f"{prefix}_{field}"] == m[key][field], (key, field)
+        assert row[f"{prefix}_tar_at_far_0.01"] == m[key]["tar_at_far"]["0.01"]
+    if "identification" in m:
+        ident = m["identification"]
+        for rank in ("1", "5", "10"):  # not measurable (null in metrics.json): absent, as in compare's rows
+            assert row.get(f"id_cmc_{rank}") == ident["cmc"][rank], rank
+        for fpir in ("0.1", "0.01", "0.001"):
+            assert row.get(f"id_dir_at_fpir_{fpir}") == ident["dir_at_fpir"][fpir], fpir
+        assert "id_num_mated" not in row  # the scores only, as in compare's rows
+    else:
+        assert "id_cmc_1" not in row
+    return row
 
 
 def _same(stored: dict, direct: dict, keys=("eer", "auc", "min_dcf", "tar_at_far")) -> None:
@@ -145,11 +174,33 @@ def test_templates_match_the_library(open_run, embeddings, capsys, tmp_path):
     assert "normalised templates EER" in out
 
 
+def test_eval_rewrites_the_runs_summary_json_with_metrics_json(open_run, capsys):
+    code, _, err = run_cli(capsys, "eval", str(open_run), "--protocol", "verification", "--cohort", "40",
+                           "--norm", "as-norm", "--top-k", "8", "--quiet")  # fmt: skip
+    assert code == 0, err
+    row = _check_summary(open_run)
+    assert row["ver_norm_eer"] is not None and "tpl_eer" not in row
+    assert row["ver_cllr"] == _metrics(open_run)["verification"]["cllr"] and "ver_norm_actual_dcf" in row
+    code, _, err = run_cli(capsys, "eval", str(open_run), "--protocol", "identification", "--quiet")
+    assert code == 0, err
+    row = _check_summary(open_run)
+    assert "id_cmc_5" in row and "ver_norm_eer" not in row
+    # an evaluation that leaves metrics.json alone (another k, another checkpoint) leaves it alone too
+    before = (open_run / "summary.json").read_bytes()
+    for flags in (["--k", "3"], ["--checkpoint", "last"]):
+        code, _, err = run_cli(capsys, "eval", str(open_run), *flags, "--quiet")
+        assert code == 0, err
+        assert (open_run / "summary.json").read_bytes() == before
+    code, _, err = run_cli(capsys, "eval", str(open_run), "--protocol", "verification", "--cohort", "9")
+    assert code == 2 and (open_run / "summary.json").read_bytes() == before
+
+
 def test_eval_without_protocol_drops_the_protocol_fields(open_run, capsys):
     code, _, err = run_cli(capsys, "eval", str(open_run), "--quiet")
     assert code == 0, err
     m = _metrics(open_run)
     assert "protocol" not in m and "identification" not in m and "eer" in m["verification"]
+    _check_summary(open_run)
 
 
 @pytest.mark.parametrize(

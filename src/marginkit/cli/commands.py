@@ -258,6 +258,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"continue with: marginkit train --resume --out {out}")
         return 0
     m = result.metrics
+    from marginkit.cli.compare import write_run_summary
+
+    write_run_summary(out, m, config.loss)
     print(
         f"run     {out}\n"
         f"data    {m.get('data')} ({m.get('num_train')} train / {m.get('num_test')} test), "
@@ -331,6 +334,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     splits = _other_splits(run, args.data)
     _check_protocol_data(protocol, splits)
     own = args.data is None or args.data == run["config"].data
+    write = own and args.checkpoint == "best" and args.k is None
     try:
         with user_errors():
             metrics = evaluate_run(
@@ -339,11 +343,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 device=args.device,
                 which=args.checkpoint,
                 k=args.k,
-                write=own and args.checkpoint == "best" and args.k is None,
+                write=write,
                 protocol=protocol,
             )
     except _config_errors() as exc:
         raise UserError(str(exc)) from exc
+    if write:  # metrics.json was rewritten: its headline figures follow
+        from marginkit.cli.compare import write_run_summary
+
+        write_run_summary(args.run_dir, metrics, run["config"].loss)
     print(f"run     {args.run_dir} ({metrics.get('checkpoint')}, epoch {metrics.get('epoch')})")
     print(
         f"data    {metrics.get('data')} ({metrics.get('num_train')} train / {metrics.get('num_test')} test)"

@@ -177,6 +177,40 @@ def aggregate(loss: str, per_seed: list[dict[str, float]]) -> dict[str, Any]:
     return row
 
 
+def summary_row(
+    loss: str, per_seed: list[dict[str, Any]], seconds: Sequence[float | None], runs: Sequence[str | Path]
+) -> dict[str, Any]:
+    """One row of ``summary.json`` from the ``metrics.json`` of each seed's run of ``loss``:
+    the headline and ``--protocol`` figures (mean and ``_std``), ``kind``, ``seconds``, ``runs``."""
+    from marginkit.train.registry import LOSSES
+
+    row = aggregate(loss, [_row_metrics(m) for m in per_seed])
+    row["kind"] = LOSSES[loss].kind
+    known = [t for t in seconds if t is not None]
+    row["seconds"] = sum(known) / len(known) if known else None
+    row["runs"] = [str(p) for p in runs]
+    return row
+
+
+def write_run_summary(run_dir: str | Path, metrics: dict[str, Any], loss: str) -> Path:
+    """Write ``RUN/summary.json`` of one run (atomically, under the run directory's lock): a list
+    of one row, as the rows of a comparison's ``summary.json`` (one seed: each ``_std`` null)."""
+    from marginkit.train.errors import RunDirError
+    from marginkit.train.rundir import RunDir, atomic_write_text
+
+    seconds = metrics.get("train_seconds")
+    row = summary_row(
+        loss, [metrics], [float(seconds) if isinstance(seconds, (int, float)) else None], [run_dir]
+    )
+    path = Path(run_dir) / "summary.json"
+    try:
+        with RunDir(run_dir, create=False):
+            atomic_write_text(json.dumps([row], indent=2) + "\n", path)
+    except RunDirError as exc:
+        raise UserError(str(exc)) from None
+    return path
+
+
 def _cell(row: dict[str, Any], key: str) -> str:
     v, s = row.get(key), row.get(f"{key}_std")
     if v is None:
@@ -381,7 +415,6 @@ def _compare_into(
     from marginkit.train.components import load_splits
     from marginkit.train.processes import run_in_workers, sigterm_as_interrupt
     from marginkit.train.progress import RunsProgress
-    from marginkit.train.registry import LOSSES
     from marginkit.train.runtime import available_cores
     from marginkit.train.small_data import resolve_epochs
 
@@ -399,7 +432,7 @@ def _compare_into(
         f"({available_cores()} cores available)",
         quiet,
     )
-    per_seed: dict[str, dict[int, dict[str, float]]] = {loss: {} for loss in losses}
+    per_seed: dict[str, dict[int, dict[str, Any]]] = {loss: {} for loss in losses}
     seconds: dict[str, list[float]] = {loss: [] for loss in losses}
     runs: dict[str, list[Path]] = {loss: [out / "runs" / loss / f"seed{base.seed + s}" for s in range(seeds)]
                                    for loss in losses}  # fmt: skip
@@ -411,8 +444,8 @@ def _compare_into(
     )  # fmt: skip
 
     def record(loss: str, s: int, res: dict[str, Any]) -> None:
+        per_seed[loss][s] = res["metrics"]
         row = _row_metrics(res["metrics"])
-        per_seed[loss][s] = row
         seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
         tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
         progress.finish(
@@ -437,13 +470,10 @@ def _compare_into(
             ]
             for index, res in progress.wrap(run_in_workers(_worker, tasks, jobs)):
                 record(*order[index], res)
-    summary = []
-    for loss in losses:
-        row = aggregate(loss, [per_seed[loss][s] for s in range(seeds)])
-        row["kind"] = LOSSES[loss].kind
-        row["seconds"] = sum(seconds[loss]) / len(seconds[loss])
-        row["runs"] = [str(p) for p in runs[loss]]
-        summary.append(row)
+    summary = [
+        summary_row(loss, [per_seed[loss][s] for s in range(seeds)], seconds[loss], runs[loss])
+        for loss in losses
+    ]
     cols = _columns(summary)
     table = markdown_table(summary, cols)
     _write_summaries(out, summary, table, cols)
