@@ -70,6 +70,7 @@ def test_train_prints_metrics_and_writes_the_run(trained, capsys):
         "best.pt",
         "knn_index.npz",
         "report.html",
+        "summary.json",
     } <= names
     metrics = json.loads((trained / "metrics.json").read_text())
     assert metrics["loss"] == "cosface" and metrics["k"] == 3
