@@ -21,10 +21,12 @@ against the cohort, each chunk's scores reduced to ``μ, σ`` before the next), 
 index into them (``trials``). Every function here keeps its temporaries under
 ``memory_limit_mb``; not counted are its inputs and its outputs (the ``[T]`` normalised
 scores; 16 bytes per row of ``CohortStats``). Within the budget a chunk's score block is kept
-to about 16 MB (at least 256 rows): the selection then reads back what the product or the copy
-just wrote from the cache rather than from memory. For :func:`cohort_stats` the bound is
-``2·C·D`` working-precision values (the cohort's cast and normalised copy) plus, per chunk row,
-``C`` scores, ``2·D`` values of the normalised embeddings and ``28·top_k`` bytes of kept scores.
+to about 32 MB (at least 256 rows), the size of a last-level cache, from which the selection
+can then read back what the product (or the copy) just wrote. :func:`cohort_stats` with ``C``
+cohort rows of dimension ``D`` and ``b``-byte values (4: float32, 8: float64) holds
+``2·C·D·b`` bytes (the cohort's cast and normalised copy) plus, per row of a chunk,
+``C·b`` (its scores), ``2·D·b`` (its normalised embedding) and ``(24 + b)·top_k`` bytes (the
+kept scores, in float64, and their deviations; without ``top_k`` all ``C``).
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ _TRIAL_BYTES = 96  # per trial and chunk: 4 gathered float64 statistics, the sco
 # A chunk's score block is written (product or copy) and then read back by the selection: one that
 # fits the last-level cache is read back from it, not from memory. Fewer than _MIN_ROWS rows per
 # product make the matrix multiply re-pack the cohort too often.
-_BLOCK_BYTES = 16 * 2**20
+_BLOCK_BYTES = 32 * 2**20
 _MIN_ROWS = 256
-_MIN_BAND = 64  # rows per selection thread: fewer are not worth a thread's hand-over
+_BAND = 64  # rows per task of the threaded selection (fewer are not worth a hand-over)
 
 
 @dataclass(frozen=True)
@@ -139,9 +141,10 @@ def _largest(block: torch.Tensor, k: int, scratch: torch.Tensor | None) -> torch
         block = scratch[: block.numel()].view(block.shape).copy_(block)
     a = block.numpy()
     cut = a.shape[1] - k
-    threads = min(torch.get_num_threads(), a.shape[0] // _MIN_BAND)
-    if threads > 1:
-        list(_pool(threads).map(lambda band: band.partition(cut, axis=1), np.array_split(a, threads)))
+    threads = min(torch.get_num_threads(), a.shape[0] // _BAND)
+    if threads > 1:  # many bands, taken in turn: a thread the OS holds back delays only its own
+        bands = np.array_split(a, a.shape[0] // _BAND)
+        list(_pool(threads).map(lambda band: band.partition(cut, axis=1), bands))
     else:
         a.partition(cut, axis=1)
     return torch.from_numpy(a[:, cut:])
