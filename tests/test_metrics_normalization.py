@@ -77,7 +77,11 @@ def test_as_norm_keeps_the_top_k_and_one_side_may_be_absent():
     assert normalize_scores(s.double(), enroll, test, method="as-norm", top_k=2).dtype == torch.float64
 
 
-def test_cohort_stats_equal_the_score_matrix_statistics(gen):
+@pytest.mark.parametrize("numpy_path", [True, False])  # the product through numpy's BLAS or torch.mm
+def test_cohort_stats_equal_the_score_matrix_statistics(gen, monkeypatch, numpy_path):
+    from marginkit.metrics import _roc
+
+    monkeypatch.setattr(_roc, "NUMPY_ON_CPU", numpy_path)
     emb = torch.randn(300, 12, generator=gen, dtype=torch.float64)
     cohort = torch.randn(80, 12, generator=gen, dtype=torch.float64)
     scores = torch.nn.functional.normalize(emb, dim=1) @ torch.nn.functional.normalize(cohort, dim=1).T

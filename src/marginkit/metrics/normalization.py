@@ -157,6 +157,17 @@ def _scratch(rows: int, cols: int, top_k: int | None, like: torch.Tensor) -> tor
     return torch.empty(rows * cols, dtype=compute_dtype(like.dtype), device=like.device)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = q @ k.T``: on CPU through numpy's BLAS (the one the selection's numpy works with;
+    ``benchmarks/bench_metrics.py`` times it against torch's on this product), whose threads
+    follow ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS``, not ``torch.set_num_threads``;
+    elsewhere ``torch.mm``."""
+    if numpy_path(out):
+        np.matmul(q.numpy(), k.numpy().T, out=out.numpy())
+        return out
+    return torch.mm(q, k.T, out=out)
+
+
 def _reduce(
     block: torch.Tensor,
     top_k: int | None,
@@ -257,7 +268,7 @@ def cohort_stats(
     buffer = torch.empty(min(rows, n) * c, dtype=dtype, device=k.device)  # reused: no fresh pages per chunk
     for s in range(0, n, rows):
         q = prepare(embeddings.detach()[s : s + rows].to(k.device), "cosine", "embeddings", dtype)
-        block = torch.mm(q, k.T, out=buffer[: q.shape[0] * c].view(q.shape[0], c))
+        block = _scores(q, k, buffer[: q.shape[0] * c].view(q.shape[0], c))
         mean[s : s + rows], std[s : s + rows] = _reduce(
             block, top_k, "the cohort scores of embeddings", s, owned=True
         )
