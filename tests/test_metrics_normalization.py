@@ -95,23 +95,6 @@ def test_cohort_stats_equal_the_score_matrix_statistics(gen, monkeypatch, numpy_
         assert a.top_k == top_k and a.cohort_size == 80 and len(a) == 300
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_the_selection_split_over_threads_keeps_every_row_exact(gen, threads):
-    # 700 rows: on CPU the top-k selection of a chunk is split into bands of rows, one per thread
-    emb = torch.randn(700, 8, generator=gen, dtype=torch.float64)
-    cohort = torch.randn(90, 8, generator=gen, dtype=torch.float64)
-    scores = torch.nn.functional.normalize(emb, dim=1) @ torch.nn.functional.normalize(cohort, dim=1).T
-    ref = np.array([_mu_sigma(r, 7) for r in scores.tolist()])
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for got in (cohort_stats(emb, cohort, top_k=7), CohortStats.from_scores(scores, top_k=7)):
-            np.testing.assert_allclose(got.mean.numpy(), ref[:, 0], rtol=0, atol=1e-12)
-            np.testing.assert_allclose(got.std.numpy(), ref[:, 1], rtol=0, atol=1e-12)
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_errors(gen):
     s = torch.randn(4, generator=gen)
     c = torch.randn(4, 6, generator=gen)

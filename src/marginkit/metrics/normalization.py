@@ -21,8 +21,7 @@ against the cohort, each chunk's scores reduced to ``μ, σ`` before the next), 
 index into them (``trials``). Every function here keeps its temporaries under
 ``memory_limit_mb``; not counted are its inputs and its outputs (the ``[T]`` normalised
 scores; 16 bytes per row of ``CohortStats``). Within the budget a chunk's score block is kept
-to about 32 MB (at least 256 rows), the size of a last-level cache, from which the selection
-can then read back what the product (or the copy) just wrote. :func:`cohort_stats` with ``C``
+to about 128 MB (at least 256 rows). :func:`cohort_stats` with ``C``
 cohort rows of dimension ``D`` and ``b``-byte values (4: float32, 8: float64) holds
 ``2·C·D·b`` bytes (the cohort's cast and normalised copy) plus, per row of a chunk,
 ``C·b`` (its scores), ``2·D·b`` (its normalised embedding) and ``(24 + b)·top_k`` bytes (the
@@ -31,9 +30,7 @@ kept scores, in float64, and their deviations; without ``top_k`` all ``C``).
 
 from __future__ import annotations
 
-import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,12 +49,10 @@ from marginkit.metrics._roc import numpy_path
 
 METHODS = ("s-norm", "as-norm", "z-norm", "t-norm")
 _TRIAL_BYTES = 96  # per trial and chunk: 4 gathered float64 statistics, the score, results, indices
-# A chunk's score block is written (product or copy) and then read back by the selection: one that
-# fits the last-level cache is read back from it, not from memory. Fewer than _MIN_ROWS rows per
-# product make the matrix multiply re-pack the cohort too often.
-_BLOCK_BYTES = 32 * 2**20
+# A chunk's score block: each chunk is one product, whose BLAS wakes its threads and packs the
+# cohort again, so not small (and at least _MIN_ROWS rows); beyond this size only memory grows.
+_BLOCK_BYTES = 128 * 2**20
 _MIN_ROWS = 256
-_BAND = 64  # rows per task of the threaded selection (fewer are not worth a hand-over)
 
 
 @dataclass(frozen=True)
@@ -122,18 +117,12 @@ def _check_finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="marginkit-select")
-
-
 def _largest(block: torch.Tensor, k: int, scratch: torch.Tensor | None) -> torch.Tensor:
     """The ``k`` largest values of each row, in no order.
 
     On CPU numpy's introselect (``np.partition``) reorders in place: a copy of ``block`` in
     ``scratch`` (a reused buffer: no fresh pages per chunk), or ``block`` itself when
-    ``scratch`` is None (then a temporary of ours). It is single-threaded and releases the GIL,
-    so bands of rows go to ``torch.get_num_threads()`` threads. Elsewhere ``torch.topk``.
+    ``scratch`` is None (then a temporary of ours). Elsewhere ``torch.topk``.
     """
     if not numpy_path(block):
         return torch.topk(block, k, dim=1, sorted=False).values
@@ -141,12 +130,7 @@ def _largest(block: torch.Tensor, k: int, scratch: torch.Tensor | None) -> torch
         block = scratch[: block.numel()].view(block.shape).copy_(block)
     a = block.numpy()
     cut = a.shape[1] - k
-    threads = min(torch.get_num_threads(), a.shape[0] // _BAND)
-    if threads > 1:  # many bands, taken in turn: a thread the OS holds back delays only its own
-        bands = np.array_split(a, a.shape[0] // _BAND)
-        list(_pool(threads).map(lambda band: band.partition(cut, axis=1), bands))
-    else:
-        a.partition(cut, axis=1)
+    a.partition(cut, axis=1)
     return torch.from_numpy(a[:, cut:])
 
 
