@@ -423,6 +423,15 @@ def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def _legacy(defaults: Any) -> Any:
+    """Stored defaults in today's spelling: ``amp`` was a bool before fp16 (False = "off",
+    True = "bf16": the same training)."""
+    train = defaults.get("train") if isinstance(defaults, dict) else None
+    if isinstance(train, dict) and isinstance(train.get("amp"), bool):
+        defaults = {**defaults, "train": {**train, "amp": "bf16" if train["amp"] else "off"}}
+    return defaults
+
+
 def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | None:
     """The finished result of exactly this job (same job dict and library defaults), else None."""
     done = Path(out_dir) / "runs" / job["name"] / "result.json"
@@ -431,7 +440,7 @@ def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | 
     stored = json.loads(done.read_text(encoding="utf-8"))
     if stored.get("job") != job:
         return None
-    if "defaults" in stored and stored["defaults"] != json.loads(json.dumps(library_defaults(job))):
+    if "defaults" in stored and _legacy(stored["defaults"]) != json.loads(json.dumps(library_defaults(job))):
         return None
     stored["reused"] = True
     return stored
