@@ -21,8 +21,8 @@ against the cohort, each chunk's scores reduced to ``μ, σ`` before the next), 
 index into them (``trials``). Every function here keeps its temporaries under
 ``memory_limit_mb``; not counted are its inputs and its outputs (the ``[T]`` normalised
 scores; 16 bytes per row of ``CohortStats``). Within the budget a chunk's score block is kept
-to about 128 MB (at least 256 rows). :func:`cohort_stats` with ``C``
-cohort rows of dimension ``D`` and ``b``-byte values (4: float32, 8: float64) holds
+to about 128 MB (at least 256 rows). :func:`cohort_stats` with ``C`` cohort rows of dimension
+``D`` and ``b``-byte values (4: float32, 8: float64) holds
 ``2·C·D·b`` bytes (the cohort's cast and normalised copy) plus, per row of a chunk,
 ``C·b`` (its scores), ``2·D·b`` (its normalised embedding) and ``(24 + b)·top_k`` bytes (the
 kept scores, in float64, and their deviations; without ``top_k`` all ``C``).
@@ -99,7 +99,7 @@ def _row_bytes(cohort_size: int, top_k: int | None, itemsize: int) -> int:
 
 
 def _rows_per_chunk(per_row: int, fixed: int, budget: int, what: str, block_row: int | None = None) -> int:
-    """Rows per chunk under the budget; at most a cache-sized block when ``block_row`` (bytes) is given."""
+    """Rows per chunk under the budget; with ``block_row`` (bytes), at most a ``_BLOCK_BYTES`` block."""
     rows = (budget - fixed) // per_row
     if rows < 1:
         need = (fixed + per_row) / 2**20
@@ -142,10 +142,13 @@ def _scratch(rows: int, cols: int, top_k: int | None, like: torch.Tensor) -> tor
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = q @ k.T``: on CPU through numpy's BLAS (the one the selection's numpy works with;
-    ``benchmarks/bench_metrics.py`` times it against torch's on this product), whose threads
-    follow ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS``, not ``torch.set_num_threads``;
-    elsewhere ``torch.mm``."""
+    """``out = q @ k.T``; elsewhere than on CPU ``torch.mm``.
+
+    On CPU through numpy's BLAS, like the selection that follows (which of the two BLAS is
+    faster depends on the CPU; ``benchmarks/bench_metrics.py`` times both on this product).
+    Its threads follow ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS``, not
+    ``torch.set_num_threads``.
+    """
     if numpy_path(out):
         np.matmul(q.numpy(), k.numpy().T, out=out.numpy())
         return out
