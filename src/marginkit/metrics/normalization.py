@@ -142,9 +142,9 @@ def _scratch(rows: int, cols: int, top_k: int | None, like: torch.Tensor) -> tor
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = q @ k.T``; elsewhere than on CPU ``torch.mm``.
+    """``out = q @ k.T``: numpy's BLAS on CPU, ``torch.mm`` elsewhere.
 
-    On CPU through numpy's BLAS, like the selection that follows (which of the two BLAS is
+    On CPU numpy's, like the selection that follows (which of the two BLAS is
     faster depends on the CPU; ``benchmarks/bench_metrics.py`` times both on this product).
     Its threads follow ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS``, not
     ``torch.set_num_threads``.
