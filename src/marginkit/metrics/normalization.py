@@ -144,11 +144,11 @@ def _scratch(rows: int, cols: int, top_k: int | None, like: torch.Tensor) -> tor
 def _scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = q @ k.T``: numpy's BLAS on CPU, ``torch.mm`` elsewhere.
 
-    On CPU numpy's, like the selection that follows (which of the two BLAS is
-    faster depends on the CPU; ``benchmarks/bench_metrics.py`` times both on this product).
-    Its threads follow ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS``, not
+    numpy's BLAS threads follow ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS``, not
     ``torch.set_num_threads``.
     """
+    # Which BLAS is faster depends on the CPU; benchmarks/bench_metrics.py times both on this
+    # product, and torch's (MKL) was the slower on the AMD EPYC measured (docs/knn_and_metrics.md).
     if numpy_path(out):
         np.matmul(q.numpy(), k.numpy().T, out=out.numpy())
         return out
