@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from sklearn.metrics import recall_score
@@ -93,6 +93,7 @@ def test_separate_references_match_pml(gen, metric):
     metric=st.sampled_from(["cosine", "l2"]),
     limit=st.sampled_from([0.05, 64.0]),
 )
+@example(seed=33, n=33, metric="cosine", limit=0.05)  # a chunk whose queries have no relevant reference
 def test_matches_brute_force_with_recall(seed, n, metric, limit):
     g = torch.Generator().manual_seed(seed)
     x, y = _labelled(g, n, d=3, classes=6, dtype=torch.float64)

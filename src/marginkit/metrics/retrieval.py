@@ -90,7 +90,8 @@ def _per_query_terms(
     ``rel [c, depth]``: relevance of each rank (excluded references already removed);
     ``r [c]``: the number of relevant references of each query (``>= 1``).
     """
-    width = min(rel.shape[1], max(int(r.max()), cut if "mean_average_precision" in wanted else 0))
+    most = int(r.max()) if r.numel() else 0  # a chunk may hold no query with a relevant reference
+    width = min(rel.shape[1], max(most, cut if "mean_average_precision" in wanted else 0))
     ranks = torch.arange(1, rel.shape[1] + 1, device=rel.device, dtype=torch.float64)
     precision_at_i = rel[:, :width].cumsum(dim=1, dtype=torch.float64) / ranks[:width]  # P(i)
     r = r.to(torch.float64)
@@ -99,7 +100,7 @@ def _per_query_terms(
         if name == "precision_at_1":
             cols.append(rel[:, 0].to(torch.float64))
         elif name in ("r_precision", "map_at_r"):
-            top = int(r.max())
+            top = most
             rel_r = rel[:, :top] & (ranks[None, :top] <= r[:, None])
             if name == "r_precision":
                 cols.append(rel_r.sum(dim=1) / r)
