@@ -5,10 +5,25 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["KNN_LOSSES", "StudyPlan", "identity_rows", "study_plan"]
+__all__ = ["KNN_LOSSES", "PEER_LOSSES", "PEER_TRAIN_OPTIONS", "StudyPlan", "identity_rows", "study_plan"]
 
 #: Losses of the small-data and retrieval sections, in table order.
 KNN_LOSSES = ("softmax", "cosface", "qmargin", "mep", "circle", "triplet", "local_triplet")
+#: The peers' losses (issue [5/6]), run at their registry defaults on the target setting.
+PEER_LOSSES = (
+    "arcface",
+    "combined_margin",
+    "subcenter_arcface",
+    "adaface",
+    "proxy_anchor",
+    "multi_similarity",
+    "supcon",
+    "ntxent",
+    "contrastive",
+    "smooth_triplet",
+)
+#: Training options a peer loss cannot run without (AdaFace reads the embedding norms).
+PEER_TRAIN_OPTIONS: dict[str, dict[str, Any]] = {"adaface": {"normalize": False}}
 
 
 @dataclass
@@ -35,6 +50,7 @@ class StudyPlan:
     identity_options: dict[str, Any] = field(default_factory=dict)
     knn_losses: tuple[str, ...] = KNN_LOSSES
     tune_losses: tuple[str, ...] = KNN_LOSSES
+    peer_losses: tuple[str, ...] = PEER_LOSSES
     dev_seed: int = 100
     sampler_seed: int = 0
     train_options: dict[str, Any] = field(default_factory=dict)
@@ -78,6 +94,7 @@ def study_plan(quick: bool = False, jobs: int = 2) -> StudyPlan:
             margin_settings=[("digits", 10)],
             knn_losses=("softmax", "qmargin", "triplet", "local_triplet"),
             tune_losses=("softmax", "local_triplet"),
+            peer_losses=("arcface", "adaface", "multi_similarity"),
             identity_options={
                 "num_train_identities": 30,
                 "train_samples_per_identity": 6,
