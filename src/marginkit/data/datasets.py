@@ -287,7 +287,8 @@ def _stratified(
     x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int, source: str, **fields: Any
 ) -> RawSplits:
     """One labelled pool, split into train and test by :func:`stratified_split`."""
-    train, test = (t.numpy() for t in stratified_split(y, test_fraction, seed=split_seed))
+    seed = _seed(split_seed, "split_seed")
+    train, test = (t.numpy() for t in stratified_split(y, test_fraction, seed=seed))
     info = {"source": source, "split": split_note(test_fraction, split_seed)}
     return RawSplits(x[train], y[train], x[test], y[test], **fields, info=info)
 

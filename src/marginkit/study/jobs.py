@@ -423,6 +423,20 @@ def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def _legacy(defaults: Any) -> Any:
+    """Stored defaults in today's spelling: ``amp`` was a bool before fp16 (False = "off",
+    True = "bf16": the same training)."""
+    train = defaults.get("train") if isinstance(defaults, dict) else None
+    if isinstance(train, dict) and isinstance(train.get("amp"), bool):
+        defaults = {**defaults, "train": {**train, "amp": "bf16" if train["amp"] else "off"}}
+    return defaults
+
+
+def _wired(result: Any) -> bool:
+    ident = result.get("identification") if isinstance(result, dict) else None
+    return isinstance(ident, dict) and "not_wired" not in ident
+
+
 def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | None:
     """The finished result of exactly this job (same job dict and library defaults), else None."""
     done = Path(out_dir) / "runs" / job["name"] / "result.json"
@@ -431,8 +445,10 @@ def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | 
     stored = json.loads(done.read_text(encoding="utf-8"))
     if stored.get("job") != job:
         return None
-    if "defaults" in stored and stored["defaults"] != json.loads(json.dumps(library_defaults(job))):
+    if "defaults" in stored and _legacy(stored["defaults"]) != json.loads(json.dumps(library_defaults(job))):
         return None
+    if job["kind"] in ("disjoint", "identities") and not _wired(stored.get("result")):
+        return None  # stored before identification was wired into the study: run it again
     stored["reused"] = True
     return stored
 

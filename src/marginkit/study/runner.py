@@ -181,14 +181,18 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
 
     def priority(job: dict[str, Any]) -> int:
         # tuning, then the target setting's defaults and baselines (every seed), the
-        # throughput job, then the rest seed-major (an interrupted study still covers the tables)
+        # throughput job, then everything else seed-major (an interrupted study still covers
+        # every table with its first seeds)
         if job["kind"] in ("tune", "tune_defaults"):
             return 0
-        if job["kind"] in ("knn", "baseline") and (job["data"], job.get("per_class")) == target:
-            return 1 if job.get("row", "defaults") == "defaults" else 3
-        return 2 if job["kind"] == "e2e" else 4
+        at_target = (job.get("data"), job.get("per_class")) == target
+        if job["kind"] in ("knn", "baseline") and at_target and job.get("row", "defaults") == "defaults":
+            return 1
+        if job["kind"] == "e2e":
+            return 2
+        return 3 + job["seed"]
 
-    return sorted(jobs, key=priority)  # stable: seed-major within a tier
+    return sorted(jobs, key=priority)  # stable: the order above within a tier
 
 
 def _run_all(

@@ -6,6 +6,7 @@ from typing import Any
 
 from marginkit.study.jobs import FARS, PRECISIONS
 from marginkit.study.plan import StudyPlan, identity_rows
+from marginkit.study.stats import tuned_beats_defaults
 from marginkit.study.tables import markdown_table, stat
 
 __all__ = ["TABLES", "build_tables", "results_markdown"]
@@ -50,11 +51,16 @@ def _tuning(plan: StudyPlan, res: Any) -> tuple[str, dict[str, Any]]:
     for loss in plan.tune_losses:
         found = res.select("tune", loss=loss)
         ref = res.per_seed_free("tune_defaults", "val_knn_accuracy", loss=loss)
+        n_val = res.per_seed_free("tune_defaults", "num_val", loss=loss)
         at_defaults = f"{100 * ref:.1f}" if ref is not None else "not run"
         if not found:
-            rows.append([loss, "not run", at_defaults, "", "", ""])
+            rows.append([loss, "not run", at_defaults, "", "", "", ""])
             continue
         r = found[0]["result"]
+        verdict = "—"
+        if ref is not None and n_val and not r.get("partial"):
+            adopt = tuned_beats_defaults(r["best_value"], ref, int(n_val))
+            verdict = "tuned better: move the default" if adopt else "keep the defaults"
         params = ", ".join(
             f"{k.removeprefix('loss_options.')}={_short(v)}" for k, v in r["best_params"].items()
         )
@@ -66,6 +72,7 @@ def _tuning(plan: StudyPlan, res: Any) -> tuple[str, dict[str, Any]]:
                 at_defaults,
                 f"{100 * min(values):.1f}–{100 * max(values):.1f}",
                 f"{len(values)} of {plan.trials}" + (" (unfinished)" if r.get("partial") else ""),
+                verdict,
                 params,
             ]
         )
@@ -80,20 +87,22 @@ def _tuning(plan: StudyPlan, res: Any) -> tuple[str, dict[str, Any]]:
         f"`OUT/runs/tune/{setting}/LOSS/trials.json`. "
         "Search spaces: `marginkit/study/tuning.py` (lr, weight decay, epochs, and each loss's "
         "own options). 'At the defaults': the library's defaults (`compare` with no options) trained "
-        "and scored the same way on the same draw — one development draw, so a gap smaller than the "
-        f"validation split's binomial standard error (about {_val_se(res)}) does not separate the two.\n"
+        "and scored the same way on the same draw. Verdict (`marginkit.study.stats.tuned_beats_defaults`): "
+        "a default moves only when the best trial beats it by more than 1.96 "
+        "standard errors of a difference of two proportions on the validation split "
+        f"({_val_se(res)}); the best of several noisy trials is biased upwards, and this is one draw.\n"
     )
     header = ["loss", "best val K-NN acc (%)", "at the defaults (%)", "range over trials", "trials",
-              "best parameters"]  # fmt: skip
+              "verdict", "best parameters"]  # fmt: skip
     return markdown_table(header, rows) + note, facts
 
 
 def _val_se(res: Any) -> str:
-    """The binomial standard error of a validation accuracy near 90 % on the tuning's split."""
+    """The standard error of a difference of two validation accuracies near 90 %."""
     n = next((r["result"].get("num_val") for r in res.select("tune_defaults")), None)
     if not n:
-        return "—"
-    return f"{100 * (0.9 * 0.1 / n) ** 0.5:.1f} points at n = {n}"
+        return "n not known"
+    return f"n = {n}: about {100 * (2 * 0.9 * 0.1 / n) ** 0.5:.1f} points near 90 %"
 
 
 def _baselines(res: Any, data: str, pc: int | None) -> dict[str, dict[int, float | None]]:
