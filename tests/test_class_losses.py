@@ -222,7 +222,7 @@ def test_subcenter_cosines_gradcheck_and_reference(gen, k):
     theirs = torch.autograd.grad(ref, (e, w), g)
     for mine, peer in zip(torch.autograd.grad(out, (e, w), g), theirs, strict=True):
         assert torch.isfinite(mine).all()
-        torch.testing.assert_close(mine, peer, rtol=0, atol=1e-14)
+        torch.testing.assert_close(mine, peer, rtol=1e-13, atol=1e-14)  # the zero centre: ~1e12
     # the gradient w.r.t. one input only
     (ge,) = torch.autograd.grad(subcenter_cosines(e, w.detach()), e, g)
     (gw,) = torch.autograd.grad(subcenter_cosines(e.detach(), w), w, g)

@@ -12,7 +12,8 @@ gradient kept where sub-centre ``k`` won),
 
 .. math::
 
-    \frac{\partial L}{\partial w_{jk}} = \sum_b G_{k,bj}\,\hat e_b - \Big(\sum_b G_{k,bj}\,c_{bj}\Big)\hat w_{jk},
+    \frac{\partial L}{\partial w_{jk}} = \sum_b G_{k,bj}\,\hat e_b
+        - \Big(\sum_b G_{k,bj}\,c_{bj}\Big)\hat w_{jk},
     \qquad
     \frac{\partial L}{\partial \hat e_b} = \sum_{j,k} G_{k,bj}\, w_{jk},
 
@@ -43,6 +44,9 @@ def _index_dtype(k: int) -> torch.dtype:
 
 
 class _SubCenterCosines(torch.autograd.Function):
+    # Masks are applied by same-dtype arithmetic (a bool mask copied into the float buffer, then
+    # multiplied; a running maximum of uint8 indices): masked_fill_/where with a bool mask are
+    # several times slower on CPU than a plain elementwise pass.
     @staticmethod
     def forward(ctx: FunctionCtx, e: Tensor, w: Tensor, eps: float) -> Tensor:  # type: ignore[override]
         ctx.lead_shape = e.shape
@@ -54,11 +58,13 @@ class _SubCenterCosines(torch.autograd.Function):
         w_inv = w_norm.clamp_min(eps).reciprocal()
         best = torch.matmul(e_hat, w[:, 0].t()).mul_(w_inv[:, 0])
         arg = torch.zeros(best.shape, dtype=_index_dtype(w.shape[1]), device=best.device)
+        if w.shape[1] > 1:
+            cos, won = torch.empty_like(best), torch.empty_like(arg)
         for k in range(1, w.shape[1]):  # K sub-centres, not rows or classes
-            cos = torch.matmul(e_hat, w[:, k].t()).mul_(w_inv[:, k])
-            arg.masked_fill_(cos > best, k)  # strictly greater: ties keep the lowest k
+            torch.matmul(e_hat, w[:, k].t(), out=cos).mul_(w_inv[:, k])
+            torch.gt(cos, best, out=won)  # 0/1; strictly greater: ties keep the lowest k
+            torch.maximum(arg, won.mul_(k), out=arg)  # k exceeds every earlier index
             torch.maximum(best, cos, out=best)  # NaN propagates, as torch.max
-            del cos
         ctx.save_for_backward(e_hat, e_inv, e_norm > eps, w, w_inv, w_norm > eps, best, arg)
         return best.reshape(*ctx.lead_shape[:-1], best.shape[-1])
 
@@ -70,16 +76,17 @@ class _SubCenterCosines(torch.autograd.Function):
         want_e, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hat = torch.zeros_like(e_hat) if want_e else None
         grad_w = torch.empty_like(w) if want_w else None
+        radial = torch.empty_like(w_inv)  # [C, K]: Σ_b G_k,bj c_bj
         g_k = torch.empty_like(grad)
         for k in range(w.shape[1]):
-            torch.mul(grad, w_inv[:, k], out=g_k)
-            g_k.masked_fill_(arg != k, 0.0)  # G_k: the entries sub-centre k won
+            torch.eq(arg, k, out=g_k).mul_(grad).mul_(w_inv[:, k])  # G_k = g·[a = k]/‖w_·k‖
             if d_hat is not None:
                 d_hat.addmm_(g_k, w[:, k])
             if grad_w is not None:
-                grad_w[:, k] = torch.matmul(g_k.t(), e_hat)
-                radial = g_k.mul_(best).sum(dim=0).mul_(w_inv[:, k] * w_live[:, k])  # Σ_b G_k,bj c_bj / ‖w_jk‖
-                grad_w[:, k].sub_(w[:, k] * radial.unsqueeze(1))
+                torch.mm(g_k.t(), e_hat, out=grad_w[:, k])  # Σ_b G_k,bj ê_b
+                radial[:, k] = g_k.mul_(best).sum(dim=0)
+        if grad_w is not None:  # minus (Σ_b G_k,bj c_bj) ŵ_jk
+            grad_w.addcmul_(w, radial.mul_(w_inv).mul_(w_live).unsqueeze(-1), value=-1)
         grad_e = None
         if d_hat is not None:
             radial = (d_hat * e_hat).sum(dim=-1, keepdim=True) * e_live
@@ -88,7 +95,7 @@ class _SubCenterCosines(torch.autograd.Function):
 
 
 def subcenter_cosines(embeddings: Tensor, weight: Tensor, eps: float = 1e-12) -> Tensor:
-    """Class cosines ``[..., C]``: ``max_k cos(e, w_jk)`` for embeddings ``[..., D]``, sub-centres ``[C, K, D]``.
+    """Class cosines ``max_k cos(e, w_jk)`` ``[..., C]`` of embeddings ``[..., D]``, centres ``[C, K, D]``.
 
     Norms are floored at ``eps`` (zero vectors give cosine 0); the gradient goes to the winning
     sub-centre (the lowest ``k`` on ties). Both inputs must share one floating dtype (the caller

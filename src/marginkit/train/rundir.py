@@ -234,10 +234,9 @@ def scaler_state(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, Any] | 
         return None
     bad = not isinstance(state, Mapping) or set(state) != set(_SCALER_STATE)
     if not bad:
-        bad = any(
-            isinstance(state[k], bool) or not isinstance(state[k], kinds) for k, kinds in _SCALER_STATE.items()
-        )
-        bad = bad or not (state["scale"] > 0 and state["growth_interval"] > 0 and state["_growth_tracker"] >= 0)
+        bad = any(isinstance(state[k], bool) or not isinstance(state[k], t) for k, t in _SCALER_STATE.items())
+        bad = bad or not (state["scale"] > 0 and state["growth_interval"] > 0)
+        bad = bad or not state["_growth_tracker"] >= 0
     if bad:
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds an invalid gradient-scaler state (expected the "
