@@ -42,11 +42,11 @@ def test_version(capsys):
 @pytest.mark.parametrize(
     "command, flag, default",
     [
-        ("train", "--epochs", TrainConfig().epochs),
+        ("train", "--epochs", "auto, at least 10 and at least 5,000 training samples seen"),
         ("train", "--lr", TrainConfig().lr),
         ("train", "--batch-size", TrainConfig().batch_size),
         ("train", "--nproc", 1),
-        ("compare", "--epochs", TrainConfig().epochs),
+        ("compare", "--epochs", "auto, at least 10 and at least 5,000 training samples seen"),
         ("compare", "--seeds", 1),
         ("compare", "--jobs", 1),
         ("demo", "--epochs", DEMO_OPTIONS["epochs"]),
@@ -59,6 +59,12 @@ def test_version(capsys):
 def test_help_shows_the_default(command, flag, default):
     line = option_help(subparsers(build_parser())[command], flag)
     assert f"(default: {default})" in line, line
+
+
+def test_no_help_says_default_none():
+    """``epochs: null`` means auto: the help says what it does, not Python's None."""
+    for name, sub in subparsers(build_parser()).items():
+        assert "default: None" not in sub.format_help(), f"marginkit {name} --help"
 
 
 def test_every_option_with_a_default_says_it():

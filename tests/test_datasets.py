@@ -369,3 +369,17 @@ def test_stratified_selection_rejects_bad_input():
         stratified_subset(torch.zeros(4, dtype=torch.long), 0)
     with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\)"):
         stratified_split(torch.zeros(4, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize("data", ["digits", "breast_cancer"])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (2**64, "split_seed must be <= 2\\*\\*63 - 1"),
+        (-1, "split_seed must be >= 0"),
+        (1.5, "split_seed must be an int"),
+    ],
+)
+def test_split_seed_out_of_range_is_refused_by_name(data, value, message) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        load_dataset(data, split_seed=value)

@@ -14,7 +14,7 @@ from marginkit.study.jobs import crammer_singer_hinge, fake_quantized
 from marginkit.study.plan import KNN_LOSSES, identity_rows, study_plan
 from marginkit.study.runner import build_jobs
 from marginkit.study.sections import TABLES
-from marginkit.study.stats import Comparison, compare, grade, outcome, paired_bootstrap
+from marginkit.study.stats import Comparison, compare, grade, outcome, paired_bootstrap, tuned_beats_defaults
 from marginkit.study.tables import markdown_table, stat
 
 
@@ -46,6 +46,14 @@ def test_stat_and_table() -> None:
 
 
 # ----------------------------------------------------------------------------- statistics
+def test_tuned_beats_defaults_is_a_two_proportion_z_rule() -> None:
+    # n = 200, 0.925 vs 0.885: se = sqrt((0.925*0.075 + 0.885*0.115) / 200) = 0.02926, 1.96 se = 5.7 pts
+    assert not tuned_beats_defaults(0.925, 0.885, 200)
+    assert tuned_beats_defaults(0.95, 0.885, 200)  # 6.5 pts > 1.96 * 0.0272
+    assert not tuned_beats_defaults(0.88, 0.915, 200)  # defaults better: never moved
+    assert tuned_beats_defaults(0.90, 0.885, 100_000)  # a small gap counts on a large split
+
+
 def test_paired_bootstrap_matches_scipy() -> None:
     from scipy.stats import bootstrap
 

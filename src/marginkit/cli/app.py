@@ -14,13 +14,20 @@ from typing import Any, NoReturn
 from marginkit.cli.compare import DEMO_LOSSES, DEMO_OPTIONS
 from marginkit.cli.errors import EXIT_INTERRUPTED, EXIT_TRAINING, EXIT_USAGE, UserError
 from marginkit.train.config import TrainConfig
+from marginkit.train.small_data import AUTO_MIN_EPOCHS, AUTO_MIN_SAMPLES
 
 __all__ = ["build_parser", "main"]
 
 # flag -> config key, type for argparse, help
 OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
     ("--model", "model", str, "backbone: auto (by the data's shape), mlp, cnn1d, cnn2d, resnet"),
-    ("--epochs", "epochs", int, "training epochs"),
+    (
+        "--epochs",
+        "epochs",
+        int,
+        f"training epochs (default: auto, at least {AUTO_MIN_EPOCHS} and at least "
+        f"{AUTO_MIN_SAMPLES:,} training samples seen)",
+    ),
     ("--lr", "lr", float, "learning rate"),
     ("--batch-size", "batch_size", int, "mini-batch size (P×K for pair losses)"),
     ("--embedding-dim", "embedding_dim", int, "embedding dimension"),

@@ -284,7 +284,7 @@ def _mnist1d(*, cache_dir: str | None = None) -> RawSplits:
 def _sklearn_split(
     x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int
 ) -> tuple[np.ndarray, ...]:
-    train, test = stratified_split(y, test_fraction, seed=split_seed)
+    train, test = stratified_split(y, test_fraction, seed=_seed(split_seed, "split_seed"))
     return x[train.numpy()], y[train.numpy()], x[test.numpy()], y[test.numpy()]
 
 

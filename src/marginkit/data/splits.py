@@ -38,8 +38,14 @@ def _class_ranks(labels: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarr
     return order, rank, inverse
 
 
+MAX_SEED = 2**63 - 1  # the range of TrainConfig.seed, and of torch's generators
+
+
 def _seed(seed: Any, name: str = "seed") -> int:
-    return positive_int(seed, name, minimum=0)
+    seed = positive_int(seed, name, minimum=0)
+    if seed > MAX_SEED:
+        raise ValueError(f"{name} must be <= 2**63 - 1, got {seed}")
+    return seed
 
 
 def stratified_subset(labels: Any, per_class: int, *, seed: int = 0) -> torch.Tensor:

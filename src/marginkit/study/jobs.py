@@ -145,15 +145,17 @@ def _verification(
     }
 
 
-def _identification(emb: torch.Tensor, labels: torch.Tensor) -> dict[str, Any] | None:
-    """Hook for open-set identification (DIR at FPIR, CMC): filled in once
-    ``marginkit.metrics.identification_metrics`` (issue [4/6]) is in this build; ``None`` until then."""
-    import marginkit.metrics
+def _identification(emb: torch.Tensor, labels: torch.Tensor, seed: int) -> dict[str, Any]:
+    """Open-set identification of ``marginkit eval --protocol identification``: half of the
+    identities enrolled with one gallery sample each (seeded), their other samples mated probes,
+    every sample of the rest a non-mated probe; CMC at ranks 1, 5, 10 and DIR at FPIR 1e-1,
+    1e-2, 1e-3 (``None`` where the non-mated probes cannot resolve the rate)."""
+    from marginkit.train.protocols import ProtocolOptions, evaluate_protocol
 
-    if not hasattr(marginkit.metrics, "identification_metrics"):
-        return None
-    # [4/6] has landed: gallery/probe split and DIR@FPIR/CMC belong here; until then say so
-    return {"not_wired": "marginkit.metrics.identification_metrics exists; wire it into this hook"}
+    metrics, _ = evaluate_protocol(
+        ProtocolOptions(protocol="identification"), {"test": emb}, {"test": labels}, seed=seed
+    )
+    return json.loads(json.dumps(metrics["identification"]))  # the stored result's string keys
 
 
 # ---------------------------------------------------------------------------- job kinds
@@ -161,6 +163,12 @@ def _job_tune(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     from marginkit.study.tuning import run_tuning
 
     return run_tuning(job, run_dir)
+
+
+def _job_tune_defaults(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    from marginkit.study.tuning import run_defaults
+
+    return run_defaults(job, run_dir)
 
 
 def _job_knn(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -227,7 +235,7 @@ def _job_disjoint(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     ret = retrieval_metrics(x, query.y, metric="cosine")
     res["map_at_r"], res["precision_at_1"] = float(ret["map_at_r"]), float(ret["precision_at_1"])
     res["verification"] = _verification(x, query.y)
-    res["identification"] = _identification(x, query.y)
+    res["identification"] = _identification(x, query.y, job["seed"])
     out["result"] = res
     return out
 
@@ -244,7 +252,7 @@ def _job_identities(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     res = _verification(test, splits.test.y)
     ret = retrieval_metrics(test, splits.test.y)
     res["map_at_r"], res["precision_at_1"] = float(ret["map_at_r"]), float(ret["precision_at_1"])
-    res["identification"] = _identification(test, splits.test.y)
+    res["identification"] = _identification(test, splits.test.y, job["seed"])
     if head is not None and LOSSES[config.loss].alpha:
         with torch.no_grad():
             loss = build_loss(config.loss, config.loss_options, k=config.k)
@@ -389,6 +397,7 @@ def _job_e2e(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 _KINDS = {
     "tune": _job_tune,
+    "tune_defaults": _job_tune_defaults,
     "knn": _job_knn,
     "baseline": _job_baseline,
     "disjoint": _job_disjoint,
@@ -414,6 +423,15 @@ def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def _legacy(defaults: Any) -> Any:
+    """Stored defaults in today's spelling: ``amp`` was a bool before fp16 (False = "off",
+    True = "bf16": the same training)."""
+    train = defaults.get("train") if isinstance(defaults, dict) else None
+    if isinstance(train, dict) and isinstance(train.get("amp"), bool):
+        defaults = {**defaults, "train": {**train, "amp": "bf16" if train["amp"] else "off"}}
+    return defaults
+
+
 def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | None:
     """The finished result of exactly this job (same job dict and library defaults), else None."""
     done = Path(out_dir) / "runs" / job["name"] / "result.json"
@@ -422,7 +440,7 @@ def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | 
     stored = json.loads(done.read_text(encoding="utf-8"))
     if stored.get("job") != job:
         return None
-    if "defaults" in stored and stored["defaults"] != json.loads(json.dumps(library_defaults(job))):
+    if "defaults" in stored and _legacy(stored["defaults"]) != json.loads(json.dumps(library_defaults(job))):
         return None
     stored["reused"] = True
     return stored

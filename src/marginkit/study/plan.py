@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["KNN_LOSSES", "StudyPlan", "identity_rows", "study_plan"]
+__all__ = ["KNN_LOSSES", "PEER_LOSSES", "PEER_TRAIN_OPTIONS", "StudyPlan", "identity_rows", "study_plan"]
 
 #: Losses of the small-data and retrieval sections, in table order.
 KNN_LOSSES = ("softmax", "cosface", "qmargin", "mep", "circle", "triplet", "local_triplet")
+#: The peers' losses (issue [5/6]), run at their registry defaults on the target setting.
+PEER_LOSSES = (
+    "arcface",
+    "combined_margin",
+    "subcenter_arcface",
+    "adaface",
+    "proxy_anchor",
+    "multi_similarity",
+    "supcon",
+    "ntxent",
+    "contrastive",
+    "smooth_triplet",
+)
+#: Training options a peer loss cannot run without (AdaFace reads the embedding norms).
+PEER_TRAIN_OPTIONS: dict[str, dict[str, Any]] = {"adaface": {"normalize": False}}
 
 
 @dataclass
@@ -35,6 +52,7 @@ class StudyPlan:
     identity_options: dict[str, Any] = field(default_factory=dict)
     knn_losses: tuple[str, ...] = KNN_LOSSES
     tune_losses: tuple[str, ...] = KNN_LOSSES
+    peer_losses: tuple[str, ...] = PEER_LOSSES
     dev_seed: int = 100
     sampler_seed: int = 0
     train_options: dict[str, Any] = field(default_factory=dict)
@@ -61,36 +79,38 @@ _E2E = {
 }
 
 
+_QUICK_DATA = [("digits", 10)]
+#: What ``--quick`` changes in the full plan: one small setting, tiny budgets.
+_QUICK: dict[str, Any] = {
+    "mode": "quick",
+    "seeds": 3,
+    "tune_data": "digits",
+    "tune_val_fraction": 0.1,
+    "trials": 2,
+    "startup_trials": 1,
+    "knn_settings": _QUICK_DATA,
+    "paper_settings": _QUICK_DATA,
+    "disjoint_settings": _QUICK_DATA,
+    "margin_settings": _QUICK_DATA,
+    "knn_losses": ("softmax", "qmargin", "triplet", "local_triplet"),
+    "tune_losses": ("softmax", "local_triplet"),
+    "peer_losses": ("arcface", "adaface", "multi_similarity"),
+    "identity_options": {
+        "num_train_identities": 30,
+        "train_samples_per_identity": 6,
+        "num_val_identities": 5,
+        "num_test_identities": 20,
+        "test_samples_per_identity": 5,
+    },
+    "train_options": {"epochs": 3},
+    "margin_epochs": 3,
+    "e2e": {**_E2E, "classes": [1000], "rounds": 2, "batch": 32, "hidden": [64]},
+}
+
+
 def study_plan(quick: bool = False, jobs: int = 2) -> StudyPlan:
     """The full study or the ``--quick`` CI smoke version (same sections, tiny budget)."""
-    if quick:
-        return StudyPlan(
-            mode="quick",
-            seeds=3,
-            tune_data="digits",
-            tune_per_class=10,
-            tune_val_fraction=0.1,
-            trials=2,
-            startup_trials=1,
-            knn_settings=[("digits", 10)],
-            paper_settings=[("digits", 10)],
-            disjoint_settings=[("digits", 10)],
-            margin_settings=[("digits", 10)],
-            knn_losses=("softmax", "qmargin", "triplet", "local_triplet"),
-            tune_losses=("softmax", "local_triplet"),
-            identity_options={
-                "num_train_identities": 30,
-                "train_samples_per_identity": 6,
-                "num_val_identities": 5,
-                "num_test_identities": 20,
-                "test_samples_per_identity": 5,
-            },
-            train_options={"epochs": 3},
-            margin_epochs=3,
-            e2e={**_E2E, "classes": [1000], "rounds": 2, "batch": 32, "hidden": [64]},
-            jobs=jobs,
-        )
-    return StudyPlan(
+    full = StudyPlan(
         mode="full",
         seeds=5,
         tune_data="mnist-sample",
@@ -119,6 +139,7 @@ def study_plan(quick: bool = False, jobs: int = 2) -> StudyPlan:
         e2e=dict(_E2E),
         jobs=jobs,
     )
+    return dataclasses.replace(full, **copy.deepcopy(_QUICK)) if quick else full
 
 
 def identity_rows() -> list[tuple[str, str, dict[str, Any]]]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from marginkit.study.claims import verdicts
 from marginkit.study.jobs import run_job, stored_result
-from marginkit.study.plan import StudyPlan, identity_rows, study_plan
+from marginkit.study.plan import PEER_TRAIN_OPTIONS, StudyPlan, identity_rows, study_plan
 from marginkit.study.sections import TABLES, build_tables, results_markdown
 from marginkit.study.tuning import partial_result
 from marginkit.train.progress import RunsProgress
@@ -65,7 +65,33 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
                 "train_options": opts,
             }
         )
+    for loss in plan.tune_losses:
+        jobs.append(
+            {
+                "name": f"tune_defaults/{setting_name(plan.tune_data, plan.tune_per_class)}/{loss}",
+                "kind": "tune_defaults",
+                "data": plan.tune_data,
+                "per_class": plan.tune_per_class,
+                "val_fraction": plan.tune_val_fraction,
+                "loss": loss,
+                "dev_seed": plan.dev_seed,
+                "train_options": opts,
+            }
+        )
     for seed in seeds:
+        for loss in plan.peer_losses:
+            jobs.append(
+                {
+                    "name": f"knn/{setting_name(plan.tune_data, plan.tune_per_class)}/{loss}/seed{seed}",
+                    "kind": "knn",
+                    "data": plan.tune_data,
+                    "per_class": plan.tune_per_class,
+                    "seed": seed,
+                    "loss": loss,
+                    "row": "peer",
+                    "train_options": {**opts, **PEER_TRAIN_OPTIONS.get(loss, {})},
+                }
+            )
         for data, pc in plan.knn_settings:
             setting = setting_name(data, pc)
             jobs.append(
@@ -155,14 +181,18 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
 
     def priority(job: dict[str, Any]) -> int:
         # tuning, then the target setting's defaults and baselines (every seed), the
-        # throughput job, then the rest seed-major (an interrupted study still covers the tables)
-        if job["kind"] == "tune":
+        # throughput job, then everything else seed-major (an interrupted study still covers
+        # every table with its first seeds)
+        if job["kind"] in ("tune", "tune_defaults"):
             return 0
-        if job["kind"] in ("knn", "baseline") and (job["data"], job.get("per_class")) == target:
-            return 1 if job.get("row", "defaults") == "defaults" else 3
-        return 2 if job["kind"] == "e2e" else 4
+        at_target = (job.get("data"), job.get("per_class")) == target
+        if job["kind"] in ("knn", "baseline") and at_target and job.get("row", "defaults") == "defaults":
+            return 1
+        if job["kind"] == "e2e":
+            return 2
+        return 3 + job["seed"]
 
-    return sorted(jobs, key=priority)  # stable: seed-major within a tier
+    return sorted(jobs, key=priority)  # stable: the order above within a tier
 
 
 def _run_all(
@@ -207,15 +237,25 @@ class Results:
             if r["job"]["kind"] == kind and all(r["job"].get(k) == v for k, v in match.items())
         ]
 
-    def per_seed(self, kind: str, path: str, **match: Any) -> dict[int, float | None]:
-        """``{seed: result[path]}``; ``path`` is ``/``-separated (``verification/eer``): keys hold dots."""
-        out: dict[int, float | None] = {}
+    def per_seed_free(self, kind: str, path: str, **match: Any) -> float | None:
+        """``result[path]`` of the one job of a kind without seeds (None if not finished)."""
+        values = [v for v in self._values(kind, path, **match) if v is not None]
+        return values[0] if values else None
+
+    def _values(self, kind: str, path: str, **match: Any) -> list[float | None]:
+        out: list[float | None] = []
         for r in self.select(kind, **match):
             value: Any = r["result"]
             for part in path.split("/"):
                 value = value.get(part) if isinstance(value, dict) else None
-            out[int(r["job"]["seed"])] = None if value is None else float(value)
+            out.append(None if value is None else float(value))
         return out
+
+    def per_seed(self, kind: str, path: str, **match: Any) -> dict[int, float | None]:
+        """``{seed: result[path]}``; ``path`` is ``/``-separated (``verification/eer``): keys hold dots."""
+        found = self.select(kind, **match)
+        values = self._values(kind, path, **match)
+        return {int(r["job"]["seed"]): v for r, v in zip(found, values, strict=True)}
 
 
 def _collect(jobs: list[dict[str, Any]], out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -126,3 +126,15 @@ def grade(comparisons: Sequence[Comparison]) -> str:
     if wins == 0:
         return "not supported"
     return "mixed"
+
+
+def tuned_beats_defaults(best: float, defaults: float, n: int, z: float = 1.96) -> bool:
+    """The rule that moves a registry default: the best tuning trial's validation accuracy
+    exceeds the defaults' by more than ``z`` standard errors of a difference of two
+    proportions on ``n`` validation samples, ``sqrt((p1 (1 - p1) + p2 (1 - p2)) / n)``.
+
+    Conservative on purpose: the best of several noisy trials is biased upwards (the
+    winner's curse), and one development draw is one draw.
+    """
+    se = math.sqrt((best * (1 - best) + defaults * (1 - defaults)) / n)
+    return best - defaults > z * se

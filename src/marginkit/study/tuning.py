@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PAPER", "QMARGIN_SPEAKER", "SPACES", "partial_result", "run_tuning", "summarize"]
+__all__ = ["PAPER", "QMARGIN_SPEAKER", "SPACES", "partial_result", "run_defaults", "run_tuning", "summarize"]
 
 # (name, kind, low, high) — kind: "log" (float, log-uniform), "float", "int_log", or a tuple of choices.
 _OPT = [("lr", "log", 3e-4, 1e-2), ("weight_decay", "log", 1e-5, 5e-2), ("epochs", "int_log", 15, 120)]
@@ -98,6 +98,7 @@ def _suggest(trial: Any, name: str, kind: Any, low: Any, high: Any) -> Any:
 def _objective(job: dict[str, Any], splits: Any, params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     from marginkit.train import TrainConfig, train
     from marginkit.train.config import apply_overrides
+    from marginkit.train.small_data import resolve_epochs
 
     base = TrainConfig(
         data=job["data"],
@@ -108,7 +109,7 @@ def _objective(job: dict[str, Any], splits: Any, params: dict[str, Any]) -> tupl
         num_threads=1,
         max_impostors=20_000,
     )
-    cfg = apply_overrides(base, params)
+    cfg = resolve_epochs(apply_overrides(base, params), len(splits.train))
     cfg.eval_every = cfg.epochs  # score the final weights only (no selection inside a trial)
     cfg.validate()
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,16 +147,11 @@ def _finished_trials(path: Path, job: dict[str, Any]) -> list[dict[str, Any]]:
     return list(stored.get("trials", []))[: job["trials"]]
 
 
-def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """One loss's study: ``job["trials"]`` TPE trials (seed ``job["sampler_seed"]``)."""
-    import json
-
-    import optuna
-
+def _development_splits(job: dict[str, Any]) -> Any:
+    """The tuning setting's development draw, with its validation split from the training pool."""
     from marginkit.data import load_dataset
     from marginkit.train.small_data import MIN_VAL_PER_CLASS
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     splits = load_dataset(
         job["data"],
         seed=job["dev_seed"],
@@ -165,6 +161,26 @@ def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     )
     if len(splits.val) == 0:
         raise ValueError(f"tuning {job['data']}: the validation split is empty")
+    return splits
+
+
+def run_defaults(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The registry defaults scored like one trial (same development draw and validation split):
+    the tuning table's reference point, so a tuned best is read against what users get."""
+    splits = _development_splits(job)
+    value, extra = _objective(job, splits, dict(job.get("train_options", {})))
+    result = {"val_knn_accuracy": value, **extra, "num_train": len(splits.train), "num_val": len(splits.val)}
+    return {"config": job, "result": result}
+
+
+def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One loss's study: ``job["trials"]`` TPE trials (seed ``job["sampler_seed"]``)."""
+    import json
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    splits = _development_splits(job)
     space = SPACES[job["loss"]]
     sampler = optuna.samplers.TPESampler(
         seed=job["sampler_seed"], n_startup_trials=job["startup_trials"], multivariate=True
