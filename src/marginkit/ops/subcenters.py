@@ -44,8 +44,8 @@ def _index_dtype(k: int) -> torch.dtype:
 
 
 class _SubCenterCosines(torch.autograd.Function):
-    # Masks are applied by same-dtype arithmetic (a bool mask copied into the float buffer, then
-    # multiplied; a running maximum of uint8 indices): masked_fill_/where with a bool mask are
+    # Masks by same-dtype arithmetic: comparisons written straight into a float (uint8) buffer,
+    # then multiplied; the index as a running maximum. masked_fill_ / where with a bool mask are
     # several times slower on CPU than a plain elementwise pass.
     @staticmethod
     def forward(ctx: FunctionCtx, e: Tensor, w: Tensor, eps: float) -> Tensor:  # type: ignore[override]
