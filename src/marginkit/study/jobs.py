@@ -432,6 +432,11 @@ def _legacy(defaults: Any) -> Any:
     return defaults
 
 
+def _wired(result: Any) -> bool:
+    ident = result.get("identification") if isinstance(result, dict) else None
+    return isinstance(ident, dict) and "not_wired" not in ident
+
+
 def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | None:
     """The finished result of exactly this job (same job dict and library defaults), else None."""
     done = Path(out_dir) / "runs" / job["name"] / "result.json"
@@ -442,6 +447,8 @@ def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | 
         return None
     if "defaults" in stored and _legacy(stored["defaults"]) != json.loads(json.dumps(library_defaults(job))):
         return None
+    if job["kind"] in ("disjoint", "identities") and not _wired(stored.get("result")):
+        return None  # stored before identification was wired into the study: run it again
     stored["reused"] = True
     return stored
 
