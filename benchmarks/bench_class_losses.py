@@ -20,6 +20,7 @@ RSS follows live memory; the script re-executes itself with that setting).
 
     python benchmarks/bench_class_losses.py            # B = 128 … 1024 at C = 1e5 (minutes)
     python benchmarks/bench_class_losses.py --quick    # tiny smoke run
+    python benchmarks/bench_class_losses.py --only SubCenterArcFace --batches 256,512
 """
 
 from __future__ import annotations
@@ -161,10 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--batches", default="128,256,512,1024")
+    parser.add_argument("--batches", default="128,256,512,1024", help="comma- or space-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="C = 2000, B = 32,64, 2 rounds")
+    parser.add_argument(
+        "--only", nargs="+", choices=[ours for ours, _ in PAIRS], help="these losses (and their peers) only"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.classes, args.batches, args.repeats = 2000, "32,64", 2
@@ -172,13 +176,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"C = {args.classes}, D = {args.dim}, {args.threads} threads, {args.repeats} rounds")
     print("| B | loss | ms | peak MiB | peer | peer ms | peer peak MiB | time ÷ peer | peak ÷ peer |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for batch in (int(b) for b in args.batches.split(",")):
+    pairs = [pair for pair in PAIRS if not args.only or pair[0] in args.only]
+    for batch in (int(b) for b in args.batches.replace(",", " ").split()):
         steps = steps_for(args.classes, args.dim, batch, seed=batch)
+        steps = {name: step for name, step in steps.items() if any(name in pair for pair in pairs)}
         for step in steps.values():  # warm-up
             step()
         peaks = {name: peak_mib(step) for name, step in steps.items()}
         times = measure(steps, args.repeats)
-        for ours, peer in PAIRS:
+        for ours, peer in pairs:
             ratio = statistics.median(a / b for a, b in zip(times[ours], times[peer], strict=True))
             t_ours, t_peer = (1e3 * statistics.median(times[n]) for n in (ours, peer))
             p_ours, p_peer = peaks[ours], peaks[peer]

@@ -28,6 +28,7 @@ from marginkit.losses import (
     ProxyAnchorLoss,
     SubCenterArcFaceLoss,
 )
+from marginkit.ops import subcenter_cosines
 from marginkit.ops.margins import combined_margin_target
 
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
@@ -182,7 +183,9 @@ def test_subcenter_head_is_the_max_over_its_centres(gen):
     head = CosineHead(6, 4, sub_centers=3, dtype=torch.float64)
     e = torch.randn(11, 4, generator=gen, dtype=torch.float64)
     every = cosine_similarity_matrix(e, head.weight.detach().reshape(18, 4)).reshape(11, 6, 3)
-    torch.testing.assert_close(head(e), every.amax(dim=2), rtol=0, atol=0)
+    # one [B, C] product per sub-centre (marginkit.ops.subcenter_cosines): the same dot products,
+    # rounded in another blocking than the [B, C·K] product's
+    torch.testing.assert_close(head(e), every.amax(dim=2), rtol=0, atol=1e-15)
     assert torch.equal(head.predict(e), every.amax(dim=2).argmax(dim=1))
     assert "sub_centers=3" in repr(head)
     torch.testing.assert_close(
@@ -197,6 +200,58 @@ def test_subcenter_head_is_the_max_over_its_centres(gen):
         CosineHead(6, 4, sub_centers=0)
     with pytest.raises(ValueError, match="sub_centers"):
         SubCenterArcFaceLoss(sub_centers=0)
+
+
+def _max_of_every_centre(e, w):
+    """The reference: cosines to all ``C·K`` centres, then autograd's max over ``k``."""
+    c, k, d = w.shape
+    return cosine_similarity_matrix(e, w.reshape(c * k, d)).unflatten(-1, (c, k)).max(dim=-1).values
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_subcenter_cosines_gradcheck_and_reference(gen, k):
+    e = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, k, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(subcenter_cosines, (e, w), eps=1e-6, atol=1e-8)
+    w.data[1, 0] = 0.0  # a zero centre (norm floored at eps) and a zero embedding: cosine 0,
+    e.data[0, 1] = 0.0  # finite gradients equal to the reference's
+    out, ref = subcenter_cosines(e, w), _max_of_every_centre(e, w)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-15)
+    assert torch.equal(out[0, 1], torch.zeros(6, dtype=torch.float64))
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    theirs = torch.autograd.grad(ref, (e, w), g)
+    for mine, peer in zip(torch.autograd.grad(out, (e, w), g), theirs, strict=True):
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine, peer, rtol=1e-13, atol=1e-14)  # the zero centre: ~1e12
+    # the gradient w.r.t. one input only
+    (ge,) = torch.autograd.grad(subcenter_cosines(e, w.detach()), e, g)
+    (gw,) = torch.autograd.grad(subcenter_cosines(e.detach(), w), w, g)
+    torch.testing.assert_close(ge, theirs[0], rtol=0, atol=1e-14)
+    torch.testing.assert_close(gw, theirs[1], rtol=0, atol=1e-14)
+
+
+def test_subcenter_cosines_keep_no_per_centre_tensor(gen):
+    """The backward keeps the inputs, the class cosines [B, C] and a uint8 index; nothing [B, C·K]."""
+    b, c, k, d = 16, 50, 3, 8
+    e = torch.randn(b, d, generator=gen, requires_grad=True)
+    w = torch.randn(c, k, d, generator=gen, requires_grad=True)
+    saved = CosineHead(c, d, sub_centers=k)(e).grad_fn.saved_tensors
+    big = [t for t in saved if t.numel() >= b * c and t.shape != w.shape]
+    assert sorted(str(t.dtype) for t in big) == ["torch.float32", "torch.uint8"]
+    assert all(t.numel() == b * c for t in big)
+    assert subcenter_cosines(e, w).grad_fn.saved_tensors[-1].dtype == torch.uint8
+    assert subcenter_cosines(e, torch.randn(c, 300, d)).grad_fn.saved_tensors[-1].dtype == torch.int32
+    with pytest.raises(ValueError, match="weight"):
+        subcenter_cosines(e, torch.randn(c, d))
+
+
+def test_subcenter_cosines_ties_go_to_the_lowest_centre():
+    w = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]], requires_grad=True)  # centres 0, 1 equal
+    e = torch.tensor([[2.0, 1.0]])
+    torch.testing.assert_close(subcenter_cosines(e, w), torch.tensor([[2 / 5**0.5]]))
+    subcenter_cosines(e, w).sum().backward()
+    assert w.grad[0, 0].abs().sum() > 0.1
+    assert torch.equal(w.grad[0, 1:], torch.zeros(2, 2))
 
 
 def test_sharded_head_with_sub_centres_in_one_process(gen):

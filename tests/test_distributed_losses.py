@@ -15,7 +15,10 @@ also checks checkpoints and errors; CPU, loopback) runs every check (spawning co
 - sub-centre heads (``sub_centers=3``: SubCenterArcFace, ProxyAnchor), both gradient conventions;
 - class sampling (``sample_rate < 1``): the loss equals the one-process loss restricted to the
   union of the ranks' sampled classes, and every positive class is among them;
-- the pair losses through :class:`GatheredPairLoss`: value and embedding gradients;
+- the pair losses through :class:`GatheredPairLoss`: value and embedding gradients; issue 16's
+  (multi-similarity, also mined; SupCon; NT-Xent; contrastive; smooth triplet) also trained:
+  a float64 embedder under ``DistributedDataParallel`` == one process on the whole batch
+  (values, gradients, weights after 3 SGD steps; 1e-10);
 - the collectives: the softmax-type losses issue 2 all-reduces of ``(B, ·)``, never the logits;
 - a loss written here in a few lines on the class axis (:class:`AxisSoftmaxLoss`, plain autograd
   over ``ClassBlock.max/sum/target``) is sharded for free: N ranks == one process.
@@ -42,15 +45,19 @@ from marginkit.losses import (
     CircleLoss,
     ClassCircleLoss,
     CombinedMarginLoss,
+    ContrastiveLoss,
     CosFaceLoss,
     EntmaxLoss,
     GatheredPairLoss,
     LocalMarginTripletLoss,
+    MultiSimilarityLoss,
     NormSoftmaxLoss,
+    NTXentLoss,
     ProxyAnchorLoss,
     QMarginLoss,
     SparsemaxLoss,
     SubCenterArcFaceLoss,
+    SupConLoss,
     TripletMarginLoss,
 )
 from marginkit.ops.classes import class_block
@@ -96,6 +103,18 @@ def head_output(loss, cos, e):
     return NormedCosines(cos, embedding_norms(e)) if isinstance(loss, AdaFaceLoss) else cos
 
 
+def peer_pair_losses():
+    """Issue 16's pair losses (pytorch-metric-learning's), each with a non-trivial loss on the data below."""
+    return [
+        MultiSimilarityLoss(2.0, 10.0, 0.5),
+        MultiSimilarityLoss(2.0, 10.0, 0.5, epsilon=0.1),  # mined inside the forward: on the global batch
+        SupConLoss(0.5),
+        NTXentLoss(0.5),
+        ContrastiveLoss(0.0, 1.0),
+        TripletMarginLoss(margin=0.2, mining="batch_all", distance="l2", smooth_loss=True),
+    ]
+
+
 def pair_losses():
     return [
         CircleLoss(margin=0.25, gamma=32.0),
@@ -103,6 +122,8 @@ def pair_losses():
         TripletMarginLoss(margin=0.2, mining="batch_all", distance="l2", normalize=False),
         TripletMarginLoss(margin=0.2, mining="semi_hard", reduction="none"),
         LocalMarginTripletLoss(k=2, margin=0.2),
+        *peer_pair_losses(),
+        SupConLoss(0.5, reduction="none"),
     ]
 
 
@@ -207,6 +228,48 @@ def check_pair_losses(me, world, tol):
             assert_close(value.detach(), ref.detach(), tol, f"{loss!r} value")
             value.backward(torch.ones_like(value))
             assert_close(e.grad, factor * ref_e.grad[rows], tol, f"{loss!r} grad")
+
+
+def check_pair_losses_trained(me, world, tol, steps=3):
+    """A float64 linear embedder trained data-parallel (DDP + GatheredPairLoss, unequal local
+    batches) == trained in one process on the whole batch: loss values, weight gradients and
+    weights after every SGD step, for each of issue 16's pair losses."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    sizes = [6 + 3 * r for r in range(world)]
+    start = sum(sizes[:me])
+    rows = slice(start, start + sizes[me])
+    g = torch.Generator().manual_seed(33)
+    x_all = torch.randn(sum(sizes), 5, generator=g, dtype=torch.float64)
+    y_all = torch.randperm(sum(sizes), generator=g) % 4
+    init = torch.nn.Linear(5, DIM, dtype=torch.float64)
+    with torch.no_grad():
+        for p in init.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    for loss in peer_pair_losses():
+        single, local = (torch.nn.Linear(5, DIM, dtype=torch.float64) for _ in range(2))
+        single.load_state_dict(init.state_dict())
+        local.load_state_dict(init.state_dict())
+        ddp = DistributedDataParallel(local)
+        wrapped = GatheredPairLoss(loss)
+        opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
+        opt_local = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(steps):
+            opt_single.zero_grad()
+            ref = loss(single(x_all), y_all)
+            ref.backward()
+            opt_local.zero_grad()
+            value = wrapped(ddp(x_all[rows]), y_all[rows])
+            value.backward()
+            what = f"{loss!r}, step {step}"
+            assert float(ref) > 1e-3, what  # a loss with something to learn
+            assert_close(value.detach(), ref.detach(), tol, f"{what}: value")
+            for a, b in zip(local.parameters(), single.parameters(), strict=True):
+                assert_close(a.grad, b.grad, tol, f"{what}: gradient")
+            opt_single.step()
+            opt_local.step()
+        for a, b in zip(local.parameters(), single.parameters(), strict=True):
+            assert_close(a.detach(), b.detach(), tol, f"{loss!r}: trained weights")
 
 
 def check_communication(me, world):
@@ -333,6 +396,7 @@ def _worker(me, world, expected_weight):
 
     check_sub_centres(me, world, sizes, 1e-10)
     check_pair_losses(me, world, 1e-10)
+    check_pair_losses_trained(me, world, 1e-10)
     check_communication(me, world)
     dist.barrier()
 

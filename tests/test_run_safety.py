@@ -67,7 +67,7 @@ def _checkpoint_state(path: Path) -> dict[str, Any]:
             flat[prefix] = value
 
     for key in ("model", "head", "optimizer", "scheduler", "rng", "epoch", "global_step", "best_epoch",
-                "best_metric", "fingerprint", "config"):  # fmt: skip
+                "best_metric", "fingerprint", "config", "scaler"):  # fmt: skip
         walk(key, ckpt[key])
     flat["history"] = _without_timings(json.loads(ckpt["history"]))
     return flat
@@ -212,6 +212,56 @@ def test_killed_at_every_write_step_of_an_improving_epoch_resumes_identically(re
 def test_killed_at_every_other_write_step_of_a_run_resumes_identically(reference, killer, tmp_path):
     # the start (epoch-0 commit, config), epoch 1, the non-improving epoch 3, the final evaluation
     _kill_loop(reference, killer, tmp_path, [i for i in range(len(reference[2])) if not 12 <= i < 19])
+
+
+@pytest.fixture(scope="module")
+def fp16_reference(data_spec: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, list[str]]:
+    """An uninterrupted 3-epoch ``amp: fp16`` run whose gradient scaler backs off in epoch 1."""
+    cfg = small_config(data_spec, epochs=3, val_fraction=0.3, amp="fp16", loss="arcface")
+    run_dir = tmp_path_factory.mktemp("fp16") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        steps = _write_steps(cfg, run_dir, mp)
+    return cfg, run_dir, steps
+
+
+def test_fp16_killed_at_an_epoch_boundary_resumes_with_the_same_scaler(fp16_reference, killer, tmp_path):
+    cfg, want, steps = fp16_reference
+    first = load_checkpoint(want / "best.pt")["scaler"]
+    # the scale fell below torch's initial 2**16 in the first epoch: a fresh scaler would skip
+    # other steps after resuming, and the weights would differ
+    assert 0 < load_checkpoint(want / "last.pt")["scaler"]["scale"] < 2.0**16 and first
+    commits = [i for i, step in enumerate(steps) if step == "sync last.pt"]  # epochs 0, 1, 2, 3
+    assert len(commits) == 4
+    for i in commits[2:]:  # killed as epoch 2 (3) is being written: resumed after epoch 1 (2)
+        run_dir = tmp_path / f"kill-{i}"
+        killer(i, cfg, run_dir)
+        resumed_from = load_checkpoint(run_dir / "last.pt")
+        assert resumed_from["epoch"] == commits.index(i) - 1 and resumed_from["scaler"]["_growth_tracker"] > 0
+        _finish(cfg, run_dir)
+        assert_same_run(run_dir, want)
+
+
+def test_fp16_resume_from_a_checkpoint_without_scaler_state_starts_a_fresh_scaler(fp16_reference, tmp_path):
+    cfg, want, _ = fp16_reference
+    run_dir = tmp_path / "old"
+    train(cfg, run_dir, quiet=True, stop_after=1, report=False)
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    steps_per_epoch = ckpt["global_step"]
+    for state, match in (
+        ({"scale": "big"}, "invalid gradient-scaler state"),
+        ({**ckpt["scaler"], "scale": -1.0}, "invalid gradient-scaler state"),
+    ):
+        torch.save({**ckpt, "scaler": state}, run_dir / "last.pt")
+        with pytest.raises(rundir.CheckpointError, match=match):
+            train(None, run_dir, resume=True, quiet=True, report=False)
+    del ckpt["scaler"]  # as written before the scaler was checkpointed
+    torch.save(ckpt, run_dir / "last.pt")
+    train(None, run_dir, resume=True, quiet=True, report=False)
+    end = load_checkpoint(run_dir / "last.pt")
+    assert end["epoch"] == 3
+    # fresh: torch's initial scale, backed off again, and counting only the two resumed epochs
+    assert end["scaler"]["_growth_tracker"] <= 2 * steps_per_epoch
+    assert end["scaler"] != load_checkpoint(want / "last.pt")["scaler"]
 
 
 def test_temporary_files_of_dead_writers_are_removed_on_the_next_start(data_spec, tmp_path):

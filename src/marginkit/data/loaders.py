@@ -641,8 +641,13 @@ def read_folder(
         )  # fmt: skip
     x, y = arrays["all"]
     train, test = _seeded_split(y, test_fraction, split_seed)
-    info["split"] = f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"
+    info["split"] = split_note(test_fraction, split_seed)
     return RawSplits(x[train], y[train], x[test], y[test], kind="image", class_names=class_names, info=info)
+
+
+def split_note(test_fraction: float, split_seed: int) -> str:
+    """The ``info["split"]`` of a source split here by :func:`stratified_split`."""
+    return f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"
 
 
 def _seeded_split(y: np.ndarray, test_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -720,7 +725,7 @@ def read_features(
     else:
         train, test = _seeded_split(out["y"], test_fraction, split_seed)
         x_train, y_train, x_test, y_test = out["x"][train], out["y"][train], out["x"][test], out["y"][test]
-        info["split"] = f"stratified test_fraction={test_fraction} per class, split_seed={split_seed}"
+        info["split"] = split_note(test_fraction, split_seed)
     return RawSplits(
         x_train, y_train, x_test, y_test, x_val=out.get("x_val"), y_val=out.get("y_val"), kind="vector",
         class_names=class_names, standardize=standardize, info=info,

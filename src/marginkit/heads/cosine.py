@@ -36,6 +36,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from marginkit._validation import compute_dtype, float_tensor, positive_int, real
 from marginkit.ops.classes import ClassBlock, class_block
 from marginkit.ops.norms import robust_norm
+from marginkit.ops.subcenters import subcenter_cosines
 
 __all__ = [
     "CosineHead",
@@ -183,9 +184,14 @@ def cosine_similarity_matrix(
     turns into ~0.25 logits, the size of the margins being learned). Gradients flow to both
     inputs in their own dtypes. No argument checks (see :class:`CosineHead`).
     """
+    return _in_compute_dtype(_CosineFn.apply, embeddings, centres, eps)
+
+
+def _in_compute_dtype(fn: Any, embeddings: torch.Tensor, centres: torch.Tensor, eps: float) -> torch.Tensor:
+    """``fn(e, w, eps)`` in float32 (float64 if either input is), autocast off, saturating upcasts."""
     dtype = torch.float64 if torch.float64 in (embeddings.dtype, centres.dtype) else torch.float32
     with _autocast_off(embeddings.device.type):
-        return _CosineFn.apply(_upcast(embeddings, dtype), _upcast(centres, dtype), eps)
+        return fn(_upcast(embeddings, dtype), _upcast(centres, dtype), eps)
 
 
 def class_cosines(embeddings: torch.Tensor, weight: torch.Tensor, eps: float = _EPS) -> torch.Tensor:
@@ -193,13 +199,11 @@ def class_cosines(embeddings: torch.Tensor, weight: torch.Tensor, eps: float = _
 
     With sub-centres the class cosine is its best sub-centre's,
     ``c_bj = max_k cos(e_b, w_jk)`` (Deng et al., "Sub-center ArcFace", ECCV 2020); its gradient
-    goes to that sub-centre only (the lowest ``k`` on ties).
+    goes to that sub-centre only (the lowest ``k`` on ties; :func:`marginkit.ops.subcenter_cosines`).
     """
     if weight.dim() == 2:
         return cosine_similarity_matrix(embeddings, weight, eps)
-    c, k, d = weight.shape
-    every = cosine_similarity_matrix(embeddings, weight.reshape(c * k, d), eps)
-    return every.unflatten(-1, (c, k)).max(dim=-1).values
+    return _in_compute_dtype(subcenter_cosines, embeddings, weight, eps)
 
 
 @dataclass(frozen=True)

@@ -248,12 +248,9 @@ def topk_keys(
     """
     device, dtype = references.device, references.dtype
     nq, n = queries.shape[0], references.shape[0]
-    if self_offset is not None:
-        exclude = torch.arange(self_offset, self_offset + nq, device=device)
-    elif exclude is not None:
-        exclude = exclude.to(device)
-    if metric == "l2" and ref_neg_sqnorms is None:
-        ref_neg_sqnorms = neg_sqnorms(references)
+    exclude, ref_neg_sqnorms = _exclude_and_bias(
+        references, metric, ref_neg_sqnorms, nq, self_offset, exclude
+    )
     if plan is None:
         plan = plan_chunks(nq, n, references.shape[1], k, references.element_size(), memory_limit_bytes)
     qc, rc = plan.query_rows, plan.reference_cols
@@ -266,8 +263,7 @@ def topk_keys(
         m = q.shape[0]
         if metric == "l2":
             q_sqnorms[qs : qs + m] = sqnorms(q, "queries")
-        best_v: torch.Tensor | None = None
-        best_i: torch.Tensor | None = None
+        best: tuple[torch.Tensor, torch.Tensor] | None = None
         for rs in range(0, n, rc):
             r = references[rs : rs + rc]
             w = r.shape[0]
@@ -283,21 +279,40 @@ def topk_keys(
                 inside = (cols >= 0) & (cols < w)
                 s[rows[inside], cols[inside]] = -math.inf
             v, i = _ordered_topk(s, min(k, w), plan.tie_rows)
-            i = i + rs
-            if best_v is None:
-                best_v, best_i = v, i
-            else:
-                assert best_i is not None
-                # Earlier chunks hold lower indices and come first: a stable sort keeps
-                # (key desc, index asc) across chunks.
-                v = torch.cat([best_v, v], dim=1)
-                i = torch.cat([best_i, i], dim=1)
-                v, perm = v.sort(dim=1, descending=True, stable=True)
-                best_v, best_i = v[:, :k], i.gather(1, perm[:, :k])
-        assert best_v is not None and best_i is not None
-        keys[qs : qs + m] = best_v
-        indices[qs : qs + m] = best_i
+            best = _keep_best(best, v, i + rs, k, descending=True, ordered=True)
+        assert best is not None
+        keys[qs : qs + m], indices[qs : qs + m] = best
     return keys, indices, q_sqnorms
+
+
+def _exclude_and_bias(
+    refs: torch.Tensor, metric: str, biases: torch.Tensor | None, nq: int, self_offset: int | None,
+    exclude: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each query row's excluded reference (``self_offset`` or ``exclude``) on the references'
+    device, and the references' ``l2`` key biases (computed when not given)."""
+    if self_offset is not None:
+        exclude = torch.arange(self_offset, self_offset + nq, device=refs.device)
+    elif exclude is not None:
+        exclude = exclude.to(refs.device)
+    return exclude, neg_sqnorms(refs) if metric == "l2" and biases is None else biases
+
+
+def _keep_best(
+    best: tuple[torch.Tensor, torch.Tensor] | None, values: torch.Tensor, indices: torch.Tensor, k: int,
+    *, descending: bool, ordered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The first ``k`` per row of the ``best`` so far followed by a new chunk of reference columns.
+
+    Earlier chunks hold lower indices and come first: a stable sort keeps (value, index
+    ascending) across chunks. ``ordered``: a first chunk is already in that order.
+    """
+    if best is not None:
+        values, indices = torch.cat([best[0], values], dim=1), torch.cat([best[1], indices], dim=1)
+    elif ordered:
+        return values, indices
+    values, perm = values.sort(dim=1, descending=descending, stable=True)
+    return values[:, :k], indices.gather(1, perm[:, :k])
 
 
 def keys_to_values(keys: torch.Tensor, q_sqnorms: torch.Tensor, metric: str) -> torch.Tensor:
@@ -401,11 +416,10 @@ def exact_search(
     """
     device = references.device
     nq, n = queries.shape[0], references.shape[0]
-    if self_offset is not None:
-        exclude = torch.arange(self_offset, self_offset + nq, device=device)
+    exclude, ref_neg_sqnorms = _exclude_and_bias(
+        references, metric, ref_neg_sqnorms, nq, self_offset, exclude
+    )
     available = n - int(exclude is not None)
-    if metric == "l2" and ref_neg_sqnorms is None:
-        ref_neg_sqnorms = neg_sqnorms(references)
     max_ref_sqnorm = 1.0 if metric == "cosine" else float(-ref_neg_sqnorms.min())  # type: ignore[union-attr]
     values = torch.empty(nq, k, dtype=references.dtype, device=device)
     indices = torch.empty(nq, k, dtype=torch.long, device=device)
@@ -415,7 +429,7 @@ def exact_search(
         width = k  # no margin within the budget: rows that cannot be certified are retried
     while True:
         sub = queries if todo is None else queries[todo.to(queries.device)]
-        sub_exclude = None if exclude is None else (exclude if todo is None else exclude.to(device)[todo])
+        sub_exclude = exclude if exclude is None or todo is None else exclude[todo]
         if todo is not None and not _fits(sub.shape[0], references, width, memory_limit_bytes):
             v, i = exhaustive_search(
                 sub, references, k, metric=metric, memory_limit_bytes=memory_limit_bytes, exclude=sub_exclude
@@ -473,8 +487,7 @@ def exhaustive_search(
     indices = torch.empty(nq, k, dtype=torch.long, device=device)
     for qs in range(0, nq, rows):
         q = prepare(queries[qs : qs + rows].to(device), metric, "queries", dtype)
-        best_sq: torch.Tensor | None = None
-        best_i: torch.Tensor | None = None
+        best: tuple[torch.Tensor, torch.Tensor] | None = None
         for rs in range(0, n, cols):
             diff = references[None, rs : rs + cols, :] - q[:, None, :]
             sq = diff.square_().sum(dim=2)
@@ -484,12 +497,8 @@ def exhaustive_search(
                 inside = (own >= 0) & (own < sq.shape[1])
                 sq[inside.nonzero().squeeze(1), own[inside]] = math.inf
             idx = torch.arange(rs, rs + sq.shape[1], device=device).expand_as(sq)
-            if best_sq is not None:
-                assert best_i is not None
-                sq, idx = torch.cat([best_sq, sq], dim=1), torch.cat([best_i, idx], dim=1)
-            sq, perm = sq.sort(dim=1, stable=True)  # earlier (lower) indices first among equals
-            best_sq, best_i = sq[:, :k], idx.gather(1, perm[:, :k])
-        assert best_sq is not None and best_i is not None
-        values[qs : qs + rows] = sqdist_to_values(best_sq, metric)
-        indices[qs : qs + rows] = best_i
+            best = _keep_best(best, sq, idx, k, descending=False)
+        assert best is not None
+        values[qs : qs + rows] = sqdist_to_values(best[0], metric)
+        indices[qs : qs + rows] = best[1]
     return values, indices

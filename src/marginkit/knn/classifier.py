@@ -371,15 +371,9 @@ class KNNClassifier:
         hnsw = meta["hnsw"]
         try:
             clf = cls(
-                k=meta["k"],
-                metric=meta["metric"],
-                weights=meta["weights"],
-                backend=meta["backend"],
-                memory_limit_mb=meta["memory_limit_mb"],
+                **{name: meta[name] for name in ("k", "metric", "weights", "backend", "memory_limit_mb")},
                 num_classes=meta["num_classes"] if meta["fixed_num_classes"] else None,
-                hnsw_m=hnsw["m"],
-                hnsw_ef_construction=hnsw["ef_construction"],
-                hnsw_ef_search=hnsw["ef_search"],
+                **{f"hnsw_{name}": hnsw[name] for name in ("m", "ef_construction", "ef_search")},
             )
         except (TypeError, ValueError) as exc:
             raise fail(path, f"metadata holds an invalid setting: {exc}") from exc

@@ -60,14 +60,11 @@ class AdaFaceLoss(nn.Module):
 
     Example:
         >>> import torch
-        >>> from marginkit.heads import CosineHead
         >>> from marginkit.losses import AdaFaceLoss
-        >>> torch.manual_seed(0) and None
-        >>> head = CosineHead(num_classes=10, embedding_dim=4)
-        >>> e, y = 5 * torch.randn(8, 4), torch.randint(0, 10, (8,))
-        >>> AdaFaceLoss(scale=30.0)(head(e, with_norms=True), y).backward()
-        >>> head.weight.grad.shape
-        torch.Size([10, 4])
+        >>> cos = torch.tensor([[0.9, 0.1, -0.2], [0.0, 0.5, 0.4]])
+        >>> loss = AdaFaceLoss(scale=10.0, t_alpha=1.0, reduction="none")
+        >>> loss(cos, torch.tensor([0, 1]), norms=torch.tensor([20.0, 5.0]))  # or head(e, with_norms=True)
+        tensor([0.0335, 2.9658])
     """
 
     reads_class_blocks: ClassVar[bool] = True  # accepts a ShardedCosineHead's output

@@ -47,18 +47,15 @@ class ContrastiveLoss(PairMatrixLoss):
     Attributes (tensors set by forward, no host sync):
         last_active_fraction: pairs with a non-zero loss / all pairs.
 
-    Shape:
-        embeddings ``[B, D]``, labels ``[B]``; optional ``ref_embeddings [R, D]``,
-        ``ref_labels [R]`` (a memory bank); ``indices``: mined pairs ``(a1, p, a2, n)`` or
-        triplets ``(a, p, n)``, counted with multiplicity (as in PML). Output: scalar or
-        ``[B]``, float32 (float64 for float64 embeddings).
+    Shape: as :meth:`forward`; mined pairs count with multiplicity (as in PML).
 
     Example:
         >>> import torch
         >>> from marginkit.losses import ContrastiveLoss
-        >>> emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-        >>> ContrastiveLoss(neg_margin=1.0)(emb, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])).shape
-        torch.Size([])
+        >>> e = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]])  # the first two alike
+        >>> loss = ContrastiveLoss(neg_margin=1.5)
+        >>> round(float(loss(e, torch.tensor([0, 0, 1]))), 4)
+        1.3711
     """
 
     multiplicities = True

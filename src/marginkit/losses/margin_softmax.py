@@ -203,7 +203,26 @@ class NormSoftmaxLoss(_MarginSoftmaxBase):
         return _identity(cos_y)
 
 
-class CosFaceLoss(_MarginSoftmaxBase):
+class _AdditiveMarginBase(_MarginSoftmaxBase):
+    """A margin softmax with one additive margin ``m`` (CosFace's on the cosine, ArcFace's on the
+    angle), checked by :meth:`_valid_margin` when set and again in every forward."""
+
+    margin: float
+
+    def __init__(self, scale: float, margin: float, reduction: str, ignore_index: int | None) -> None:
+        super().__init__(scale, reduction, ignore_index)
+        self.margin = self._valid_margin(margin)
+
+    @staticmethod
+    def _valid_margin(margin: Any) -> float:
+        return positive_float(margin, "margin", allow_zero=True)
+
+    def _check_hyper(self) -> None:
+        super()._check_hyper()
+        self._valid_margin(self.margin)
+
+
+class CosFaceLoss(_AdditiveMarginBase):
     """CosFace / AM-softmax: additive cosine margin, ``CE(s·(c - m·e_y), y)``.
 
     .. math:: \\ell(c, y) = -\\log \\frac{e^{s (c_y - m)}}{e^{s (c_y - m)} + \\sum_{j\\ne y} e^{s c_j}}
@@ -214,8 +233,7 @@ class CosFaceLoss(_MarginSoftmaxBase):
 
     Args:
         scale: ``s > 0``; margin: ``m ≥ 0`` (plain attributes; a schedule may change them).
-        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        ignore_index: as in :class:`NormSoftmaxLoss`.
+        reduction, ignore_index: as in :class:`NormSoftmaxLoss`.
 
     Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
 
@@ -227,8 +245,6 @@ class CosFaceLoss(_MarginSoftmaxBase):
         0.6646
     """
 
-    margin: float
-
     def __init__(
         self,
         scale: float = 64.0,
@@ -236,18 +252,13 @@ class CosFaceLoss(_MarginSoftmaxBase):
         reduction: str = "mean",
         ignore_index: int | None = None,
     ) -> None:
-        super().__init__(scale, reduction, ignore_index)
-        self.margin = positive_float(margin, "margin", allow_zero=True)
-
-    def _check_hyper(self) -> None:
-        super()._check_hyper()
-        positive_float(self.margin, "margin", allow_zero=True)
+        super().__init__(scale, margin, reduction, ignore_index)
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
         return cos_y - float(self.margin)
 
 
-class ArcFaceLoss(_MarginSoftmaxBase):
+class ArcFaceLoss(_AdditiveMarginBase):
     """ArcFace: additive angular margin, target logit ``s·cos(θ_y + m)``, ``θ_y = arccos(c_y)``.
 
     .. math::
@@ -271,20 +282,23 @@ class ArcFaceLoss(_MarginSoftmaxBase):
 
     Args:
         scale: ``s > 0``; margin: ``m`` in radians, ``0 ≤ m ≤ π/2`` (plain attributes).
-        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        ignore_index: as in :class:`NormSoftmaxLoss`.
+        reduction, ignore_index: as in :class:`NormSoftmaxLoss`.
 
-    Shape: cosines ``[B, C]``, labels ``[B]`` → scalar (``[B]`` with ``"none"``).
+    Shape: as :class:`CosFaceLoss`.
 
     Example:
         >>> import torch
         >>> from marginkit.losses import ArcFaceLoss
-        >>> cos = torch.tensor([[0.9, 0.1, -0.2], [0.0, 0.5, 0.4]])
-        >>> round(float(ArcFaceLoss(scale=10.0, margin=0.2)(cos, torch.tensor([0, 1]))), 4)
+        >>> loss = ArcFaceLoss(scale=10.0, margin=0.2)
+        >>> loss.target(torch.tensor([1.0, 0.0, -1.0]))  # f(c): cos(θ + m), then c − m·sin m
+        tensor([ 0.9800, -0.1987, -1.0397])
+        >>> round(float(loss(torch.tensor([[0.9, 0.1, -0.2], [0.0, 0.5, 0.4]]), torch.tensor([0, 1]))), 4)
         0.5994
     """
 
-    margin: float
+    @staticmethod
+    def _valid_margin(margin: Any) -> float:
+        return _arc_margin(margin)
 
     def __init__(
         self,
@@ -293,12 +307,7 @@ class ArcFaceLoss(_MarginSoftmaxBase):
         reduction: str = "mean",
         ignore_index: int | None = None,
     ) -> None:
-        super().__init__(scale, reduction, ignore_index)
-        self.margin = _arc_margin(margin)
-
-    def _check_hyper(self) -> None:
-        super()._check_hyper()
-        _arc_margin(self.margin)
+        super().__init__(scale, margin, reduction, ignore_index)
 
     def target(self, cos_y: torch.Tensor) -> torch.Tensor:
         return arcface_target(cos_y, float(self.margin))

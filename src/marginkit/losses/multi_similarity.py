@@ -50,20 +50,17 @@ class MultiSimilarityLoss(PairMatrixLoss):
     Attributes (tensors set by forward, no host sync):
         last_active_fraction: fraction of anchors with at least one (mined) pair.
 
-    Shape:
-        embeddings ``[B, D]``, labels ``[B]``; optional ``ref_embeddings [R, D]`` and
-        ``ref_labels [R]`` (a memory bank: self-pairs are excluded only when the references
-        are the batch itself); ``indices``: mined pairs ``(a1, p, a2, n)`` or triplets
-        ``(a, p, n)`` — then the labels are not needed and only the listed pairs count (as
-        sets: a pair listed twice counts once, as in PML). Output: scalar or ``[B]``, float32
-        (float64 for float64 embeddings).
+    Shape: as :meth:`forward`; mined pairs count as a set (listed twice: once, as in PML).
 
     Example:
         >>> import torch
         >>> from marginkit.losses import MultiSimilarityLoss
-        >>> emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-        >>> MultiSimilarityLoss(epsilon=0.1)(emb, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])).shape
-        torch.Size([])
+        >>> angles = torch.tensor([0.0, 0.3, 1.6, 1.9])
+        >>> e = torch.stack([angles.cos(), angles.sin()], dim=1)  # two tight pairs, far apart
+        >>> round(float(MultiSimilarityLoss()(e, torch.tensor([0, 0, 1, 1]))), 4)
+        0.169
+        >>> round(float(MultiSimilarityLoss(epsilon=0.1)(e, torch.tensor([0, 1, 0, 1]))), 4)
+        1.1335
     """
 
     def __init__(

@@ -84,7 +84,12 @@ class PairMatrixLoss(nn.Module):
         """The loss of ``embeddings [B, D]`` against themselves or ``ref_embeddings [R, D]``.
 
         ``labels [B]`` / ``ref_labels [R]`` define the pairs, or ``indices`` lists them:
-        ``(a1, p, a2, n)`` pairs or ``(a, p, n)`` triplets (then the labels are optional).
+        ``(a1, p, a2, n)`` pairs or ``(a, p, n)`` triplets (then the labels are optional and
+        only the listed pairs count; a pair listed twice counts twice where the class has
+        :attr:`multiplicities`, else once). The references are a memory bank (e.g. MoCo's
+        queue) or another modality; self-pairs are excluded only when they are the batch
+        itself. Output: scalar, or ``[B]`` with ``reduction="none"``; float32 (float64 for
+        float64 embeddings).
         """
         self._check_hyperparameters()
         pm = self._pair_matrix(

@@ -58,18 +58,16 @@ class SupConLoss(_TemperatureLoss):
     Attributes (tensors set by forward, no host sync):
         last_active_fraction: fraction of anchors that count in the mean.
 
-    Shape:
-        embeddings ``[B, D]``, labels ``[B]``; optional ``ref_embeddings [R, D]``,
-        ``ref_labels [R]`` (a memory bank); ``indices``: mined pairs ``(a1, p, a2, n)`` or
-        triplets ``(a, p, n)`` (as sets; then ``A_i`` is the anchor's listed pairs). Output:
-        scalar or ``[B]``, float32 (float64 for float64 embeddings).
+    Shape: as :meth:`forward`; mined pairs count as a set (``A_i`` is then the anchor's listed pairs).
 
     Example:
         >>> import torch
         >>> from marginkit.losses import SupConLoss
-        >>> emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-        >>> SupConLoss(temperature=0.1)(emb, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])).shape
-        torch.Size([])
+        >>> g = torch.Generator().manual_seed(0)
+        >>> batch, bank = torch.randn(4, 8, generator=g), torch.randn(32, 8, generator=g)
+        >>> loss = SupConLoss(temperature=0.1, reduction="none")  # against a memory bank:
+        >>> loss(batch, torch.arange(4) % 2, ref_embeddings=bank, ref_labels=torch.arange(32) % 2).shape
+        torch.Size([4])
     """
 
     def __init__(self, temperature: float = 0.1, *, reduction: str = "mean", validate: bool = True) -> None:
@@ -106,19 +104,14 @@ class NTXentLoss(_TemperatureLoss):
         last_active_fraction: fraction of anchors with a positive pair.
         last_counts: positive pairs per anchor.
 
-    Shape:
-        embeddings ``[B, D]``, labels ``[B]``; optional ``ref_embeddings [R, D]``,
-        ``ref_labels [R]`` (a memory bank, as MoCo's queue); ``indices``: mined pairs
-        ``(a1, p, a2, n)`` or triplets ``(a, p, n)``, counted with multiplicity (a pair listed
-        twice counts twice, as in PML). Output: scalar or ``[B]``, float32 (float64 for
-        float64 embeddings).
+    Shape: as :meth:`forward`; mined pairs count with multiplicity (as in PML).
 
     Example:
         >>> import torch
         >>> from marginkit.losses import NTXentLoss
-        >>> emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-        >>> NTXentLoss(temperature=0.1)(emb, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])).shape
-        torch.Size([])
+        >>> views = torch.cat([torch.eye(3), torch.eye(3) + 0.1])  # two views of three images
+        >>> round(float(NTXentLoss(temperature=0.5)(views, torch.arange(3).repeat(2))), 4)
+        0.5103
     """
 
     multiplicities = True

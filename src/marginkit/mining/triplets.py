@@ -143,10 +143,9 @@ def local_triplets(
     Example:
         >>> import torch
         >>> from marginkit.mining import local_triplets
-        >>> emb = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
-        >>> a, p, n = local_triplets(emb, torch.arange(12) % 3, k=3, margin=0.2)
-        >>> a.shape == p.shape == n.shape
-        True
+        >>> emb = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [0.0, 1.0]])
+        >>> local_triplets(emb, torch.tensor([0, 0, 1, 1]), k=1, margin=0.0)  # 1 and 2 sit closer
+        (tensor([1, 2]), tensor([0, 3]), tensor([2, 1]))
     """
     k = positive_int(k, "k")
     margin = positive_float(margin, "margin", allow_zero=True)
@@ -191,10 +190,10 @@ def batch_hard_triplets(
     Example:
         >>> import torch
         >>> from marginkit.mining import batch_hard_triplets
-        >>> emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
-        >>> a, p, n = batch_hard_triplets(emb, torch.tensor([0, 0, 1, 1, 2, 2]))
-        >>> a.tolist()
-        [0, 1, 2, 3, 4, 5]
+        >>> points = torch.tensor([[0.0], [1.0], [3.0], [4.5]])  # on a line, two classes
+        >>> a, p, n = batch_hard_triplets(points, torch.tensor([0, 0, 1, 1]), normalize=False)
+        >>> p.tolist(), n.tolist()  # farthest positive, nearest negative of each anchor
+        ([1, 0, 3, 2], [2, 2, 1, 1])
     """
     distance = choice(distance, "distance", DISTANCES)
     if margin is not None:

@@ -173,10 +173,8 @@ class CNN1d(EmbeddingModel):
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = []
         for i, out_ch in enumerate(channels):
-            stride = 1 if i == 0 else 2
-            for j in range(convs_per_stage):
-                layers += _conv_gelu(1, in_ch, out_ch, kernel_size, stride if j == 0 else 1, norm)
-                in_ch = out_ch
+            layers += _conv_stage(1, in_ch, out_ch, kernel_size, 1 if i == 0 else 2, convs_per_stage, norm)
+            in_ch = out_ch
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(2 * in_ch, embedding_dim)
         self.config = {
@@ -209,15 +207,22 @@ def _norm2d(kind: str, channels: int) -> nn.Module:
     return nn.Identity() if kind == "none" else nn.BatchNorm2d(channels)
 
 
-def _conv_gelu(dims: int, in_ch: int, out_ch: int, kernel: int, stride: int, norm: str) -> list[nn.Module]:
-    """``Conv{dims}d(kernel, same padding) -> norm -> GELU`` (no conv bias in front of a norm)."""
+def _conv_stage(
+    dims: int, in_ch: int, out_ch: int, kernel: int, stride: int, convs: int, norm: str
+) -> list[nn.Module]:
+    """``convs`` blocks ``Conv{dims}d(kernel, same padding) -> norm -> GELU``, the first with
+    ``stride`` (no conv bias in front of a norm)."""
     conv = nn.Conv1d if dims == 1 else nn.Conv2d
     bn = _norm1d if dims == 1 else _norm2d
-    return [
-        conv(in_ch, out_ch, kernel, stride=stride, padding=kernel // 2, bias=norm == "none"),
-        bn(norm, out_ch),
-        nn.GELU(),
-    ]
+    layers: list[nn.Module] = []
+    for j in range(convs):
+        layers += [
+            conv(in_ch if j == 0 else out_ch, out_ch, kernel, stride=stride if j == 0 else 1,
+                 padding=kernel // 2, bias=norm == "none"),
+            bn(norm, out_ch),
+            nn.GELU(),
+        ]  # fmt: skip
+    return layers
 
 
 class CNN2d(EmbeddingModel):
@@ -247,9 +252,8 @@ class CNN2d(EmbeddingModel):
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = []
         for out_ch in channels:
-            for _ in range(convs_per_stage):
-                layers += _conv_gelu(2, in_ch, out_ch, 3, 1, norm)
-                in_ch = out_ch
+            layers += _conv_stage(2, in_ch, out_ch, 3, 1, convs_per_stage, norm)
+            in_ch = out_ch
             if min(h, w) >= 4:
                 layers.append(nn.MaxPool2d(2))
                 h, w = h // 2, w // 2

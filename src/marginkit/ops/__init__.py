@@ -19,5 +19,6 @@ __getattr__, __dir__, __all__ = attach(
         "class_block": "classes",
         "class_cross_entropy": "softmax",
         "proxy_anchor_loss": "proxy_anchor",
+        "subcenter_cosines": "subcenters",
     },
 )

@@ -204,9 +204,9 @@ def multi_similarity_loss(
         >>> import torch
         >>> from marginkit.ops import multi_similarity_loss
         >>> sim = torch.tensor([[0.9, 0.2, -0.1]])
-        >>> pos, neg = torch.tensor([[True, False, False]]), torch.tensor([[False, True, True]])
-        >>> multi_similarity_loss(sim, pos, neg).shape
-        torch.Size([1])
+        >>> pos = torch.tensor([[True, False, False]])
+        >>> multi_similarity_loss(sim, pos, ~pos)
+        tensor([0.1856])
     """
     alpha = positive_float(alpha, "alpha")
     beta = positive_float(beta, "beta")
@@ -240,10 +240,9 @@ def supcon_loss(
     Example:
         >>> import torch
         >>> from marginkit.ops import supcon_loss
-        >>> sim = torch.tensor([[0.9, 0.7, -0.1]])
-        >>> pos, neg = torch.tensor([[True, True, False]]), torch.tensor([[False, False, True]])
-        >>> supcon_loss(sim, pos, neg, temperature=0.5).shape
-        torch.Size([1])
+        >>> sim = torch.tensor([[0.9, 0.7, -0.1]])  # two positives, then a negative
+        >>> supcon_loss(sim, sim > 0, sim < 0, temperature=0.5)
+        tensor([0.7909])
     """
     temperature = positive_float(temperature, "temperature")
     sim = _check(sim, "sim", pos_mask, neg_mask, cosines=True)
@@ -278,9 +277,8 @@ def ntxent_loss(
         >>> import torch
         >>> from marginkit.ops import ntxent_loss
         >>> sim = torch.tensor([[0.9, 0.2, -0.1]])
-        >>> pos, neg = torch.tensor([[True, False, False]]), torch.tensor([[False, True, True]])
-        >>> ntxent_loss(sim, pos, neg, temperature=0.5).shape
-        torch.Size([1, 3])
+        >>> ntxent_loss(sim, sim > 0.5, sim <= 0.5, temperature=0.5)  # per pair, 0 off the positives
+        tensor([[0.3235, 0.0000, 0.0000]])
     """
     temperature = positive_float(temperature, "temperature")
     sim = _check(sim, "sim", pos_mask, neg_mask, cosines=True)

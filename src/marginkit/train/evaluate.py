@@ -317,16 +317,17 @@ def _jsonable(value: Any) -> Any:
 def evaluate_checkpoint(
     run_dir: str | Path,
     *,
-    splits: Any = None,
-    device: torch.device | str = "cpu",
+    splits: Any,
+    device: torch.device | str,
     which: str = "best",
     k: int | None = None,
     protocol: Any = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], Any, bool]:
-    """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
+    """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (``None``: the run's own data set), as
+    :func:`evaluate_run` does, but write nothing.
 
     Returns the (JSON-able) metrics, the report's arrays, the K-NN index fitted on the
-    training embeddings, and whether ``splits`` is the run's own data set; writes nothing.
+    training embeddings, and whether ``splits`` is the run's own data set.
     """
     from marginkit.train.components import load_splits, resolve_model_name
     from marginkit.train.rundir import load_run, read_history

@@ -14,7 +14,9 @@
 JSON strings, the RNG states tensors. Keys: ``format``, ``version``, ``epoch`` (completed
 epochs), ``global_step``, ``config``, ``data`` (data set facts), ``model``, ``head`` (empty for
 pair losses), ``optimizer``, ``scheduler``, ``rng``, ``best_metric``, ``best_epoch``,
-``history``, ``fingerprint`` (:func:`marginkit.knn.model_fingerprint` of the model).
+``history``, ``fingerprint`` (:func:`marginkit.knn.model_fingerprint` of the model), ``scaler``
+(the ``torch.amp.GradScaler`` state of an ``amp: fp16`` run, ``{}`` otherwise; checkpoints
+written before it have no such key and resume with a fresh scaler).
 
 **Crash consistency.** Every file is written to a temporary ``.NAME.*.tmp`` beside it,
 flushed, ``fsync``-ed and renamed over ``NAME`` (``os.replace``): a file is either its old or
@@ -69,6 +71,7 @@ __all__ = [
     "load_last",
     "load_run",
     "read_history",
+    "scaler_state",
     "stored_config",
 ]
 
@@ -193,6 +196,7 @@ def checkpoint_payload(
     best_epoch: int,
     history: list[dict[str, Any]],
     fingerprint: str,
+    scaler_state: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint dict (tensors moved to the CPU, config and history as JSON)."""
     return {
@@ -211,8 +215,34 @@ def checkpoint_payload(
         "best_epoch": int(best_epoch),
         "history": json.dumps(history),
         "fingerprint": fingerprint,
+        "scaler": dict(scaler_state or {}),
         "torch_version": str(torch.__version__),
     }
+
+
+#: the entries of a ``torch.amp.GradScaler`` state dict and their types
+_SCALER_STATE = {
+    "scale": (float, int), "growth_factor": (float, int), "backoff_factor": (float, int),
+    "growth_interval": (int,), "_growth_tracker": (int,),
+}  # fmt: skip
+
+
+def scaler_state(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, Any] | None:
+    """The checked GradScaler state of a checkpoint; ``None`` if it holds none (not fp16, or older)."""
+    state = ckpt.get("scaler")
+    if state is None or (isinstance(state, Mapping) and not state):
+        return None
+    bad = not isinstance(state, Mapping) or set(state) != set(_SCALER_STATE)
+    if not bad:
+        bad = any(isinstance(state[k], bool) or not isinstance(state[k], t) for k, t in _SCALER_STATE.items())
+        bad = bad or not (state["scale"] > 0 and state["growth_interval"] > 0)
+        bad = bad or not state["_growth_tracker"] >= 0
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds an invalid gradient-scaler state (expected the "
+            f"numbers {', '.join(_SCALER_STATE)})"
+        )
+    return dict(state)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -59,6 +59,7 @@ from marginkit.train.rundir import (
     config_differences,
     load_last,
     load_run,
+    scaler_state,
     stored_config,
 )
 from marginkit.train.runtime import capture_rng, choose_threads, restore_rng, runtime, seed_everything
@@ -215,6 +216,7 @@ class _Run:
             optimizer_state=optimizer_sd, scheduler_state=self.scheduler.state_dict(), rng=capture_rng(),
             epoch=self.epoch, global_step=self.global_step, best_metric=self.best_metric,
             best_epoch=self.best_epoch, history=self.history, fingerprint=model_fingerprint(self.model),
+            scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
         )  # fmt: skip
 
 
@@ -394,6 +396,10 @@ def _restore(
     _ddp.load_optimizer_state(optimizer, ckpt["optimizer"], head, par.sharded)
     scheduler.load_state_dict(ckpt["scheduler"])
     restore_rng(ckpt["rng"])
+    state = scaler_state(ckpt, run_dir / "last.pt")
+    if config.amp == "fp16" and state is not None:  # else (bf16/off, or an older checkpoint): fresh
+        _, run.scaler = mixed_precision(config.amp, device)
+        run.scaler.load_state_dict(state)
     run.epoch, run.global_step = int(ckpt["epoch"]), int(ckpt["global_step"])
     run.best_metric, run.best_epoch = float(ckpt["best_metric"]), int(ckpt["best_epoch"])
     run.history = [r for r in ckpt["history"] if r.get("epoch", 0) <= run.epoch]
@@ -423,7 +429,8 @@ def mixed_precision(
     """The autocast context and gradient scaler of ``amp`` (:data:`~marginkit.train.config.AMP_MODES`).
 
     ``fp16`` is float16 autocast with a ``torch.amp.GradScaler`` (float16's range needs the loss
-    scaled up; the scaler is not checkpointed: a resumed run starts from torch's initial scale).
+    scaled up; the run's checkpoints hold the scaler's state, so a resumed run continues with
+    the same scale; a checkpoint without it, written before, resumes with a fresh scaler).
     The heads compute cosines in float32 either way. A device without float16 (or bfloat16)
     autocast is refused here.
     """

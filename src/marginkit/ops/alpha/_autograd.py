@@ -69,16 +69,9 @@ class _SoftargmaxFunction(torch.autograd.Function):
         candidates: bool,
     ) -> Tensor:
         sol = _solve(
-            x,
-            blocks,
-            scale=1.0,
-            beta=beta,
-            beta_scalar=beta_scalar,
-            logq=logq,
-            k=k,
-            candidates=candidates,
+            x, blocks, scale=1.0, beta=beta, beta_scalar=beta_scalar, logq=logq, k=k, candidates=candidates,
             shift=blocks.rowmax,
-        )
+        )  # fmt: skip
         ctx.shape = x.shape
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
         ctx.save_for_backward(sol.p, sol.w, *sol.entries.saved())
@@ -231,21 +224,10 @@ class _LossFunction(torch.autograd.Function):
         else:
             axis, bounds, theta_y, logq_y, owned, shift = on
         sol = _solve(
-            x,
-            blocks,
-            scale=scale,
-            beta=beta,
-            beta_scalar=beta_scalar,
-            logq=logq,
-            label=label,
-            logq_label=logq_label,
-            k=k,
-            candidates=candidates,
-            bounds=bounds,
-            axis=axis,
-            theta_y=theta_y,
+            x, blocks, scale=scale, beta=beta, beta_scalar=beta_scalar, logq=logq, label=label,
+            logq_label=logq_label, k=k, candidates=candidates, bounds=bounds, axis=axis, theta_y=theta_y,
             shift=shift,
-        )
+        )  # fmt: skip
         with _serial(sol.p.numel(), sol.p.device):
             loss, support = _loss_value(sol, theta_y, logq_y, beta)
         ctx.mark_non_differentiable(support)
