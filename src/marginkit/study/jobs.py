@@ -424,11 +424,13 @@ def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _legacy(defaults: Any) -> Any:
-    """Stored defaults in today's spelling: ``amp`` was a bool before fp16 (False = "off",
-    True = "bf16": the same training)."""
+    """Stored defaults in today's spelling: ``amp`` was a bool before fp16, read as the config
+    reads it (:func:`marginkit.train.config.amp_mode`: False is "off", True "bf16")."""
+    from marginkit.train.config import amp_mode
+
     train = defaults.get("train") if isinstance(defaults, dict) else None
     if isinstance(train, dict) and isinstance(train.get("amp"), bool):
-        defaults = {**defaults, "train": {**train, "amp": "bf16" if train["amp"] else "off"}}
+        defaults = {**defaults, "train": {**train, "amp": amp_mode(train["amp"])}}
     return defaults
 
 

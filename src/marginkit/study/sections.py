@@ -208,22 +208,20 @@ def _paper(plan: StudyPlan, res: Any) -> str:
     )
 
 
-def _peers(plan: StudyPlan, res: Any) -> str:
+def _peers(plan: StudyPlan, res: Any, facts: dict[str, Any]) -> str:
+    """The peers' losses against raw 1-NN and the target section's best seed loss."""
     from marginkit.study.stats import compare
 
     data, pc = plan.tune_data, plan.tune_per_class
     raw = res.per_seed("baseline", "raw_1nn_l2", data=data, per_class=pc)
-    seeds_loss = {
-        loss: res.per_seed("knn", "knn_accuracy", data=data, per_class=pc, loss=loss, row="defaults")
-        for loss in plan.knn_losses
-    }
-    means = {k: stat(v.values()).mean for k, v in seeds_loss.items()}
-    best = max((k for k in means if means[k] is not None), key=lambda k: means[k], default=None)
+    best = facts["target"]["best"]
+    match = {"data": data, "per_class": pc, "loss": best, "row": "defaults"}
+    best_values = res.per_seed("knn", "knn_accuracy", **match) if best else {}
     rows = []
     for loss in plan.peer_losses:
         v = res.per_seed("knn", "knn_accuracy", data=data, per_class=pc, loss=loss, row="peer")
         cells = [loss, _fmt(v)]
-        for ref_name, ref in (("raw 1-NN", raw), (best, seeds_loss.get(best, {}))):
+        for ref_name, ref in (("raw 1-NN", raw), (best, best_values)):
             c = compare(loss, "peer", v, str(ref_name), ref)
             ci = "" if c.diff is None else f"{100 * c.diff:+.1f} [{100 * c.lo:+.1f}, {100 * c.hi:+.1f}]"
             cells.append(ci or "not measured")
@@ -384,7 +382,7 @@ def build_tables(plan: StudyPlan, res: Any) -> tuple[dict[str, str], dict[str, A
     tables["target"] = _target(plan, res, facts)
     tables["knn"] = _knn(plan, res)
     tables["paper"] = _paper(plan, res)
-    tables["peers"] = _peers(plan, res)
+    tables["peers"] = _peers(plan, res, facts)
     tables["disjoint"] = _disjoint(plan, res)
     tables["verification"] = _verification(plan, res)
     tables["precision"] = _precision(plan, res)
