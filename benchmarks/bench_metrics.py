@@ -28,9 +28,10 @@ resetting the counter (``/proc/self/clear_refs``), with glibc told to ``mmap`` e
 over 64 KiB and to trim on free (the script re-executes itself with those settings), so RSS
 follows live memory. Inputs exist before the measurement; outputs count.
 
-    python benchmarks/bench_metrics.py [--quick] [--threads 2] [--repeats 3] [--json out.json]
+    python benchmarks/bench_metrics.py [--quick] [--only as-norm|eer] [--threads 2] [--repeats 3]
+        [--json out.json]
 
-``--quick`` shrinks every size 10x (smoke run).
+``--quick`` shrinks every size 10x (smoke run); ``--only`` runs one of the two parts.
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ def eer_min_dcf(args: argparse.Namespace, scale: int) -> list[dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="10x smaller sizes (smoke run)")
+    p.add_argument("--only", choices=("as-norm", "eer"), help="run only this part (default: both)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -281,7 +283,8 @@ def main() -> None:
         f"# bench_metrics: torch {torch.__version__}, numpy {numpy.__version__}, scikit-learn "
         f"{sklearn.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}"
     )
-    results = {"as_norm": as_norm(args, scale), "eer_min_dcf": eer_min_dcf(args, scale)}
+    parts = {"as_norm": ("as-norm", as_norm), "eer_min_dcf": ("eer", eer_min_dcf)}
+    results = {key: fn(args, scale) for key, (name, fn) in parts.items() if args.only in (None, name)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

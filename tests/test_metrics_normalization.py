@@ -150,12 +150,10 @@ cohort_stats(enroll[:100], cohort, top_k=300, memory_limit_mb=16)  # warm-up
 normalize_scores(scores[:1000], enroll[:1000] @ cohort[:20].T, test[:1000] @ cohort[:20].T)
 res = {}
 res["stats"], se = peak_growth(lambda: cohort_stats(enroll, cohort, top_k=300, memory_limit_mb=16))
-st = cohort_stats(test, cohort, top_k=300, memory_limit_mb=16)
-for limit in (16, 512):
-    res[f"norm-{limit}"], out = peak_growth(
-        lambda: normalize_scores(scores, se, st, method="as-norm", trials=trials, memory_limit_mb=limit)
-    )
-    del out
+res["stats-512"], st = peak_growth(lambda: cohort_stats(test, cohort, top_k=300, memory_limit_mb=512))
+res["norm-16"], out = peak_growth(
+    lambda: normalize_scores(scores, se, st, method="as-norm", trials=trials, memory_limit_mb=16)
+)
 print(json.dumps(res))
 """
 
@@ -164,13 +162,13 @@ print(json.dumps(res))
 @pytest.mark.skipif(not HAS_PEAK_RESET, reason="needs Linux peak-RSS reset")
 def test_as_norm_of_ten_million_trials_stays_in_its_memory_bound():
     # 10^7 trials against a 10^4 cohort (as score matrices: 400 GB), peak RSS growth measured in a
-    # fresh process (tests/rss_utils.py). Measured: 15.1, 47.4 and 298 MB.
+    # fresh process (tests/rss_utils.py). Measured: 14.8, 132 and 40.5 MB.
     growth = run_measured(_MEASURE)
     output_mb = 10_000_000 * 4 / 2**20  # the returned float32 scores are not temporaries
     stats_mb = 10_000 * 16 / 2**20
     assert growth["stats"] <= 16 + stats_mb + 1, growth
     assert growth["norm-16"] <= 16 + output_mb + 1, growth
-    assert growth["norm-512"] > output_mb + 64, growth  # the measurement sees the chunks' memory
+    assert growth["stats-512"] > 64, growth  # the measurement sees the chunks' memory (128 MB blocks)
 
 
 @pytest.mark.parametrize("numpy_path", [True, False])

@@ -24,14 +24,19 @@ scores; 16 bytes per row of ``CohortStats``). Within the budget a chunk's score 
 to about 128 MB (at least 256 rows). :func:`cohort_stats` with ``C`` cohort rows of dimension
 ``D`` and ``b``-byte values (4: float32, 8: float64) holds
 ``2·C·D·b`` bytes (the cohort's cast and normalised copy) plus, per row of a chunk,
-``C·b`` (its scores), ``2·D·b`` (its normalised embedding) and ``(24 + b)·top_k`` bytes (the
-kept scores, in float64, and their deviations; without ``top_k`` all ``C``).
+``C·b`` (its scores), ``2·D·b`` (its normalised embedding) and at most ``8·top_k`` bytes (the
+float64 tiles in which the kept scores' mean and deviations are taken; without ``top_k`` all
+``C``). The selection reorders the scores in place (a copy, for score matrices given), its
+rows split over the torch threads.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -49,10 +54,15 @@ from marginkit.metrics._roc import numpy_path
 
 METHODS = ("s-norm", "as-norm", "z-norm", "t-norm")
 _TRIAL_BYTES = 96  # per trial and chunk: 4 gathered float64 statistics, the score, results, indices
+# Trials per chunk at most: their float64 buffers stay in cache, and torch runs an op of this
+# size in one thread (its grain size): no thread wake-up per op, which costs most under load.
+_TRIAL_CHUNK = 2**15
 # A chunk's score block: each chunk is one product, whose BLAS wakes its threads and packs the
 # cohort again, so not small (and at least _MIN_ROWS rows); beyond this size only memory grows.
 _BLOCK_BYTES = 128 * 2**20
 _MIN_ROWS = 256
+_TILE_BYTES = 2**20  # float64 workspace of _moments per thread: a tile of rows, cache-sized
+_PARALLEL_MIN = 2**20  # values of a block below which its selection stays in one thread
 
 
 @dataclass(frozen=True)
@@ -93,9 +103,8 @@ def _check_top_k(top_k: int | None, cohort_size: int, name: str) -> int | None:
 
 
 def _row_bytes(cohort_size: int, top_k: int | None, itemsize: int) -> int:
-    # the row's scores, a float64 copy of those kept, their deviations, top-k values and indices
-    width = top_k or cohort_size
-    return cohort_size * itemsize + width * (8 + 8 + itemsize + 8)
+    # the row's scores and its share of the float64 workspace of _moments
+    return cohort_size * itemsize + (top_k or cohort_size) * 8
 
 
 def _rows_per_chunk(per_row: int, fixed: int, budget: int, what: str, block_row: int | None = None) -> int:
@@ -117,25 +126,72 @@ def _check_finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN or infinite values")
 
 
-def _largest(block: torch.Tensor, k: int, scratch: torch.Tensor | None) -> torch.Tensor:
-    """The ``k`` largest values of each row, in no order.
+def _in_parts(fn: Callable[[int, int], None], rows: int, size: int) -> None:
+    """``fn(lo, hi)`` over ``[0, rows)`` split into contiguous parts, one per torch thread.
 
-    On CPU numpy's introselect (``np.partition``) reorders in place: a copy of ``block`` in
-    ``scratch`` (a reused buffer: no fresh pages per chunk), or ``block`` itself when
-    ``scratch`` is None (then a temporary of ours). Elsewhere ``torch.topk``.
+    For numpy's selections and reductions, which release the GIL; a block of under
+    ``_PARALLEL_MIN`` values runs in the calling thread (a thread costs more than it saves).
     """
-    if not numpy_path(block):
-        return torch.topk(block, k, dim=1, sorted=False).values
-    if scratch is not None:
-        block = scratch[: block.numel()].view(block.shape).copy_(block)
+    parts = min(torch.get_num_threads(), rows, size // _PARALLEL_MIN)
+    if parts <= 1:
+        fn(0, rows)
+        return
+    cuts = [rows * i // parts for i in range(parts + 1)]
+    with ThreadPoolExecutor(parts - 1) as pool:
+        done = [pool.submit(fn, lo, hi) for lo, hi in pairwise(cuts[1:])]
+        fn(0, cuts[1])
+        for f in done:
+            f.result()
+
+
+def _moments(kept: np.ndarray, mean: np.ndarray, std: np.ndarray) -> None:
+    """``mean`` and ``std`` (float64, population) of each row of ``kept``, written in place.
+
+    Two passes (mean, then the mean squared deviation) over a float64 copy of a tile of
+    rows that stays in cache, reused: never a float64 copy of the whole block.
+    """
+    rows, width = kept.shape
+    tile = min(rows, max(1, _TILE_BYTES // (8 * width)))
+    work = np.empty((tile, width))
+    for s in range(0, rows, tile):
+        w = work[: min(tile, rows - s)]
+        np.copyto(w, kept[s : s + tile])
+        m, sd = mean[s : s + tile], std[s : s + tile]
+        np.mean(w, axis=1, out=m)
+        np.subtract(w, m[:, None], out=w)
+        np.square(w, out=w)
+        np.mean(w, axis=1, out=sd)
+        np.sqrt(sd, out=sd)
+
+
+def _reduce_numpy(
+    block: torch.Tensor, top_k: int | None, scratch: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_reduce`'s statistics on CPU: numpy's introselect (``np.partition``), in place.
+
+    ``scratch``: a buffer into which ``block`` is copied first (then ``block`` is not
+    reordered); rows are split over the torch threads (:func:`_in_parts`).
+    """
     a = block.numpy()
-    cut = a.shape[1] - k
-    a.partition(cut, axis=1)
-    return torch.from_numpy(a[:, cut:])
+    rows, c = a.shape
+    work = a if top_k is None or scratch is None else scratch[: a.size].numpy().reshape(a.shape)
+    mean, std = np.empty(rows), np.empty(rows)
+
+    def part(lo: int, hi: int) -> None:
+        x = work[lo:hi]
+        if top_k is not None:
+            if work is not a:
+                np.copyto(x, a[lo:hi])
+            x.partition(c - top_k, axis=1)
+            x = x[:, c - top_k :]
+        _moments(x, mean[lo:hi], std[lo:hi])
+
+    _in_parts(part, rows, a.size)
+    return torch.from_numpy(mean), torch.from_numpy(std)
 
 
 def _scratch(rows: int, cols: int, top_k: int | None, like: torch.Tensor) -> torch.Tensor | None:
-    """The reused buffer of :func:`_largest` for chunks of ``rows x cols`` (None when not needed)."""
+    """The reused buffer of :func:`_reduce_numpy` for chunks of ``rows x cols`` (None when not needed)."""
     if top_k is None or not numpy_path(like):
         return None
     return torch.empty(rows * cols, dtype=compute_dtype(like.dtype), device=like.device)
@@ -172,10 +228,13 @@ def _reduce(
     shows unless ``top_k`` other scores exceed it, when it has no effect: checking ``μ, σ``
     catches every bad value that matters without a pass over the block.
     """
-    kept = block if top_k is None else _largest(block, top_k, None if owned else scratch)
-    kept = kept.to(torch.float64)
-    mean = kept.mean(1)
-    std = (kept - mean[:, None]).square_().mean(1).sqrt_()
+    if numpy_path(block):
+        mean, std = _reduce_numpy(block, top_k, None if owned else scratch)
+    else:
+        kept = block if top_k is None else torch.topk(block, top_k, dim=1, sorted=False).values
+        kept = kept.to(torch.float64)
+        mean = kept.mean(1)
+        std = (kept - mean[:, None]).square_().mean(1).sqrt_()
     bad = (~torch.isfinite(mean) | ~torch.isfinite(std)).nonzero()
     if bad.numel():
         raise ValueError(f"{name} contains NaN or infinite values (row {offset + int(bad[0, 0])})")
@@ -388,28 +447,38 @@ def normalize_scores(
     per_trial = _TRIAL_BYTES + sum(
         _row_bytes(s.shape[1], top_k, 8) for s in side.values() if isinstance(s, torch.Tensor)
     )
-    chunk = _rows_per_chunk(per_trial, 0, budget, "one trial")
+    chunk = min(_rows_per_chunk(per_trial, 0, budget, "one trial"), _TRIAL_CHUNK, max(num, 1))
     out = torch.empty(num, dtype=compute_dtype(scores.dtype), device=scores.device)
     scratch = {
         n: _scratch(min(chunk, num), c.shape[1], top_k, c)
         for n, c in side.items()
         if isinstance(c, torch.Tensor)
     }
+    # reused per chunk: the score, its normalised sum, one side's statistics and part
+    raw, total, mean, std, part = torch.empty(5, chunk, dtype=torch.float64, device=scores.device)
     for s in range(0, num, chunk):
-        raw = scores[s : s + chunk].detach().to(torch.float64)
-        parts = []
+        n = min(chunk, num - s)
+        r, acc = raw[:n].copy_(scores[s : s + n].detach()), total[:n]
         for column, name in enumerate(("enroll_cohort", "test_cohort")):
             if name not in side:
                 continue
             c = side[name]
             if isinstance(c, torch.Tensor):
-                block = c[s : s + chunk].to(compute_dtype(c.dtype))
-                mean, std = _reduce(block, top_k, name, s, scratch[name])
+                block = c[s : s + n].to(compute_dtype(c.dtype))
+                m, sd = (v.to(r.device) for v in _reduce(block, top_k, name, s, scratch[name]))
+            elif trials is None:
+                m, sd = (v[s : s + n].to(r.device) for v in (c.mean, c.std))
             else:
-                idx = (
-                    slice(s, s + chunk) if trials is None else trials[s : s + chunk, column].to(c.mean.device)
-                )
-                mean, std = c.mean[idx], c.std[idx]
-            parts.append((raw - mean.to(raw.device)) / std.to(raw.device))
-        out[s : s + chunk] = parts[0] if len(parts) == 1 else (parts[0] + parts[1]) / 2
+                idx = trials[s : s + n, column].to(c.mean.device).contiguous()  # strided: 3x slower
+                if c.mean.device == r.device:
+                    m = torch.index_select(c.mean, 0, idx, out=mean[:n])
+                    sd = torch.index_select(c.std, 0, idx, out=std[:n])
+                else:
+                    m, sd = c.mean[idx].to(r.device), c.std[idx].to(r.device)
+            z = torch.sub(r, m, out=part[:n]).div_(sd)
+            if column == 0 or "enroll_cohort" not in side:
+                acc.copy_(z)
+            else:
+                acc.add_(z).mul_(0.5)  # (z + t) / 2, exactly: halving is exact
+        out[s : s + n] = acc
     return out
