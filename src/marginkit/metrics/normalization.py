@@ -24,7 +24,9 @@ scores; 16 bytes per row of ``CohortStats``). Within the budget a chunk's score 
 to about 128 MB (at least 256 rows). :func:`cohort_stats` with ``C`` cohort rows of dimension
 ``D`` and ``b``-byte values (4: float32, 8: float64) holds
 ``2·C·D·b`` bytes (the cohort's cast and normalised copy) plus, per row of a chunk,
-``C·b`` (its scores), ``2·D·b`` (its normalised embedding) and at most ``8·top_k`` bytes (the
+``C·b`` (its scores; on CPU ``2·C·b``: the top-k of one chunk are selected while the next
+chunk is scored, its two blocks together about 128 MB), ``2·D·b`` (its normalised
+embedding) and at most ``8·top_k`` bytes (the
 float64 tiles in which the kept scores' mean and deviations are taken; without ``top_k`` all
 ``C``). The selection reorders the scores in place (a copy, for score matrices given), its
 rows split over the torch threads.
@@ -57,8 +59,9 @@ _TRIAL_BYTES = 96  # per trial and chunk: 4 gathered float64 statistics, the sco
 # Trials per chunk at most: their float64 buffers stay in cache, and torch runs an op of this
 # size in one thread (its grain size): no thread wake-up per op, which costs most under load.
 _TRIAL_CHUNK = 2**15
-# A chunk's score block: each chunk is one product, whose BLAS wakes its threads and packs the
-# cohort again, so not small (and at least _MIN_ROWS rows); beyond this size only memory grows.
+# A chunk's score blocks together (cohort_stats keeps two on CPU): each chunk is one product,
+# whose BLAS wakes its threads and packs the cohort again, so not small (and at least _MIN_ROWS
+# rows); beyond this size only memory grows.
 _BLOCK_BYTES = 128 * 2**20
 _MIN_ROWS = 256
 _TILE_BYTES = 2**20  # float64 workspace of _moments per thread: a tile of rows, cache-sized
@@ -305,19 +308,35 @@ def cohort_stats(
     itemsize = torch.finfo(dtype).bits // 8
     d = cohort.shape[1]
     fixed = 2 * c * d * itemsize  # the cast and the normalised copy of the cohort
-    per_row = _row_bytes(c, top_k, itemsize) + 2 * d * itemsize
-    rows = _rows_per_chunk(per_row, fixed, budget, f"a cohort of {c} x {d}", c * itemsize)
     k = prepare(cohort.detach(), "cosine", "cohort", dtype)
+    # On CPU a worker selects in one chunk's scores while the next chunk's are computed: two blocks.
+    blocks = 2 if numpy_path(k) else 1
+    per_row = _row_bytes(c, top_k, itemsize) + (blocks - 1) * c * itemsize + 2 * d * itemsize
+    rows = _rows_per_chunk(per_row, fixed, budget, f"a cohort of {c} x {d}", blocks * c * itemsize)
     n = embeddings.shape[0]
     mean = torch.empty(n, dtype=torch.float64, device=k.device)
     std = torch.empty_like(mean)
-    buffer = torch.empty(min(rows, n) * c, dtype=dtype, device=k.device)  # reused: no fresh pages per chunk
-    for s in range(0, n, rows):
-        q = prepare(embeddings.detach()[s : s + rows].to(k.device), "cosine", "embeddings", dtype)
-        block = _scores(q, k, buffer[: q.shape[0] * c].view(q.shape[0], c))
+    # reused: no fresh pages per chunk
+    buffers = [torch.empty(min(rows, n) * c, dtype=dtype, device=k.device) for _ in range(blocks)]
+
+    def reduce(block: torch.Tensor, s: int) -> None:
         mean[s : s + rows], std[s : s + rows] = _reduce(
             block, top_k, "the cohort scores of embeddings", s, owned=True
         )
+
+    with ThreadPoolExecutor(1) as worker:
+        pending = None
+        for i, s in enumerate(range(0, n, rows)):
+            q = prepare(embeddings.detach()[s : s + rows].to(k.device), "cosine", "embeddings", dtype)
+            block = _scores(q, k, buffers[i % blocks][: q.shape[0] * c].view(q.shape[0], c))
+            if pending is not None:
+                pending.result()  # its block is the next to be overwritten
+            if blocks == 1:
+                reduce(block, s)
+            else:
+                pending = worker.submit(reduce, block, s)
+        if pending is not None:
+            pending.result()
     return CohortStats(mean, std, top_k, c)
 
 
