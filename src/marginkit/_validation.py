@@ -60,7 +60,9 @@ def float_tensor(
         bad = torch.isnan(x) | (x == math.inf)
         if bool(bad.any()):
             raise ValueError(f"{name} contains NaN or +inf values (only -inf is allowed, for masked entries)")
-    elif not bool(torch.isfinite(x).all()):
+    elif x.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(x)):
+        # min and max propagate NaN and show infinities: one pass, no full-size temporaries
+        # (torch.isfinite(x).all() makes them)
         raise ValueError(f"{name} contains NaN or infinite values")
     return x
 
