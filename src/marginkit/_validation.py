@@ -60,7 +60,7 @@ def float_tensor(
         bad = torch.isnan(x) | (x == math.inf)
         if bool(bad.any()):
             raise ValueError(f"{name} contains NaN or +inf values (only -inf is allowed, for masked entries)")
-    elif x.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(x)):
+    elif x.numel() and not all(map(math.isfinite, torch.stack(torch.aminmax(x)).tolist())):
         # min and max propagate NaN and show infinities: one pass, no full-size temporaries
         # (torch.isfinite(x).all() makes them)
         raise ValueError(f"{name} contains NaN or infinite values")
