@@ -95,6 +95,47 @@ def test_cohort_stats_equal_the_score_matrix_statistics(gen, monkeypatch, numpy_
         assert a.top_k == top_k and a.cohort_size == 80 and len(a) == 300
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_selection_split_over_threads_keeps_the_statistics(gen, monkeypatch, threads):
+    # every block split over the threads (3: uneven parts), the moments in tiles of one row
+    from marginkit.metrics import normalization
+
+    monkeypatch.setattr(normalization, "_PARALLEL_MIN", 1)
+    monkeypatch.setattr(normalization, "_TILE_BYTES", 8)
+    emb = torch.randn(301, 12, generator=gen, dtype=torch.float64)
+    cohort = torch.randn(80, 12, generator=gen, dtype=torch.float64)
+    scores = torch.nn.functional.normalize(emb, dim=1) @ torch.nn.functional.normalize(cohort, dim=1).T
+    given = scores.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for top_k in (None, 2, 17, 80):
+            ref = np.array([_mu_sigma(r, top_k) for r in scores.tolist()])
+            for st in (
+                cohort_stats(emb, cohort, top_k=top_k, memory_limit_mb=0.05),
+                CohortStats.from_scores(given, top_k=top_k),
+            ):
+                np.testing.assert_allclose(st.mean.numpy(), ref[:, 0], rtol=0, atol=1e-12)
+                np.testing.assert_allclose(st.std.numpy(), ref[:, 1], rtol=0, atol=1e-12)
+            assert torch.equal(given, scores)  # a given score matrix is not reordered
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("numpy_path", [True, False])
+def test_ties_at_the_top_k_boundary_give_the_statistics_of_the_sorted_rows(gen, monkeypatch, numpy_path):
+    from marginkit.metrics import _roc
+
+    monkeypatch.setattr(_roc, "NUMPY_ON_CPU", numpy_path)
+    scores = torch.randint(0, 4, (60, 40), generator=gen).to(torch.float32)  # ties everywhere
+    scores[:, 0] = 5.0  # no row is flat
+    for top_k in (2, 7, 13, 39):
+        st = CohortStats.from_scores(scores, top_k=top_k)
+        ref = np.array([_mu_sigma(r, top_k) for r in scores.tolist()])
+        np.testing.assert_allclose(st.mean.numpy(), ref[:, 0], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(st.std.numpy(), ref[:, 1], rtol=0, atol=1e-12)
+
+
 def test_errors(gen):
     s = torch.randn(4, generator=gen)
     c = torch.randn(4, 6, generator=gen)
