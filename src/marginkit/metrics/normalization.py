@@ -17,19 +17,20 @@ population standard deviation (divisor ``k``, as numpy's default).
 Memory. A score matrix of 10⁷ trials against a 10⁴ cohort (400 GB in float32) cannot be held,
 but its normalisation only needs two numbers per trial side: :class:`CohortStats`. They are
 computed once per enrollment and test *embedding* (:func:`cohort_stats`: chunks of rows
-against the cohort, each chunk's scores reduced to ``μ, σ`` before the next), and trials
-index into them (``trials``). Every function here keeps its temporaries under
-``memory_limit_mb``; not counted are its inputs and its outputs (the ``[T]`` normalised
-scores; 16 bytes per row of ``CohortStats``). Within the budget a chunk's score block is kept
-to about 128 MB (at least 256 rows). :func:`cohort_stats` with ``C`` cohort rows of dimension
-``D`` and ``b``-byte values (4: float32, 8: float64) holds
-``2·C·D·b`` bytes (the cohort's cast and normalised copy) plus, per row of a chunk,
-``C·b`` (its scores; on CPU ``2·C·b``: the top-k of one chunk are selected while the next
-chunk is scored, its two blocks together about 128 MB), ``2·D·b`` (its normalised
-embedding) and at most ``8·top_k`` bytes (the
-float64 tiles in which the kept scores' mean and deviations are taken; without ``top_k`` all
-``C``). The selection reorders the scores in place (a copy, for score matrices given), its
-rows split over the torch threads.
+scored against the cohort, each chunk's scores reduced to ``μ, σ``, on CPU by a worker
+thread while the next chunk is scored), and trials index into them (``trials``). Every
+function here keeps its temporaries under ``memory_limit_mb``; not counted are its inputs and
+its outputs (the ``[T]`` normalised scores; 16 bytes per row of ``CohortStats``). Within the
+budget a chunk's score block is kept to about 128 MB (on CPU its two blocks together; at
+least 256 rows). :func:`cohort_stats` with ``C`` cohort rows of dimension ``D`` and
+``b``-byte values (4: float32, 8: float64) holds ``2·C·D·b`` bytes (the cohort's cast and
+normalised copy) plus, per row of a chunk, ``C·b`` (its scores; ``2·C·b`` on CPU, where two
+chunks are in flight), ``2·D·b`` (its normalised embedding) and at most ``8·top_k + 32``
+bytes (the float64 tiles in which the kept scores' mean and deviations are taken, without
+``top_k`` all ``C``; the row's statistics and their checks). Off CPU that last term is
+``(24 + b)·top_k + 32`` (``torch.topk``'s values and indices, their float64 copy and
+deviations). On CPU the top-k selection (numpy's introselect) reorders a chunk's scores in
+place (a copy of them, for score matrices given), its rows split over the torch threads.
 """
 
 from __future__ import annotations
@@ -104,9 +105,15 @@ def _check_top_k(top_k: int | None, cohort_size: int, name: str) -> int | None:
     return top_k
 
 
-def _row_bytes(cohort_size: int, top_k: int | None, itemsize: int) -> int:
-    # the row's scores and its share of the float64 workspace of _moments
-    return cohort_size * itemsize + (top_k or cohort_size) * 8
+def _row_bytes(cohort_size: int, top_k: int | None, itemsize: int, like: torch.Tensor) -> int:
+    """Bytes per row of a chunk of scores reduced by :func:`_reduce` (``like``: on its device).
+
+    The row's scores; its share of the float64 tiles of :func:`_moments` on CPU, elsewhere
+    ``torch.topk``'s values and indices with their float64 copy and deviations; its statistics
+    and their checks.
+    """
+    width = top_k or cohort_size
+    return cohort_size * itemsize + width * (8 if numpy_path(like) else 24 + itemsize) + 32
 
 
 def _rows_per_chunk(per_row: int, fixed: int, budget: int, what: str, block_row: int | None = None) -> int:
@@ -265,7 +272,7 @@ def _stats_from_scores(scores: object, name: str, top_k: int | None, budget: int
     top_k = _check_top_k(top_k, c, name)
     scores = scores.detach()
     itemsize = torch.finfo(compute_dtype(scores.dtype)).bits // 8
-    rows = _rows_per_chunk(_row_bytes(c, top_k, 8), 0, budget, f"one row of {name}", c * itemsize)
+    rows = _rows_per_chunk(_row_bytes(c, top_k, 8, scores), 0, budget, f"one row of {name}", c * itemsize)
     mean = torch.empty(n, dtype=torch.float64, device=scores.device)
     std = torch.empty_like(mean)
     scratch = _scratch(min(rows, n), c, top_k, scores)
@@ -315,7 +322,7 @@ def cohort_stats(
     k = prepare(cohort.detach(), "cosine", "cohort", dtype)
     # On CPU a worker selects in one chunk's scores while the next chunk's are computed: two blocks.
     blocks = 2 if numpy_path(k) else 1
-    per_row = _row_bytes(c, top_k, itemsize) + (blocks - 1) * c * itemsize + 2 * d * itemsize
+    per_row = _row_bytes(c, top_k, itemsize, k) + (blocks - 1) * c * itemsize + 2 * d * itemsize
     rows = _rows_per_chunk(per_row, fixed, budget, f"a cohort of {c} x {d}", blocks * c * itemsize)
     n = embeddings.shape[0]
     mean = torch.empty(n, dtype=torch.float64, device=k.device)
@@ -467,7 +474,7 @@ def normalize_scores(
                 )
 
     per_trial = _TRIAL_BYTES + sum(
-        _row_bytes(s.shape[1], top_k, 8) for s in side.values() if isinstance(s, torch.Tensor)
+        _row_bytes(s.shape[1], top_k, 8, s) for s in side.values() if isinstance(s, torch.Tensor)
     )
     chunk = min(_rows_per_chunk(per_trial, 0, budget, "one trial"), _TRIAL_CHUNK, max(num, 1))
     out = torch.empty(num, dtype=compute_dtype(scores.dtype), device=scores.device)
