@@ -292,9 +292,9 @@ def cohort_stats(
     r"""Cohort statistics of each embedding: ``μ, σ`` of its cosine scores against the cohort.
 
     Rows are L2-normalised; chunks of rows are scored against the whole cohort and reduced
-    (to the ``top_k`` largest scores first, for AS-norm) before the next chunk, so the
-    ``[N, C]`` score matrix never exists. The budget covers the normalised copy of the cohort
-    and the chunk's temporaries.
+    (to the ``top_k`` largest scores first, for AS-norm; on CPU while the next chunk is
+    scored), so the ``[N, C]`` score matrix never exists. The budget covers the normalised
+    copy of the cohort and the chunks' temporaries.
 
     Args:
         embeddings: ``[N, D]`` trial sides (enrollment or test embeddings).
