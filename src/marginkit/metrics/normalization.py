@@ -25,7 +25,8 @@ budget a chunk's score block is kept to about 128 MB (on CPU its two blocks toge
 least 256 rows). :func:`cohort_stats` with ``C`` cohort rows of dimension ``D`` and
 ``b``-byte values (4: float32, 8: float64) holds ``2·C·D·b`` bytes (the cohort's cast and
 normalised copy) plus, per row of a chunk, ``C·b`` (its scores; ``2·C·b`` on CPU, where two
-chunks are in flight), ``2·D·b`` (its normalised embedding) and at most ``8·top_k + 32``
+chunks are in flight), ``3·D·b`` (its normalised embedding, the next chunk's being prepared)
+and at most ``8·top_k + 32``
 bytes (the float64 tiles in which the kept scores' mean and deviations are taken, without
 ``top_k`` all ``C``; the row's statistics and their checks). Off CPU that last term is
 ``(24 + b)·top_k + 32`` (``torch.topk``'s values and indices, their float64 copy and
@@ -320,9 +321,11 @@ def cohort_stats(
     d = cohort.shape[1]
     fixed = 2 * c * d * itemsize  # the cast and the normalised copy of the cohort
     k = prepare(cohort.detach(), "cosine", "cohort", dtype)
-    # On CPU a worker selects in one chunk's scores while the next chunk's are computed: two blocks.
+    # On CPU a worker thread prepares the next chunk's rows and reduces the last chunk's scores
+    # while the BLAS scores this one: two blocks, and no gap between products (in which the
+    # BLAS threads would spin, idle).
     blocks = 2 if numpy_path(k) else 1
-    per_row = _row_bytes(c, top_k, itemsize, k) + (blocks - 1) * c * itemsize + 2 * d * itemsize
+    per_row = _row_bytes(c, top_k, itemsize, k) + (blocks - 1) * c * itemsize + 3 * d * itemsize
     rows = _rows_per_chunk(per_row, fixed, budget, f"a cohort of {c} x {d}", blocks * c * itemsize)
     n = embeddings.shape[0]
     mean = torch.empty(n, dtype=torch.float64, device=k.device)
@@ -330,24 +333,33 @@ def cohort_stats(
     # reused: no fresh pages per chunk
     buffers = [_empty(min(rows, n) * c, dtype, k.device) for _ in range(blocks)]
 
+    def load(s: int) -> torch.Tensor:
+        return prepare(embeddings.detach()[s : s + rows].to(k.device), "cosine", "embeddings", dtype)
+
     def reduce(block: torch.Tensor, s: int) -> None:
         mean[s : s + rows], std[s : s + rows] = _reduce(
             block, top_k, "the cohort scores of embeddings", s, owned=True
         )
 
-    with ThreadPoolExecutor(1) as worker:
-        pending = None
+    def score(q: torch.Tensor, i: int) -> torch.Tensor:
+        return _scores(q, k, buffers[i % blocks][: q.shape[0] * c].view(q.shape[0], c))
+
+    if blocks == 1:
         for i, s in enumerate(range(0, n, rows)):
-            q = prepare(embeddings.detach()[s : s + rows].to(k.device), "cosine", "embeddings", dtype)
-            block = _scores(q, k, buffers[i % blocks][: q.shape[0] * c].view(q.shape[0], c))
-            if pending is not None:
-                pending.result()  # its block is the next to be overwritten
-            if blocks == 1:
-                reduce(block, s)
-            else:
-                pending = worker.submit(reduce, block, s)
-        if pending is not None:
-            pending.result()
+            reduce(score(load(s), i), s)
+        return CohortStats(mean, std, top_k, c)
+    with ThreadPoolExecutor(1) as worker:
+        ahead, reduced = worker.submit(load, 0), None
+        for i, s in enumerate(range(0, n, rows)):
+            q = ahead.result()
+            if s + rows < n:
+                ahead = worker.submit(load, s + rows)
+            block = score(q, i)
+            if reduced is not None:
+                reduced.result()  # the last chunk's, run during this product: the next buffer
+            reduced = worker.submit(reduce, block, s)
+        if reduced is not None:
+            reduced.result()
     return CohortStats(mean, std, top_k, c)
 
 
