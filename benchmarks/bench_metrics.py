@@ -5,7 +5,8 @@
    matrices (10⁶ x 10⁴, 40 GB) cannot be held by either side, so both compute the cohort
    statistics once per embedding and index them by trial.
 
-   - marginkit: ``cohort_stats`` (row chunks against the cohort, ``torch.topk`` per chunk,
+   - marginkit: ``cohort_stats`` (row chunks against the cohort through numpy's BLAS, each
+     chunk's top k by ``np.partition`` in a worker thread while the next chunk is scored,
      ``memory_limit_mb=256``) for each side, then ``normalize_scores(..., trials=...)``;
    - numpy, sort-based (the plain implementation): the ``[10⁴, 10⁴]`` score matrix of each
      side, ``np.sort`` of every row, the last ``k`` columns' mean and std, then the trials;
