@@ -419,7 +419,7 @@ def _epochs(run: _Run, end_epoch: int, *, quiet: bool) -> None:
             stats = _one_epoch(run, bar)
         finally:
             bar.close(clear=True)  # the epoch's log line replaces its bar
-        row = _end_epoch(run, stats)
+        row = _end_epoch(run, stats, end_epoch)
         run.log(_epoch_line(row, run.config.epochs))
 
 
@@ -517,8 +517,9 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
     return {"loss_sum": float(loss_sum), "steps": n_steps, "samples": n_samples, "lr": lr, "seconds": seconds}
 
 
-def _end_epoch(run: _Run, stats: dict[str, Any]) -> dict[str, Any]:
-    """Validate (every ``eval_every`` epochs and after the last), select, and commit the epoch."""
+def _end_epoch(run: _Run, stats: dict[str, Any], end_epoch: int) -> dict[str, Any]:
+    """Validate (every ``eval_every`` epochs and after the last), select, and commit the epoch
+    (every ``checkpoint_every`` epochs, at ``end_epoch`` and when ``best.pt`` improved)."""
     ctx, config = run.ctx, run.config
     epoch = run.epoch + 1
     validate = epoch % config.eval_every == 0 or epoch == config.epochs
@@ -550,9 +551,10 @@ def _end_epoch(run: _Run, stats: dict[str, Any]) -> dict[str, Any]:
     row["best"] = improved
     run.history.append(row)
     run.epoch = epoch
-    payload = run.checkpoint()  # collective when sharded
-    if run.rundir is not None:
-        run.rundir.commit_epoch(payload, improved=improved)
+    if improved or epoch == end_epoch or epoch % config.checkpoint_every == 0:  # the same on every rank
+        payload = run.checkpoint()  # collective when sharded
+        if run.rundir is not None:
+            run.rundir.commit_epoch(payload, improved=improved)
     return row
 
 
