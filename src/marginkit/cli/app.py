@@ -152,8 +152,11 @@ def _protocol_flags(p: argparse.ArgumentParser) -> None:
     from marginkit.train.protocols import NORMS, PROTOCOLS
 
     g = p.add_argument_group("evaluation protocol (on the test split; see docs/knn_and_metrics.md)")
-    g.add_argument("--protocol", metavar="|".join(PROTOCOLS),
-                   help="also evaluate this protocol: 1:1 pairs, open-set 1:N search, or pooled templates")
+    g.add_argument(
+        "--protocol",
+        metavar="|".join(PROTOCOLS),
+        help="also evaluate this protocol: 1:1 pairs, open-set 1:N search, or pooled templates",
+    )
     g.add_argument("--cohort", type=int, metavar="N", help="normalisation cohort: N training embeddings")
     g.add_argument("--norm", metavar="|".join(NORMS), help="cohort score normalisation of pair scores")
     g.add_argument("--top-k", type=int, metavar="K", help="cohort scores kept by as-norm (default: N // 10)")

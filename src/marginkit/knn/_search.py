@@ -288,7 +288,11 @@ def topk_keys(
 
 
 def _exclude_and_bias(
-    refs: torch.Tensor, metric: str, biases: torch.Tensor | None, nq: int, self_offset: int | None,
+    refs: torch.Tensor,
+    metric: str,
+    biases: torch.Tensor | None,
+    nq: int,
+    self_offset: int | None,
     exclude: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Each query row's excluded reference (``self_offset`` or ``exclude``) on the references'
