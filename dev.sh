@@ -28,5 +28,6 @@ case "$what" in
     # workers slow the many small tensor ops of the suite by orders of magnitude.
     export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
     ruff check src tests benchmarks
+    ruff format --check src tests benchmarks
     exec python -m pytest "$@" ;;
 esac

@@ -217,6 +217,11 @@ T = "train --data digits --loss softmax "
         (T + "--epochs 0", "epochs must be >= 1"),
         ("train --loss softmax", "missing --data"),
         (T + "--learning-rate 1", "(did you mean --lr?)"),
+        (
+            T + "--protocol verification",
+            "--protocol (an option of marginkit eval and marginkit compare, not of marginkit train)",
+        ),
+        ("eval RUN --protocl identification", "--protocl (did you mean --protocol?)"),
         ("compare --data digits --losses softmax,nope", "unknown loss 'nope'"),
         (
             "compare --data digits --losses softmax,circle --set loss_options.gama=1",

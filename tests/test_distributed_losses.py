@@ -393,7 +393,6 @@ def _worker(me, world, expected_weight):
     check_loss_on_the_axis(me, world, expected_weight, sizes, 1e-10)
     check_ignore_index(me, world, expected_weight, sizes, 1e-10)
 
-
     check_sub_centres(me, world, sizes, 1e-10)
     check_pair_losses(me, world, 1e-10)
     check_pair_losses_trained(me, world, 1e-10)
@@ -417,7 +416,6 @@ def test_one_process_sharded_head_equals_plain_losses(gen):
     check_class_losses(0, 1, expected, torch.float32, 1e-6, "sum", [9], 2)
     check_loss_on_the_axis(0, 1, expected, [9], 1e-12)
     check_ignore_index(0, 1, expected, [9], 1e-12)
-
 
     check_sub_centres(0, 1, [9], 1e-12)
     check_pair_losses(0, 1, 1e-12)

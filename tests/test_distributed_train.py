@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -236,3 +237,49 @@ def test_collective_timeout_is_a_runtime_option_checked_up_front():
     assert "collective_timeout" in RUNTIME_KEYS and TrainConfig().collective_timeout == 600
     with pytest.raises(ConfigError, match="collective_timeout must be > 0 seconds"):
         apply_overrides(TrainConfig(), {"collective_timeout": 0})
+
+
+def _fp16_overflow_worker(me, world, sharded):
+    from marginkit.train.trainer import mixed_precision
+
+    _, scaler = mixed_precision("fp16", torch.device("cpu"), sharded=sharded)
+    shared, shard = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([shared, shard], lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        scaler.scale(shared.sum() + shard.sum()).backward()
+        if step == 0 and me == 0:
+            shard.grad[0] = float("inf")  # only rank 0's head shard overflows
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        stepped = not torch.equal(shared.detach(), torch.full((3,), 1.0 - 0.1 * step))
+        if step == 0:
+            if sharded:  # the overflow skips the step on every rank, and every scale is halved
+                assert not stepped and scaler.get_scale() == 2.0**15, (me, stepped, scaler.get_scale())
+            else:  # one scaler per rank: rank 1 steps, rank 0 skips, the backbones drift apart
+                assert stepped == (me == 1), (me, stepped)
+        else:  # a clean step everywhere
+            expected = 0.9 if sharded or me == 0 else 0.8
+            assert torch.allclose(shared.detach(), torch.full((3,), expected)), (me, shared)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sharded", [True, False])
+def test_fp16_overflow_on_one_head_shard_skips_the_step_on_every_rank(sharded):
+    run_distributed(_fp16_overflow_worker, 2, sharded, timeout_s=120.0)
+
+
+def _fp16_sharded_worker(me, world, data, root):
+    from marginkit.train.checkpoint import load_checkpoint
+
+    done = train(config(data, "cosface", amp="fp16"), Path(root) / "fp16-2", quiet=True, report=False)
+    assert done.finished and math.isfinite(done.metrics["knn_accuracy"])
+    if me == 0:
+        assert load_checkpoint(Path(root) / "fp16-2" / "last.pt")["scaler"]["scale"] > 0
+
+
+@pytest.mark.distributed
+def test_fp16_training_with_a_sharded_head_runs_on_two_ranks(tmp_path):
+    data = "features:" + str(blobs(tmp_path / "blobs.npz"))
+    run_distributed(_fp16_sharded_worker, 2, data, str(tmp_path), timeout_s=300.0)

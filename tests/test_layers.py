@@ -21,9 +21,7 @@ LINT = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-
 
 def _lint(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    return subprocess.run(
-        [LINT, "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([LINT, "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,27 @@ def test_open_set_run_report_has_roc_det_and_no_confusion(tmp_path, gen):
     assert_self_contained(text)
     assert "ROC of test pairs" in text and "DET curves of pair scores" in text
     assert "Confusion matrix" not in text and "Support size" not in text
-    assert "tar_at_far.0.01" in text and len(images(text)) == 4  # curves, ROC, DET (from the ROC), PCA
+    assert "TAR @ FAR 0.01" in text and len(images(text)) == 4  # curves, ROC, DET (from the ROC), PCA
+    assert "tar_at_far" not in text
+
+
+def test_metric_blocks_have_readable_labels_and_intervals(tmp_path, gen):
+    run = fake_run(tmp_path / "r", open_set=True, alpha=False, gen=gen)
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics["verification"].update(
+        thresholds={"0.01": 0.7}, dcf_params={"p_target": 0.01, "c_miss": 1.0, "c_fa": 1.0},
+        confidence_intervals={"level": 0.95, "tar_at_far": {"0.01": [0.4, 0.6]}, "eer": [0.15, 0.25]},
+    )  # fmt: skip
+    metrics["identification"] = {"cmc": {"1": 0.9}, "dir_at_fpir": {"0.01": 0.5}, "thresholds": {"0.01": 0.8},
+                                 "num_mated": 10, "num_nonmated": 20}  # fmt: skip
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    text = write_run_report(run).read_text()
+    cells = re.findall(r"<td>([^<]*)</td>", text)
+    for label in ("TAR @ FAR 0.01", "threshold @ FAR 0.01", "DCF C_miss", "CI: TAR @ FAR 0.01", "CI: EER",
+                  "CMC rank 1", "DIR @ FPIR 0.01", "threshold @ FPIR 0.01", "non-mated probes"):  # fmt: skip
+        assert label in cells, label
+    assert "[0.1500, 0.2500]" in cells  # an interval is shown, not dropped
+    assert not any("_" in c and "." in c for c in cells if not c[:1].isdigit())  # no raw dotted keys
 
 
 def test_det_axes_are_normal_deviates_labelled_in_percent():

@@ -159,6 +159,7 @@ def test_disk_full_at_any_write_step_keeps_the_last_checkpoint_and_resumes_ident
     sync = rundir._sync
     for k, name in enumerate(files):  # the disk fills up while the k-th file is written
         run_dir = tmp_path / f"full-{k}"
+
         def full(fh, target, k=k, calls=[0]):  # noqa: B006 - one counter per file k
             calls[0] += 1
             if calls[0] == k + 1:

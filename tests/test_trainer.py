@@ -338,3 +338,49 @@ def test_progress_bar_draws_only_on_a_terminal():
     assert not quiet.active and not off.active and plain.getvalue() == ""
     assert format_duration(75.3) == "1:15" and format_duration(3725) == "1:02:05"
     assert format_duration(float("nan")) == "?:??"
+
+
+def test_checkpoint_every_commits_fewer_epochs_and_resumes_bit_identically(tmp_path, data_spec, monkeypatch):
+    from marginkit.train.rundir import RunDir
+
+    every = small_config(data_spec, epochs=7, eval_every=7, checkpoint_every=3)
+    full = train(small_config(data_spec, epochs=7, eval_every=7), tmp_path / "full", quiet=True, report=False)
+    committed: list[int] = []
+    real_commit = RunDir.commit_epoch
+
+    def record(self, payload, *, improved):
+        committed.append(int(payload["epoch"]))
+        if int(payload["epoch"]) == 6 and len(committed) == 3:  # the crash: epoch 6 trained, not committed
+            raise RuntimeError("injected fault at the epoch-6 commit")
+        real_commit(self, payload, improved=improved)
+
+    monkeypatch.setattr(RunDir, "commit_epoch", record)
+    with pytest.raises(RuntimeError, match="injected"):
+        train(every, tmp_path / "every", quiet=True, report=False)
+    assert committed == [0, 3, 6]
+    assert load_checkpoint(tmp_path / "every" / "last.pt")["epoch"] == 3
+    torch.manual_seed(12345)
+    resumed = train(None, tmp_path / "every", resume=True, quiet=True, report=False)
+    assert committed == [0, 3, 6, 6, 7]  # the last epoch is always committed
+    assert resumed.finished
+    assert_same(state_tensors(tmp_path / "full"), state_tensors(tmp_path / "every"))
+    assert_same(state_tensors(tmp_path / "full", "best.pt"), state_tensors(tmp_path / "every", "best.pt"))
+    rows = [json.loads(x) for x in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
+    rows_full = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == list(range(1, 8))
+    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in rows_full]
+    assert resumed.metrics["knn_accuracy"] == full.metrics["knn_accuracy"]
+
+    committed.clear()  # a stop_after epoch and every improved (validated) epoch are committed too
+    train(small_config(data_spec, epochs=7, eval_every=2, checkpoint_every=5), tmp_path / "stop", quiet=True,
+          stop_after=3, report=False)  # fmt: skip
+    assert committed == [0, 2, 3]
+    assert load_checkpoint(tmp_path / "stop" / "last.pt")["epoch"] == 3
+
+
+def test_checkpoint_every_is_a_runtime_key_and_checked():
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        apply_overrides(TrainConfig(), {"checkpoint_every": 0}).validate()
+    from marginkit.train.config import RUNTIME_KEYS
+
+    assert "checkpoint_every" in RUNTIME_KEYS

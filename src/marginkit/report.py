@@ -463,6 +463,42 @@ def _flatten(prefix: str, value: Any, out: list[tuple[str, Any]]) -> None:
             _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
     elif isinstance(value, (int, float, str, bool)) or value is None:
         out.append((prefix, value))
+    elif isinstance(value, (list, tuple)) and len(value) == 2 and all(_number(v) is not None for v in value):
+        out.append((prefix, f"[{_fmt(float(value[0]))}, {_fmt(float(value[1]))}]"))  # an interval
+
+
+#: Readable names of the metric blocks' keys; ``{}`` is the key's last part (a rate or a rank).
+_LABELS = {
+    "tar_at_far": "TAR @ FAR {}", "dir_at_fpir": "DIR @ FPIR {}", "cmc": "CMC rank {}",
+    "eer": "EER", "auc": "AUC", "min_dcf": "minDCF", "min_dcf_threshold": "minDCF threshold",
+    "actual_dcf": "actual DCF", "cllr": "Cllr", "min_cllr": "min Cllr",
+    "p_target": "P_target", "c_miss": "C_miss", "c_fa": "C_fa", "normalized": "normalised",
+    "num_genuine": "genuine pairs", "num_impostor": "impostor pairs", "num_mated": "mated probes",
+    "num_nonmated": "non-mated probes", "num_gallery_labels": "gallery labels",
+    "num_subjects": "subjects", "decision": "decision rule", "confidence_intervals": "CI:",
+    "dcf_params": "DCF", "valid_replicates": "valid replicates",
+}  # fmt: skip
+
+
+def _metric_label(key: str, section: str) -> str:
+    """``tar_at_far.0.01`` → ``TAR @ FAR 0.01``; ``dcf_params.c_miss`` → ``DCF C_miss``;
+    ``thresholds.x`` → ``threshold @ FAR x`` (``FPIR`` in the identification block). The rates
+    are float keys, so the dotted path is split at the first name that takes one."""
+    parts = key.split(".")
+    words: list[str] = []
+    i = 0
+    while i < len(parts):
+        name = parts[i]
+        rate = ".".join(parts[i + 1 :])
+        if name == "thresholds" and rate:
+            words.append(f"threshold @ {'FPIR' if section == 'identification' else 'FAR'} {rate}")
+            break
+        if "{}" in _LABELS.get(name, "") and rate:
+            words.append(_LABELS[name].format(rate))
+            break
+        words.append(_LABELS.get(name, name.replace("_", " ")))
+        i += 1
+    return " ".join(words)
 
 
 def _run_headline(metrics: dict[str, Any], history: list[dict[str, Any]]) -> str:
@@ -527,6 +563,7 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
         if isinstance(metrics.get(key), dict):
             flat: list[tuple[str, Any]] = []
             _flatten("", metrics[key], flat)
+            flat = [(_metric_label(name, key), value) for name, value in flat]
             parts.append(f"<h3>{heading}</h3>" + _table(flat, ["metric", "value"]))
     figures = []
     curves = _curves(history)

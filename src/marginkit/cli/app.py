@@ -70,28 +70,46 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(self._argv, namespace)
+
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
-            bad = message.split(":", 1)[1].split()
-            from marginkit.train.config import suggest
-
-            actions = list(self._actions)
-            for a in self._actions:
-                if isinstance(a, argparse._SubParsersAction):
-                    for sub in a.choices.values():
-                        actions.extend(sub._actions)
-            flags = {s[2:].replace("-", "_"): s for a in actions for s in a.option_strings if s[:2] == "--"}
-            hints = []
-            for b in bad:
-                if b.startswith("--"):
-                    hint = suggest(b.split("=")[0][2:].replace("-", "_"), flags)
-                    if hint:
-                        name = hint.split("'")[1]
-                        hints.append(f"{b} (did you mean {flags[name]}?)")
-                        continue
-                hints.append(b)
-            message = "unrecognized arguments: " + " ".join(hints)
+            message = "unrecognized arguments: " + " ".join(self._hints(message.split(":", 1)[1].split()))
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def _hints(self, bad: list[str]) -> list[str]:
+        """Each unrecognised argument, a flag with the nearest flag of the command it was given
+        to, or the commands that do take it."""
+        from marginkit.train.config import suggest
+
+        commands: dict[str, argparse.ArgumentParser] = {}
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                commands.update(a.choices)
+        argv = getattr(self, "_argv", [])
+        command = next((t for t in argv if t in commands), None)
+        own = list(self._actions) + (list(commands[command]._actions) if command else [])
+
+        def flags(actions: list[argparse.Action]) -> dict[str, str]:
+            return {s[2:].replace("-", "_"): s for a in actions for s in a.option_strings if s[:2] == "--"}
+
+        mine = flags(own)
+        hints = []
+        for b in bad:
+            name = b.split("=")[0][2:].replace("-", "_")
+            hint = suggest(name, mine) if b.startswith("--") else ""
+            others = [c for c, sub in commands.items() if c != command and name in flags(list(sub._actions))]
+            if b.startswith("--") and others:
+                where = f"marginkit {command}" if command else "this command"
+                takers = " and ".join(f"marginkit {c}" for c in others)
+                hints.append(f"{b} (an option of {takers}, not of {where})")
+            elif hint:
+                hints.append(f"{b} (did you mean {mine[hint.split(chr(39))[1]]}?)")
+            else:
+                hints.append(b)
+        return hints
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -134,8 +152,11 @@ def _protocol_flags(p: argparse.ArgumentParser) -> None:
     from marginkit.train.protocols import NORMS, PROTOCOLS
 
     g = p.add_argument_group("evaluation protocol (on the test split; see docs/knn_and_metrics.md)")
-    g.add_argument("--protocol", metavar="|".join(PROTOCOLS),
-                   help="also evaluate this protocol: 1:1 pairs, open-set 1:N search, or pooled templates")
+    g.add_argument(
+        "--protocol",
+        metavar="|".join(PROTOCOLS),
+        help="also evaluate this protocol: 1:1 pairs, open-set 1:N search, or pooled templates",
+    )
     g.add_argument("--cohort", type=int, metavar="N", help="normalisation cohort: N training embeddings")
     g.add_argument("--norm", metavar="|".join(NORMS), help="cohort score normalisation of pair scores")
     g.add_argument("--top-k", type=int, metavar="K", help="cohort scores kept by as-norm (default: N // 10)")

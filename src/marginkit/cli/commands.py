@@ -582,4 +582,3 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\n{seconds:.0f} s · summary {Path(args.out) / 'summary.json'}")
     print(f"report  {report}")
     return 0
-

@@ -331,8 +331,10 @@ _SIM_OPTIONS = [p.name for p in _keyword_parameters(IdentitySimulator) if p.name
 _IDENTITIES = inspect.Signature(
     [
         *_keyword_parameters(IdentitySimulator.splits),
-        *(p.replace(name="sim_seed") if p.name == "seed" else p
-          for p in _keyword_parameters(IdentitySimulator)),
+        *(
+            p.replace(name="sim_seed") if p.name == "seed" else p
+            for p in _keyword_parameters(IdentitySimulator)
+        ),
     ],
     return_annotation=RawSplits,
 )

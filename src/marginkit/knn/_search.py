@@ -232,7 +232,7 @@ def topk_keys(
     *,
     metric: str,
     memory_limit_bytes: int,
-    ref_neg_sqnorms: torch.Tensor | None = None,
+    ref_neg_sqnorms: torch.Tensor | None,
     self_offset: int | None = None,
     exclude: torch.Tensor | None = None,
     plan: ChunkPlan | None = None,
@@ -242,9 +242,11 @@ def topk_keys(
     ``queries`` are raw (validated) rows, prepared chunk by chunk; ``references`` are
     prepared (:func:`prepare`). With ``self_offset = s``, query row ``i`` *is* reference
     ``s + i`` and is excluded by index (never by distance); ``exclude`` (``[Q]`` int64)
-    names the excluded reference of each row explicitly. Returns ``(keys, indices,
-    query_sqnorms)`` on the references' device, keys in the references' dtype; for
-    ``metric="cosine"`` the squared norms are ones.
+    names the excluded reference of each row explicitly. ``ref_neg_sqnorms`` are the
+    references' ``l2`` key biases (:func:`neg_sqnorms`; ``None`` for cosine, or to compute them
+    here): a required argument, so that callers searching chunk by chunk compute them once.
+    Returns ``(keys, indices, query_sqnorms)`` on the references' device, keys in the
+    references' dtype; for ``metric="cosine"`` the squared norms are ones.
     """
     device, dtype = references.device, references.dtype
     nq, n = queries.shape[0], references.shape[0]
@@ -286,7 +288,11 @@ def topk_keys(
 
 
 def _exclude_and_bias(
-    refs: torch.Tensor, metric: str, biases: torch.Tensor | None, nq: int, self_offset: int | None,
+    refs: torch.Tensor,
+    metric: str,
+    biases: torch.Tensor | None,
+    nq: int,
+    self_offset: int | None,
     exclude: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Each query row's excluded reference (``self_offset`` or ``exclude``) on the references'

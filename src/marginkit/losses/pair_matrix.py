@@ -1,4 +1,4 @@
-"""Shared forward skeleton of the losses on a ``[B, R]`` pair matrix (not re-exported).
+"""Shared skeleton of the losses on a ``[B, R]`` pair matrix (not re-exported).
 
 Multi-similarity, SupCon, NT-Xent and contrastive losses all build one matrix between the
 batch and its references (the batch itself, or a memory bank via ``ref_embeddings``) and
@@ -13,14 +13,13 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from marginkit._validation import REDUCTIONS, choice
+from marginkit.losses.pair_loss import PairLoss
 from marginkit.losses.triplet import _sq_dist
 from marginkit.ops.pairs import (
     COLLAPSE_TOL,
     PairBatch,
-    PairIndices,
     check_pair_indices,
     cosine_similarity_matrix,
     distance_matrix,
@@ -29,7 +28,6 @@ from marginkit.ops.pairs import (
     max_sq_norm,
     nonfinite_flag,
     pair_masks_from_indices,
-    prepare_pairs,
     read_flags,
     report_checks,
 )
@@ -42,19 +40,15 @@ class PairMatrix(NamedTuple):
     neg: torch.Tensor
 
 
-Indices = PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-class PairMatrixLoss(nn.Module):
-    """Base of the pair-matrix losses: inputs, masks, checks (one host sync), statistics.
+class PairMatrixLoss(PairLoss):
+    """Base of the pair-matrix losses: masks, checks (one host sync), statistics.
 
     A subclass sets :attr:`distance` / :attr:`normalize` (cosine similarities by default) and
-    implements :meth:`_loss` on the :class:`PairMatrix`; ``forward`` is shared.
+    implements :meth:`_loss` on the :class:`PairMatrix`; ``forward`` is
+    :class:`~marginkit.losses.pair_loss.PairLoss`'s (mined ``indices``: a pair listed twice
+    counts twice where the class has :attr:`multiplicities`, else once).
     """
 
-    validate: bool
-    reduction: str
-    last_active_fraction: torch.Tensor | None
     #: whether mined pairs listed twice count twice (pair-based losses) or once (set-based)
     multiplicities: bool = False
     #: ``None``: cosine similarities; else a distance of ``marginkit.ops.pairs.DISTANCES``
@@ -70,53 +64,20 @@ class PairMatrixLoss(nn.Module):
     def _loss(self, pm: PairMatrix) -> torch.Tensor:
         raise NotImplementedError
 
-    def _check_hyperparameters(self) -> None:
-        """Re-check the hyper-parameters (a schedule or a user may have set them)."""
-
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: Indices | None = None,
-    ) -> torch.Tensor:
-        """The loss of ``embeddings [B, D]`` against themselves or ``ref_embeddings [R, D]``.
-
-        ``labels [B]`` / ``ref_labels [R]`` define the pairs, or ``indices`` lists them:
-        ``(a1, p, a2, n)`` pairs or ``(a, p, n)`` triplets (then the labels are optional and
-        only the listed pairs count; a pair listed twice counts twice where the class has
-        :attr:`multiplicities`, else once). The references are a memory bank (e.g. MoCo's
-        queue) or another modality; self-pairs are excluded only when they are the batch
-        itself. Output: scalar, or ``[B]`` with ``reduction="none"``; float32 (float64 for
-        float64 embeddings).
-        """
-        self._check_hyperparameters()
-        pm = self._pair_matrix(
-            embeddings, labels, ref_embeddings, ref_labels, indices,
-            distance=self.distance, normalize=self.normalize,
-        )  # fmt: skip
+    def _pair_loss(self, batch: PairBatch, indices: Any) -> torch.Tensor:
+        pm = self._pair_matrix(batch, indices)
         if not isinstance(pm, PairMatrix):
             return empty_reference_loss(self, pm, self.reduction)
         return self._loss(pm)
 
-    def _pair_matrix(
-        self,
-        embeddings: Any,
-        labels: Any,
-        ref_embeddings: Any,
-        ref_labels: Any,
-        indices: Any,
-        *,
-        distance: str | None = None,
-        normalize: bool = True,
-    ) -> PairMatrix | PairBatch:
+    def _pair_matrix(self, batch: PairBatch, indices: Any) -> PairMatrix | PairBatch:
         """The matrix and masks, or the bare batch when the reference set is empty.
 
-        ``distance=None`` gives cosine similarities; otherwise a distance of
-        :data:`marginkit.ops.pairs.DISTANCES` on (optionally) L2-normalised embeddings.
+        :attr:`distance` ``None`` gives cosine similarities; otherwise a distance of
+        :data:`marginkit.ops.pairs.DISTANCES` on (optionally, :attr:`normalize`) L2-normalised
+        embeddings.
         """
-        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
+        distance, normalize = self.distance, self.normalize
         flags: list[torch.Tensor] = []
         if indices is not None:
             idx, out_of_range = check_pair_indices(

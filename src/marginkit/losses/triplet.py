@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from marginkit._validation import REDUCTIONS, choice, positive_float, positive_int
+from marginkit.losses.pair_loss import PairLoss
 from marginkit.mining.triplets import _batch_hard_select, _local_select, _semi_hard_select
 from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import (
@@ -35,7 +35,6 @@ from marginkit.ops.pairs import (
     label_masks,
     max_sq_norm,
     nonfinite_flag,
-    prepare_pairs,
     read_flags,
     report_checks,
     rowwise_distance,
@@ -122,39 +121,31 @@ def _sq_dist(d: torch.Tensor, distance: str) -> torch.Tensor:
     return d
 
 
-class _TripletBase(nn.Module):
-    """Shared checks, mined-indices path and bookkeeping of the triplet losses."""
+class _TripletBase(PairLoss):
+    """Shared checks, mined-indices path and bookkeeping of the triplet losses.
+
+    ``forward`` (:class:`~marginkit.losses.pair_loss.PairLoss`): triplets mined here from
+    ``labels`` (against the references, by default the batch itself), or the given
+    ``indices`` (anchor, positive, negative) of a miner.
+    """
 
     smooth_loss: bool = False
+    margin: float
     distance: str
     normalize: bool
-    validate: bool
-    reduction: str
-    last_active_fraction: torch.Tensor | None
     last_counts: torch.Tensor | None
 
-    def forward(
-        self,
-        embeddings: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        ref_embeddings: torch.Tensor | None = None,
-        ref_labels: torch.Tensor | None = None,
-        indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The loss of ``embeddings [B, D]``: triplets mined here from ``labels`` (against the
-        references, by default the batch itself), or the given ``indices`` (anchor, positive,
-        negative) of a miner."""
-        self._check_hyper()
-        margin = positive_float(self.margin, "margin", allow_zero=True)
-        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
+    def _check_hyperparameters(self) -> None:
+        """The margin; a subclass checks its other hyper-parameters first."""
+        positive_float(self.margin, "margin", allow_zero=True)
+
+    def _pair_loss(self, batch: PairBatch, indices: Any) -> torch.Tensor:
+        margin = float(self.margin)  # checked by _check_hyperparameters
         if indices is not None:
             return self._indices_forward(batch, indices, margin, self._indices_average())
         if batch.y.shape[0] == 0:
             return empty_reference_loss(self, batch, self.reduction)
         return self._mined(batch, margin)
-
-    def _check_hyper(self) -> None:
-        """Re-validate hyper-parameters other than the margin (a schedule may change them)."""
 
     def _indices_average(self) -> str:
         return "valid"
@@ -329,8 +320,9 @@ class LocalMarginTripletLoss(_TripletBase):
     def extra_repr(self) -> str:
         return f"k={self.k}, margin={self.margin}, normalize={self.normalize}, reduction={self.reduction!r}"
 
-    def _check_hyper(self) -> None:
+    def _check_hyperparameters(self) -> None:
         positive_int(self.k, "k")
+        super()._check_hyperparameters()
 
     def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
         k = int(self.k)

@@ -111,6 +111,7 @@ def _config(job: dict[str, Any], splits: Any) -> Any:
     overrides.update({f"loss_options.{k}": v for k, v in job.get("loss_options", {}).items()})
     cfg = resolve_epochs(apply_overrides(base, overrides), len(splits.train))
     cfg.eval_every = cfg.epochs  # no validation split: evaluate once, keep the last weights
+    cfg.checkpoint_every = cfg.epochs  # a job interrupted is run again whole: no resumable epochs
     return cfg.validate()
 
 
@@ -417,20 +418,31 @@ def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
     from marginkit.train.registry import resolved_options
 
     return {
-        "train": TrainConfig().to_dict(),
+        "train": _results_keys(TrainConfig().to_dict()),
         "loss": resolved_options(job["loss"]),
         "small_data": [sd.AUTO_MIN_EPOCHS, sd.AUTO_MIN_SAMPLES, sd.MIN_VAL_PER_CLASS],
     }
 
 
+def _results_keys(train: dict[str, Any]) -> dict[str, Any]:
+    """The TrainConfig defaults that can change a result (not the runtime keys)."""
+    from marginkit.train.config import RUNTIME_KEYS
+
+    return {k: v for k, v in train.items() if k not in RUNTIME_KEYS}
+
+
 def _legacy(defaults: Any) -> Any:
     """Stored defaults in today's spelling: ``amp`` was a bool before fp16, read as the config
-    reads it (:func:`marginkit.train.config.amp_mode`: False is "off", True "bf16")."""
+    reads it (:func:`marginkit.train.config.amp_mode`: False is "off", True "bf16"); runtime
+    keys, stored before they were left out, are dropped."""
     from marginkit.train.config import amp_mode
 
     train = defaults.get("train") if isinstance(defaults, dict) else None
-    if isinstance(train, dict) and isinstance(train.get("amp"), bool):
-        defaults = {**defaults, "train": {**train, "amp": amp_mode(train["amp"])}}
+    if isinstance(train, dict):
+        train = _results_keys(train)
+        if isinstance(train.get("amp"), bool):
+            train["amp"] = amp_mode(train["amp"])
+        defaults = {**defaults, "train": train}
     return defaults
 
 

@@ -111,6 +111,7 @@ def _objective(job: dict[str, Any], splits: Any, params: dict[str, Any]) -> tupl
     )
     cfg = resolve_epochs(apply_overrides(base, params), len(splits.train))
     cfg.eval_every = cfg.epochs  # score the final weights only (no selection inside a trial)
+    cfg.checkpoint_every = cfg.epochs  # a trial interrupted is run again whole
     cfg.validate()
     with tempfile.TemporaryDirectory() as tmp:
         res = train(cfg, Path(tmp) / "run", splits=splits, quiet=True, report=False)

@@ -54,7 +54,9 @@ SCHEDULERS = ("cosine", "step", "none")
 KNN_METRICS = ("cosine", "l2")
 KNN_WEIGHTS = ("uniform", "distance")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
-RUNTIME_KEYS = frozenset({"device", "num_threads", "eval_batch_size", "collective_timeout"})
+RUNTIME_KEYS = frozenset(
+    {"device", "num_threads", "eval_batch_size", "collective_timeout", "checkpoint_every"}
+)
 
 
 @dataclass
@@ -97,7 +99,10 @@ class TrainConfig:
         divided by the processes sharing them), ``deterministic``
         (``torch.use_deterministic_algorithms``), ``eval_batch_size``, ``collective_timeout``
         (seconds a data-parallel rank waits for its peers before the run ends with an error;
-        must exceed the longest validation or evaluation, which rank 0 runs alone).
+        must exceed the longest validation or evaluation, which rank 0 runs alone);
+        ``checkpoint_every`` — commit ``last.pt`` (and ``metrics.jsonl``) every N epochs: the
+        last epoch, a ``stop_after`` epoch and every epoch that improved ``best.pt`` are always
+        committed, so ``--resume`` repeats at most N − 1 epochs, bit-identically.
     """
 
     data: str = "mnist1d"
@@ -137,6 +142,7 @@ class TrainConfig:
     deterministic: bool = True
     eval_batch_size: int = 1024
     collective_timeout: float = 600.0
+    checkpoint_every: int = 1
 
     # ------------------------------------------------------------------ helpers
     @classmethod

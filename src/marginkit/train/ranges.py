@@ -131,6 +131,7 @@ FIELD_RANGES: dict[str, Spec] = {
     "classes_per_batch": _int(1, 1_000_000),
     "k": _int(1, 10_000),
     "eval_every": _int(1, 100_000),
+    "checkpoint_every": _int(1, 100_000),
     "max_impostors": _int(1, 10**8),  # impostor scores are held in memory (8 bytes each)
     "num_threads": _int(1, 1024),
     "eval_batch_size": _int(1, 10**7),

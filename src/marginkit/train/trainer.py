@@ -398,7 +398,7 @@ def _restore(
     restore_rng(ckpt["rng"])
     state = scaler_state(ckpt, run_dir / "last.pt")
     if config.amp == "fp16" and state is not None:  # else (bf16/off, or an older checkpoint): fresh
-        _, run.scaler = mixed_precision(config.amp, device)
+        _, run.scaler = mixed_precision(config.amp, device, sharded=par.sharded)
         run.scaler.load_state_dict(state)
     run.epoch, run.global_step = int(ckpt["epoch"]), int(ckpt["global_step"])
     run.best_metric, run.best_epoch = float(ckpt["best_metric"]), int(ckpt["best_epoch"])
@@ -419,12 +419,12 @@ def _epochs(run: _Run, end_epoch: int, *, quiet: bool) -> None:
             stats = _one_epoch(run, bar)
         finally:
             bar.close(clear=True)  # the epoch's log line replaces its bar
-        row = _end_epoch(run, stats)
+        row = _end_epoch(run, stats, end_epoch)
         run.log(_epoch_line(row, run.config.epochs))
 
 
 def mixed_precision(
-    amp: str, device: torch.device
+    amp: str, device: torch.device, *, sharded: bool = False
 ) -> tuple[contextlib.AbstractContextManager[Any], torch.amp.GradScaler | None]:
     """The autocast context and gradient scaler of ``amp`` (:data:`~marginkit.train.config.AMP_MODES`).
 
@@ -432,7 +432,9 @@ def mixed_precision(
     scaled up; the run's checkpoints hold the scaler's state, so a resumed run continues with
     the same scale; a checkpoint without it, written before, resumes with a fresh scaler).
     The heads compute cosines in float32 either way. A device without float16 (or bfloat16)
-    autocast is refused here.
+    autocast is refused here. With a class-sharded head (``sharded``) the ranks hold different
+    head gradients, so an overflow seen by one rank must skip the step on all of them: the
+    scaler is torch's ``ShardedGradScaler``, which all-reduces the overflow flags.
     """
     if amp == "off":
         return contextlib.nullcontext(), None
@@ -443,8 +445,13 @@ def mixed_precision(
             context = torch.autocast(device_type=device.type, dtype=dtype)
     except (RuntimeError, UserWarning) as exc:
         raise ConfigError(f"amp {amp!r} is not supported on device {device.type!r}: {exc}") from None
-    scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-    return context, scaler
+    if amp != "fp16":
+        return context, None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return context, ShardedGradScaler(device.type)
+    return context, torch.amp.GradScaler(device.type)
 
 
 def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
@@ -456,7 +463,7 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
         run.head.train()
     run.batches.set_epoch(epoch)
     train_x, train_y = run.splits.train.x, run.splits.train.y
-    autocast, scaler = mixed_precision(config.amp, run.device)
+    autocast, scaler = mixed_precision(config.amp, run.device, sharded=par.sharded)
     if scaler is not None:  # one scaler for the run: its scale carries over between epochs
         run.scaler = scaler = run.scaler or scaler
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -517,8 +524,9 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
     return {"loss_sum": float(loss_sum), "steps": n_steps, "samples": n_samples, "lr": lr, "seconds": seconds}
 
 
-def _end_epoch(run: _Run, stats: dict[str, Any]) -> dict[str, Any]:
-    """Validate (every ``eval_every`` epochs and after the last), select, and commit the epoch."""
+def _end_epoch(run: _Run, stats: dict[str, Any], end_epoch: int) -> dict[str, Any]:
+    """Validate (every ``eval_every`` epochs and after the last), select, and commit the epoch
+    (every ``checkpoint_every`` epochs, at ``end_epoch`` and when ``best.pt`` improved)."""
     ctx, config = run.ctx, run.config
     epoch = run.epoch + 1
     validate = epoch % config.eval_every == 0 or epoch == config.epochs
@@ -550,9 +558,10 @@ def _end_epoch(run: _Run, stats: dict[str, Any]) -> dict[str, Any]:
     row["best"] = improved
     run.history.append(row)
     run.epoch = epoch
-    payload = run.checkpoint()  # collective when sharded
-    if run.rundir is not None:
-        run.rundir.commit_epoch(payload, improved=improved)
+    if improved or epoch == end_epoch or epoch % config.checkpoint_every == 0:  # the same on every rank
+        payload = run.checkpoint()  # collective when sharded
+        if run.rundir is not None:
+            run.rundir.commit_epoch(payload, improved=improved)
     return row
 
 

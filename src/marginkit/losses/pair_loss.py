@@ -1,0 +1,55 @@
+"""The call every pair loss shares (not re-exported): ``loss(embeddings, labels, ...)``.
+
+The triplet losses (:mod:`marginkit.losses.triplet`) and the pair-matrix losses
+(:mod:`marginkit.losses.pair_matrix`) take the same inputs in the same order, checked in the
+same order: first the hyper-parameters (a schedule or a user may have set them since
+construction), then the embeddings and labels (:func:`marginkit.ops.pairs.prepare_pairs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from marginkit.ops.pairs import PairBatch, PairIndices, prepare_pairs
+
+#: mined pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``
+Indices = PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class PairLoss(nn.Module):
+    """Base of the pair losses: the shared :meth:`forward`; a subclass implements :meth:`_pair_loss`."""
+
+    validate: bool
+    reduction: str
+    last_active_fraction: torch.Tensor | None
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ref_embeddings: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+        indices: Indices | None = None,
+    ) -> torch.Tensor:
+        """The loss of ``embeddings [B, D]`` against themselves or ``ref_embeddings [R, D]``.
+
+        ``labels [B]`` / ``ref_labels [R]`` define the pairs, or a miner's ``indices`` list
+        them: ``(a, p, n)`` triplets (every pair loss), or ``(a1, p, a2, n)`` pairs (the
+        pair-matrix losses); the labels are then optional and only the listed pairs count.
+        The references are a memory bank (e.g. MoCo's queue) or another modality; self-pairs
+        are excluded only when they are the batch itself. Output: scalar, or ``[B]`` with
+        ``reduction="none"`` (one value per triplet for the triplet losses given ``indices``);
+        float32 (float64 for float64 embeddings).
+        """
+        self._check_hyperparameters()
+        batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
+        return self._pair_loss(batch, indices)
+
+    def _check_hyperparameters(self) -> None:
+        """Re-check the hyper-parameters (a schedule or a user may have set them)."""
+
+    def _pair_loss(self, batch: PairBatch, indices: Any) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
