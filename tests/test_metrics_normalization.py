@@ -122,6 +122,18 @@ def test_the_selection_split_over_threads_keeps_the_statistics(gen, monkeypatch,
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("numpy_path", [True, False])  # the worker thread's chunks, or one at a time
+def test_a_flat_row_in_a_later_chunk_is_named(gen, monkeypatch, numpy_path):
+    from marginkit.metrics import _roc
+
+    monkeypatch.setattr(_roc, "NUMPY_ON_CPU", numpy_path)
+    cohort = torch.cat([torch.randn(80, 6, generator=gen), torch.zeros(80, 6)], dim=1)
+    emb = torch.randn(300, 12, generator=gen)
+    emb[250, :6] = 0.0  # orthogonal to the whole cohort: 80 scores of 0
+    with pytest.raises(ValueError, match=r"embeddings row 250: its 5 cohort scores are all equal"):
+        cohort_stats(emb, cohort, top_k=5, memory_limit_mb=0.05)  # many chunks
+
+
 @pytest.mark.parametrize("numpy_path", [True, False])
 def test_ties_at_the_top_k_boundary_give_the_statistics_of_the_sorted_rows(gen, monkeypatch, numpy_path):
     from marginkit.metrics import _roc
