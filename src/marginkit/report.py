@@ -486,9 +486,7 @@ def _metric_label(key: str, section: str) -> str:
     are float keys, so the dotted path is split at the first name that takes one."""
     parts = key.split(".")
     words: list[str] = []
-    i = 0
-    while i < len(parts):
-        name = parts[i]
+    for i, name in enumerate(parts):
         rate = ".".join(parts[i + 1 :])
         if name == "thresholds" and rate:
             words.append(f"threshold @ {'FPIR' if section == 'identification' else 'FAR'} {rate}")
@@ -497,7 +495,6 @@ def _metric_label(key: str, section: str) -> str:
             words.append(_LABELS[name].format(rate))
             break
         words.append(_LABELS.get(name, name.replace("_", " ")))
-        i += 1
     return " ".join(words)
 
 

@@ -82,31 +82,28 @@ class Parser(argparse.ArgumentParser):
     def _hints(self, bad: list[str]) -> list[str]:
         """Each unrecognised argument, a flag with the nearest flag of the command it was given
         to, or the commands that do take it."""
-        from marginkit.train.config import suggest
-
-        commands: dict[str, argparse.ArgumentParser] = {}
-        for a in self._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                commands.update(a.choices)
-        argv = getattr(self, "_argv", [])
-        command = next((t for t in argv if t in commands), None)
-        own = list(self._actions) + (list(commands[command]._actions) if command else [])
+        from marginkit.train.errors import nearest
 
         def flags(actions: list[argparse.Action]) -> dict[str, str]:
             return {s[2:].replace("-", "_"): s for a in actions for s in a.option_strings if s[:2] == "--"}
 
-        mine = flags(own)
+        commands: dict[str, dict[str, str]] = {}
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                commands.update({name: flags(sub._actions) for name, sub in a.choices.items()})
+        command = next((t for t in getattr(self, "_argv", []) if t in commands), None)
+        mine = {**flags(self._actions), **commands.get(command, {})}
         hints = []
         for b in bad:
             name = b.split("=")[0][2:].replace("-", "_")
-            hint = suggest(name, mine) if b.startswith("--") else ""
-            others = [c for c, sub in commands.items() if c != command and name in flags(list(sub._actions))]
+            others = [c for c, taken in commands.items() if c != command and name in taken]
+            close = nearest(name, mine) if b.startswith("--") else None
             if b.startswith("--") and others:
                 where = f"marginkit {command}" if command else "this command"
                 takers = " and ".join(f"marginkit {c}" for c in others)
                 hints.append(f"{b} (an option of {takers}, not of {where})")
-            elif hint:
-                hints.append(f"{b} (did you mean {mine[hint.split(chr(39))[1]]}?)")
+            elif close is not None:
+                hints.append(f"{b} (did you mean {mine[close]}?)")
             else:
                 hints.append(b)
         return hints

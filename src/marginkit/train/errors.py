@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["CheckpointError", "ConfigError", "RunDirError", "TrainingError", "suggest"]
+__all__ = ["CheckpointError", "ConfigError", "RunDirError", "TrainingError", "nearest", "suggest"]
 
 
 class ConfigError(ValueError):
@@ -31,7 +31,13 @@ class TrainingError(RuntimeError):
 
 # ---------------------------------------------------------------------- suggestions
 def suggest(key: str, valid: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the nearest valid name, or ``""`` if none is close.
+    """``" (did you mean 'x'?)"`` for the nearest valid name (:func:`nearest`), or ``""``."""
+    close = nearest(key, valid)
+    return f" (did you mean {close!r}?)" if close is not None else ""
+
+
+def nearest(key: str, valid: Iterable[str]) -> str | None:
+    """The valid name nearest to ``key``, or ``None`` if none is close.
 
     Tried in order: a known alias (``learning_rate`` → ``lr``), the longest valid name the
     key starts with (``lr_rate`` → ``lr``), a valid name starting with the key (``epo`` →
@@ -41,14 +47,14 @@ def suggest(key: str, valid: Iterable[str]) -> str:
     norm = key.lower().replace("-", "_")
     alias = _ALIASES.get(norm)
     if alias in valid:
-        return f" (did you mean {alias!r}?)"
+        return alias
     heads = sorted((v for v in valid if len(v) >= 2 and norm.startswith(v.lower())), key=len, reverse=True)
     tails = [v for v in valid if len(norm) >= 3 and v.lower().startswith(norm)]
     close = heads[:1] or tails[:1] or difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if not close:
         lowered = {v.lower().replace("-", "_"): v for v in valid}
         close = [lowered[c] for c in difflib.get_close_matches(norm, list(lowered), n=1, cutoff=0.5)]
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
 
 
 _ALIASES = {
