@@ -72,6 +72,30 @@ def test_unnormalised_output_and_rebuild_from_config(name, gen):
         torch.testing.assert_close(clone(x), model(x))
 
 
+@pytest.mark.parametrize("name", ["cnn2d", "resnet"])
+def test_image_models_keep_channels_last_weights_and_compute_the_nchw_function(name, gen):
+    model = build_model(name, (3, 16, 16), embedding_dim=8).eval()
+    convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    nchw = build_model(**model.config).eval()
+    nchw.load_state_dict(model.state_dict())
+    nchw.to(memory_format=torch.contiguous_format)
+    assert not any(
+        m.weight.is_contiguous(memory_format=torch.channels_last)
+        for m in nchw.modules()
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)  # a 1x1 kernel is both
+    )
+    x = torch.randn(4, 3, 16, 16, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), nchw(x), atol=1e-5, rtol=1e-5)
+    # the layout travels with the module to another dtype
+    assert all(
+        w.is_contiguous(memory_format=torch.channels_last)
+        for w in model.double().parameters()
+        if w.dim() == 4
+    )
+
+
 def test_float64_and_bfloat16(gen):
     model = build_model("cnn1d", (40,)).double()
     z = model(torch.randn(4, 40, generator=gen, dtype=torch.float64))

@@ -207,6 +207,13 @@ def _norm2d(kind: str, channels: int) -> nn.Module:
     return nn.Identity() if kind == "none" else nn.BatchNorm2d(channels)
 
 
+def _channels_last(model: nn.Module) -> None:
+    # oneDNN (CPU) and cuDNN pick their NHWC kernels when a weight is channels-last; on CPU
+    # they train a small CNN markedly faster than NCHW. The values are unchanged; only the
+    # summation order inside a convolution can differ.
+    model.to(memory_format=torch.channels_last)
+
+
 def _conv_stage(
     dims: int, in_ch: int, out_ch: int, kernel: int, stride: int, convs: int, norm: str
 ) -> list[nn.Module]:
@@ -260,6 +267,7 @@ class CNN2d(EmbeddingModel):
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(in_ch, embedding_dim)
         self.config = {"channels": list(channels), "convs_per_stage": convs_per_stage, "norm": norm}
+        _channels_last(self)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.trunk(x).mean(dim=(2, 3))
@@ -333,6 +341,7 @@ class SmallResNet(EmbeddingModel):
         self.stages = nn.Sequential(*stages)
         self.projection = nn.Linear(ch, embedding_dim)
         self.config = {"width": width, "blocks": list(blocks), "stem_stride": stem_stride, "norm": norm}
+        _channels_last(self)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.stages(self.stem(x)).mean(dim=(2, 3))
