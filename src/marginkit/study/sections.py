@@ -98,11 +98,12 @@ def _tuning(plan: StudyPlan, res: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _val_se(res: Any) -> str:
-    """The standard error of a difference of two validation accuracies near 90 %."""
+    """The standard error of a difference of two validation accuracies near 90 %, and the rule's bar."""
     n = next((r["result"].get("num_val") for r in res.select("tune_defaults")), None)
     if not n:
         return "n not known"
-    return f"n = {n}: about {100 * (2 * 0.9 * 0.1 / n) ** 0.5:.1f} points near 90 %"
+    se = 100 * (2 * 0.9 * 0.1 / n) ** 0.5
+    return f"n = {n}: one standard error is about {se:.1f} points near 90 %, so the bar about {1.96 * se:.1f}"
 
 
 def _baselines(res: Any, data: str, pc: int | None) -> dict[str, dict[int, float | None]]:
@@ -415,7 +416,8 @@ def results_markdown(
         f"jobs reused from an earlier invocation into the same OUT. The jobs' own CPU time sums to "
         f"{cost['job_cpu_seconds'] / 60:.1f} min ({cpu}); load average (1, 5, 15 min) "
         f"{cost['load_average_start']} at the start and {cost['load_average_end']} at the end "
-        f"(the 2 cores were shared with other work). torch {torch.__version__}, Python {cost['python']}, "
+        f"(the end figure includes this invocation's own workers). torch {torch.__version__}, "
+        f"Python {cost['python']}, "
         f"{cost['machine']}. {plan.seeds} seeds per cell, no augmentation, nothing selected on test data. "
         "Each run's config is saved next to its result under `OUT/runs/`.\n",
         partial,
