@@ -219,6 +219,24 @@ def test_a_result_is_reused_only_with_the_same_job_and_defaults(tmp_path) -> Non
     assert stored_result(job, tmp_path) is None  # a default changed since: rerun
 
 
+def test_the_throughput_job_is_rerun_when_a_methods_default_changes(tmp_path) -> None:
+    from marginkit.study.jobs import library_defaults, stored_result
+
+    job = {"name": "throughput/e2e", "kind": "e2e", "methods": {"Q-Margin": ["qmargin", {}]}}
+    defaults = library_defaults(job)
+    assert set(defaults["losses"]["Q-Margin"]) >= {"alpha", "scale", "margin"}
+    path = tmp_path / "runs" / job["name"] / "result.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"job": job, "defaults": defaults, "result": {}}))
+    assert stored_result(job, tmp_path)["reused"] is True
+    old = json.loads(json.dumps(defaults))
+    old["losses"]["Q-Margin"]["scale"] = 16.0  # stored before the default moved
+    path.write_text(json.dumps({"job": job, "defaults": old, "result": {}}))
+    assert stored_result(job, tmp_path) is None
+    path.write_text(json.dumps({"job": job, "defaults": None, "result": {}}))  # before they were stored
+    assert stored_result(job, tmp_path) is None
+
+
 def test_unfinished_tuning_shows_its_trials(tmp_path) -> None:
     from marginkit.study.tuning import partial_result
 

@@ -410,12 +410,16 @@ _KINDS = {
 
 def library_defaults(job: dict[str, Any]) -> dict[str, Any] | None:
     """The library defaults a training job depends on (TrainConfig, the loss's registry options,
-    the small-data rules): stored with its result, so a changed default is never reused."""
+    the small-data rules): stored with its result, so a changed default is never reused. The
+    throughput job builds each of its methods' losses from the registry: their options."""
+    from marginkit.train.registry import resolved_options
+
+    if job.get("kind") == "e2e":
+        return {"losses": {label: resolved_options(name) for label, (name, _) in job["methods"].items()}}
     if job.get("loss") in (None, "raw"):
         return None
     from marginkit.train import TrainConfig
     from marginkit.train import small_data as sd
-    from marginkit.train.registry import resolved_options
 
     return {
         "train": _results_keys(TrainConfig().to_dict()),
