@@ -80,7 +80,7 @@ LOSSES: dict[str, LossSpec] = {
                  "Proxy-Anchor: class centres as anchors over the batch", {"alpha": 32.0, "margin": 0.1}),
         LossSpec("qmargin", "class", f"{_L}:QMarginLoss",
                  "Q-Margin: alpha-divergence Fenchel–Young loss, margin in the reference measure",
-                 {"alpha": 1.13, "scale": 4.2, "margin": 0.42}, alpha=True),
+                 {"alpha": 1.25, "scale": 16.0, "margin": 0.2}, alpha=True),
         LossSpec("entmax", "class", f"{_L}:EntmaxLoss", "1.25-entmax Fenchel–Young loss on s·cos",
                  {"alpha": 1.25, "scale": 16.0}, alpha=True),
         LossSpec("sparsemax", "class", f"{_L}:SparsemaxLoss", "sparsemax loss on s·cos",
