@@ -230,7 +230,7 @@ def test_the_throughput_job_is_rerun_when_a_methods_default_changes(tmp_path) ->
     path.write_text(json.dumps({"job": job, "defaults": defaults, "result": {}}))
     assert stored_result(job, tmp_path)["reused"] is True
     old = json.loads(json.dumps(defaults))
-    old["losses"]["Q-Margin"]["scale"] = 16.0  # stored before the default moved
+    old["losses"]["Q-Margin"]["scale"] += 1.0  # stored under another default
     path.write_text(json.dumps({"job": job, "defaults": old, "result": {}}))
     assert stored_result(job, tmp_path) is None
     path.write_text(json.dumps({"job": job, "defaults": None, "result": {}}))  # before they were stored
