@@ -59,6 +59,8 @@ class ContrastiveLoss(PairMatrixLoss):
     """
 
     multiplicities = True
+    hyperparameters = (("pos_margin", real), ("neg_margin", real))
+    repr_options = ("distance", "normalize", "average", "reduction")
 
     def __init__(
         self,
@@ -72,21 +74,10 @@ class ContrastiveLoss(PairMatrixLoss):
         validate: bool = True,
     ) -> None:
         super().__init__(reduction, validate)
-        self.pos_margin = real(pos_margin, "pos_margin")
-        self.neg_margin = real(neg_margin, "neg_margin")
+        self._set(pos_margin=pos_margin, neg_margin=neg_margin)
         self.distance = choice(distance, "distance", DISTANCES)
         self.normalize = bool(normalize)
         self.average = choice(average, "average", AVERAGES)
-
-    def extra_repr(self) -> str:
-        return (
-            f"pos_margin={self.pos_margin}, neg_margin={self.neg_margin}, distance={self.distance!r}, "
-            f"normalize={self.normalize}, average={self.average!r}, reduction={self.reduction!r}"
-        )
-
-    def _check_hyperparameters(self) -> None:
-        real(self.pos_margin, "pos_margin")
-        real(self.neg_margin, "neg_margin")
 
     def _loss(self, pm: PairMatrix) -> torch.Tensor:
         sums = _contrastive(pm.matrix, pm.pos, pm.neg, self.pos_margin, self.neg_margin)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from marginkit._validation import positive_float, real, reduce
+from marginkit.losses.pair_loss import optional_real
 from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
 from marginkit.mining.multi_similarity import _ms_select
 from marginkit.ops.contrastive import _multi_similarity
@@ -63,6 +64,10 @@ class MultiSimilarityLoss(PairMatrixLoss):
         1.1335
     """
 
+    hyperparameters = (
+        ("alpha", positive_float), ("beta", positive_float), ("base", real), ("epsilon", optional_real),
+    )  # fmt: skip
+
     def __init__(
         self,
         alpha: float = 2.0,
@@ -74,23 +79,7 @@ class MultiSimilarityLoss(PairMatrixLoss):
         validate: bool = True,
     ) -> None:
         super().__init__(reduction, validate)
-        self.alpha = positive_float(alpha, "alpha")
-        self.beta = positive_float(beta, "beta")
-        self.base = real(base, "base")
-        self.epsilon = None if epsilon is None else real(epsilon, "epsilon")
-
-    def extra_repr(self) -> str:
-        return (
-            f"alpha={self.alpha}, beta={self.beta}, base={self.base}, epsilon={self.epsilon}, "
-            f"reduction={self.reduction!r}"
-        )
-
-    def _check_hyperparameters(self) -> None:
-        positive_float(self.alpha, "alpha")
-        positive_float(self.beta, "beta")
-        real(self.base, "base")
-        if self.epsilon is not None:
-            real(self.epsilon, "epsilon")
+        self._set(alpha=alpha, beta=beta, base=base, epsilon=epsilon)
 
     def _loss(self, pm: PairMatrix) -> torch.Tensor:
         pos, neg = pm.pos, pm.neg

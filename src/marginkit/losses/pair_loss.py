@@ -8,20 +8,44 @@ construction), then the embeddings and labels (:func:`marginkit.ops.pairs.prepar
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from marginkit._validation import positive_float, real
 from marginkit.ops.pairs import PairBatch, PairIndices, prepare_pairs
 
 #: mined pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``
 Indices = PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
+#: ``check(value, name) -> value``: returns the checked value or raises naming ``name``
+Check = Callable[[Any, str], Any]
+
+
+def nonnegative(value: Any, name: str) -> float:
+    """A finite scalar ``>= 0`` (a margin)."""
+    return positive_float(value, name, allow_zero=True)
+
+
+def optional_real(value: Any, name: str) -> float | None:
+    """``None`` or a finite scalar."""
+    return None if value is None else real(value, name)
+
 
 class PairLoss(nn.Module):
-    """Base of the pair losses: the shared :meth:`forward`; a subclass implements :meth:`_pair_loss`."""
+    """Base of the pair losses: the shared :meth:`forward`; a subclass implements :meth:`_pair_loss`.
 
+    A subclass lists its hyper-parameters in :attr:`hyperparameters` (name, check) pairs and sets
+    them with :meth:`_set`; ``forward`` checks them again, and ``repr`` shows them followed by
+    :attr:`repr_options`.
+    """
+
+    #: the hyper-parameters a schedule or a user may change after construction, with their checks
+    hyperparameters: ClassVar[tuple[tuple[str, Check], ...]] = ()
+    #: the other attributes ``repr`` shows, after the hyper-parameters
+    repr_options: ClassVar[tuple[str, ...]] = ("reduction",)
     validate: bool
     reduction: str
     last_active_fraction: torch.Tensor | None
@@ -48,8 +72,20 @@ class PairLoss(nn.Module):
         batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels, labels_required=indices is None)
         return self._pair_loss(batch, indices)
 
+    def _set(self, **values: Any) -> None:
+        """Check and set hyper-parameters of :attr:`hyperparameters`."""
+        checks = dict(self.hyperparameters)
+        for name, value in values.items():
+            setattr(self, name, checks[name](value, name))
+
     def _check_hyperparameters(self) -> None:
         """Re-check the hyper-parameters (a schedule or a user may have set them)."""
+        for name, check in self.hyperparameters:
+            check(getattr(self, name), name)
+
+    def extra_repr(self) -> str:
+        names = (*(name for name, _ in self.hyperparameters), *self.repr_options)
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in names)
 
     def _pair_loss(self, batch: PairBatch, indices: Any) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -20,15 +20,11 @@ __all__ = ["NTXentLoss", "SupConLoss"]
 class _TemperatureLoss(PairMatrixLoss):
     """A pair-matrix loss on cosine similarities scaled by ``1 / temperature``."""
 
+    hyperparameters = (("temperature", positive_float),)
+
     def __init__(self, temperature: float, reduction: str, validate: bool) -> None:
         super().__init__(reduction, validate)
-        self.temperature = positive_float(temperature, "temperature")
-
-    def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, reduction={self.reduction!r}"
-
-    def _check_hyperparameters(self) -> None:
-        positive_float(self.temperature, "temperature")
+        self._set(temperature=temperature)
 
 
 class SupConLoss(_TemperatureLoss):

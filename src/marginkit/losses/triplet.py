@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from marginkit._validation import REDUCTIONS, choice, positive_float, positive_int
-from marginkit.losses.pair_loss import PairLoss
+from marginkit._validation import REDUCTIONS, choice, positive_int
+from marginkit.losses.pair_loss import PairLoss, nonnegative
 from marginkit.mining.triplets import _batch_hard_select, _local_select, _semi_hard_select
 from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import (
@@ -129,15 +129,12 @@ class _TripletBase(PairLoss):
     ``indices`` (anchor, positive, negative) of a miner.
     """
 
+    hyperparameters = (("margin", nonnegative),)
     smooth_loss: bool = False
     margin: float
     distance: str
     normalize: bool
     last_counts: torch.Tensor | None
-
-    def _check_hyperparameters(self) -> None:
-        """The margin; a subclass checks its other hyper-parameters first."""
-        positive_float(self.margin, "margin", allow_zero=True)
 
     def _pair_loss(self, batch: PairBatch, indices: Any) -> torch.Tensor:
         margin = float(self.margin)  # checked by _check_hyperparameters
@@ -298,6 +295,8 @@ class LocalMarginTripletLoss(_TripletBase):
     """
 
     distance = "squared_l2"
+    hyperparameters = (("k", positive_int), *_TripletBase.hyperparameters)
+    repr_options = ("normalize", "reduction")
 
     def __init__(
         self,
@@ -309,20 +308,12 @@ class LocalMarginTripletLoss(_TripletBase):
         validate: bool = True,
     ) -> None:
         super().__init__()
-        self.k = positive_int(k, "k")
-        self.margin = positive_float(margin, "margin", allow_zero=True)
+        self._set(k=k, margin=margin)
         self.normalize = bool(normalize)
         self.reduction = choice(reduction, "reduction", REDUCTIONS)
         self.validate = bool(validate)
         self.last_active_fraction = None
         self.last_counts = None
-
-    def extra_repr(self) -> str:
-        return f"k={self.k}, margin={self.margin}, normalize={self.normalize}, reduction={self.reduction!r}"
-
-    def _check_hyperparameters(self) -> None:
-        positive_int(self.k, "k")
-        super()._check_hyperparameters()
 
     def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
         k = int(self.k)
@@ -392,6 +383,8 @@ class TripletMarginLoss(_TripletBase):
         torch.Size([])
     """
 
+    repr_options = ("mining", "distance", "normalize", "average", "smooth_loss", "reduction")
+
     def __init__(
         self,
         margin: float = 0.2,
@@ -405,7 +398,7 @@ class TripletMarginLoss(_TripletBase):
         validate: bool = True,
     ) -> None:
         super().__init__()
-        self.margin = positive_float(margin, "margin", allow_zero=True)
+        self._set(margin=margin)
         self.smooth_loss = bool(smooth_loss)
         self.mining = choice(mining, "mining", MINING)
         self.distance = choice(distance, "distance", DISTANCES)
@@ -415,13 +408,6 @@ class TripletMarginLoss(_TripletBase):
         self.validate = bool(validate)
         self.last_active_fraction = None
         self.last_counts = None
-
-    def extra_repr(self) -> str:
-        return (
-            f"margin={self.margin}, mining={self.mining!r}, distance={self.distance!r}, "
-            f"normalize={self.normalize}, average={self.average!r}, smooth_loss={self.smooth_loss}, "
-            f"reduction={self.reduction!r}"
-        )
 
     def _indices_average(self) -> str:
         return self.average or "valid"
