@@ -26,6 +26,7 @@ import marginkit.losses.triplet as triplet_module
 import marginkit.ops.contrastive as contrastive_module
 from marginkit.losses import (
     ContrastiveLoss,
+    LocalMarginTripletLoss,
     MultiSimilarityLoss,
     NTXentLoss,
     SupConLoss,
@@ -667,3 +668,23 @@ def test_overflowing_distances_are_an_error_not_a_nan():
         ContrastiveLoss(normalize=False, distance="squared_l2")(emb, labels)
     with pytest.raises(ValueError, match="distances overflow"):
         ContrastiveLoss(normalize=False, distance="l2")(emb * 1e18, labels)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [MultiSimilarityLoss, SupConLoss, NTXentLoss, ContrastiveLoss, TripletMarginLoss, LocalMarginTripletLoss],
+)
+def test_every_declared_hyperparameter_is_rechecked_at_forward(make):
+    # the table each pair loss declares is what construction, forward and repr all read
+    loss = make()
+    names = [name for name, _ in loss.hyperparameters]
+    assert names and all(f"{name}=" in repr(loss) for name in names)
+    emb = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    for name in names:
+        bad = make()
+        setattr(bad, name, math.nan)
+        with pytest.raises((TypeError, ValueError), match=name):
+            bad(emb, labels)
+        with pytest.raises((TypeError, ValueError), match=name):
+            make(**{name: math.nan})
