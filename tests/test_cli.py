@@ -222,6 +222,7 @@ T = "train --data digits --loss softmax "
             "--protocol (an option of marginkit eval and marginkit compare, not of marginkit train)",
         ),
         ("eval RUN --protocl identification", "--protocl (did you mean --protocol?)"),
+        (T + "--bogus", "unrecognized arguments: --bogus\n"),  # nothing near it: no guess
         ("compare --data digits --losses softmax,nope", "unknown loss 'nope'"),
         (
             "compare --data digits --losses softmax,circle --set loss_options.gama=1",

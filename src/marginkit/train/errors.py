@@ -53,7 +53,7 @@ def nearest(key: str, valid: Iterable[str]) -> str | None:
     close = heads[:1] or tails[:1] or difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if not close:
         lowered = {v.lower().replace("-", "_"): v for v in valid}
-        close = [lowered[c] for c in difflib.get_close_matches(norm, list(lowered), n=1, cutoff=0.5)]
+        close = [lowered[c] for c in difflib.get_close_matches(norm, list(lowered), n=1, cutoff=0.6)]
     return close[0] if close else None
 
 
