@@ -37,7 +37,7 @@ def optional_real(value: Any, name: str) -> float | None:
 class PairLoss(nn.Module):
     """Base of the pair losses: the shared :meth:`forward`; a subclass implements :meth:`_pair_loss`.
 
-    A subclass lists its hyper-parameters in :attr:`hyperparameters` (name, check) pairs and sets
+    A subclass lists its hyper-parameters in :attr:`hyperparameters` as (name, check) pairs and sets
     them with :meth:`_set`; ``forward`` checks them again, and ``repr`` shows them followed by
     :attr:`repr_options`.
     """
