@@ -85,7 +85,9 @@ class PairLoss(nn.Module):
 
     def extra_repr(self) -> str:
         names = (*(name for name, _ in self.hyperparameters), *self.repr_options)
-        return ", ".join(f"{name}={getattr(self, name)!r}" for name in names)
+        values = {name: getattr(self, name) for name in names}
+        # numbers as str() shows them (a schedule may have set a numpy or tensor scalar), strings quoted
+        return ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
 
     def _pair_loss(self, batch: PairBatch, indices: Any) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
