@@ -132,6 +132,55 @@ def test_one_unit_per_run_counts_runs_once():
     assert "[3/3] c 1.0s\n" in text
 
 
+def test_grouped_eta_sums_each_runs_group_mean_and_names_the_untimed():
+    """The study's jobs cost orders of magnitude apart: each unfinished job counts the mean of
+    the finished jobs of its group (or of the longest prefix timed), divided by the workers."""
+    groups = {
+        "t1": ("tune", "x"), "t2": ("tune", "x"),
+        "k1": ("knn", "d", "l1"), "k2": ("knn", "d", "l1"), "k3": ("knn", "d", "l2"),
+        "e": ("e2e",),
+    }  # fmt: skip
+    lines: list[str] = []
+    progress = RunsProgress(
+        dict.fromkeys(groups, (1, None)), desc="study", unit="jobs", stream=io.StringIO(),
+        write=lines.append, groups=groups, workers=2,
+    )  # fmt: skip
+    assert progress.grouped_eta() == (None, 6)
+    progress.finish("t1", "t1", seconds=100.0)
+    # t2: 100 s; the knn jobs and e2e have no timed prefix: not guessed
+    assert progress.grouped_eta() == (50.0, 4)
+    assert lines[-1].endswith("ETA 0:50 + 4 jobs not timed yet")
+    progress.finish("k1", "k1", seconds=10.0)
+    # t2 100, k2 10, k3 falls back to ("knn", "d"): 10; e2e still untimed
+    assert progress.grouped_eta() == (60.0, 1)
+    assert lines[-1].endswith("ETA 1:00 + 1 job not timed yet")
+    progress.finish("k2", "k2", reused=True, seconds=30.0)  # timed when it was computed
+    assert progress.grouped_eta() == ((100.0 + 20.0) / 2, 1)
+    for key in ("t2", "k3", "e"):
+        progress.finish(key, key, seconds=1.0)
+    assert lines[-1].endswith("ETA 0:00") and progress.grouped_eta() == (0.0, 0)
+
+
+def test_grouped_eta_on_a_terminal_replaces_the_per_unit_guess():
+    tty = Tty()
+    groups = {"a": ("tune",), "b": ("knn",)}
+    tasks = dict.fromkeys("ab", (1, None))
+    progress = RunsProgress(tasks, desc="study", unit="jobs", stream=tty, groups=groups)
+    for key in progress.wrap("ab"):
+        if key == "a":
+            assert "ETA after the first run" in tty.getvalue()
+        progress.finish(key, f"{key} done", seconds=5.0)
+        if key == "a":
+            assert "ETA 0:00 + 1 job not timed yet" in tty.getvalue()
+    text = tty.getvalue()
+    assert "2/2 jobs" in text and not re.search(r"<\d\d:\d\d\]", text)  # no per-job-average ETA
+
+
+def test_grouped_eta_needs_groups():
+    with pytest.raises(ValueError, match="groups"):
+        RunsProgress({"a": (1, None)}, desc="x", stream=io.StringIO()).grouped_eta()
+
+
 def test_run_bar_draws_nothing_until_it_advances():
     """The trainer makes a new bar after each epoch's log line: creating it must not draw a
     half line that the next log line would be appended to."""

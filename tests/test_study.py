@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -158,7 +159,13 @@ def test_tuning_spaces_are_options_of_their_losses() -> None:
 def test_quick_study_writes_every_table(tmp_path) -> None:
     from marginkit.study import run_study
 
-    res = run_study(tmp_path, quick=True, jobs=2, log=lambda _m: None)
+    lines: list[str] = []
+    res = run_study(tmp_path, quick=True, jobs=2, log=lines.append)
+    n = len(build_jobs(study_plan(quick=True)))
+    # the ETA is per kind of job: at first most kinds have no timed job, and it says so
+    first = next(line for line in lines if line.startswith(f"[1/{n}]"))
+    assert re.search(r" ETA [\d:]+ \+ \d+ jobs not timed yet$", first), first
+    assert next(line for line in lines if line.startswith(f"[{n}/{n}]")).endswith("ETA 0:00")
     for name in TABLES:
         assert "|" in (tmp_path / "tables" / f"{name}.md").read_text(encoding="utf-8"), name
     md = (tmp_path / "RESULTS.md").read_text(encoding="utf-8")

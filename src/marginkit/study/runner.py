@@ -195,11 +195,27 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
     return sorted(jobs, key=priority)  # stable: the order above within a tier
 
 
+def cost_group(job: dict[str, Any]) -> tuple[Any, ...]:
+    """What a job's cost depends on, most specific last: the progress ETA's groups.
+
+    The kinds cost orders of magnitude apart (a tuning job trains dozens of models, a baseline
+    none), and within a kind the data set and the loss set the cost.
+    """
+    return (job["kind"], job.get("data"), job.get("per_class"), job.get("loss"), job.get("label"))
+
+
 def _run_all(
     jobs: list[dict[str, Any]], out: Path, workers: int, log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    progress = RunsProgress({job["name"]: (1, None) for job in jobs}, desc="study", unit="jobs", write=log)
+    progress = RunsProgress(
+        {job["name"]: (1, None) for job in jobs},
+        desc="study",
+        unit="jobs",
+        write=log,
+        groups={job["name"]: cost_group(job) for job in jobs},
+        workers=workers,
+    )
 
     def record(res: dict[str, Any]) -> None:
         results.append(res)
@@ -209,7 +225,7 @@ def _run_all(
             if res.get("reused")
             else f"{res['seconds']:.1f}s wall, {res.get('cpu_seconds', 0):.1f}s cpu"
         )
-        progress.finish(name, f"{name} {tag}", reused=bool(res.get("reused")))
+        progress.finish(name, f"{name} {tag}", reused=bool(res.get("reused")), seconds=res.get("seconds"))
 
     if workers <= 1:
         for job in progress.wrap(jobs):

@@ -132,6 +132,12 @@ class RunsProgress:
     work through :meth:`wrap` (which also closes the bar, whatever ends the loop) and call
     :meth:`finish` for every run that ends.
 
+    Runs of very different costs (a study's jobs) can name a cost group each: the ETA is then
+    the sum, over the runs not finished, of the mean duration of the finished runs of their
+    group, divided by ``workers``. A group is a tuple, most specific last; a run whose group
+    has no timed run yet takes the mean of the longest prefix that has one, and one with no
+    timed prefix at all is counted and shown as not timed yet, not guessed.
+
     Args:
         tasks: key → ``(units, metrics.jsonl path or None)``.
         desc: label of the bar.
@@ -140,6 +146,9 @@ class RunsProgress:
         stream: where to draw and write (default ``sys.stderr``).
         write: where the per-run lines go instead of ``stream`` (e.g. a logger).
         poll_interval: seconds between looks at the runs' logs (terminal only).
+        groups: key → cost group (a tuple, e.g. ``(kind, data, loss)``); ``None``: the ETA
+            assumes every unit costs the same.
+        workers: how many runs are computed at once (with ``groups``).
     """
 
     def __init__(
@@ -152,18 +161,25 @@ class RunsProgress:
         stream: TextIO | None = None,
         write: Callable[[str], None] | None = None,
         poll_interval: float = 0.5,
+        groups: Mapping[Hashable, tuple[Hashable, ...]] | None = None,
+        workers: int = 1,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self.active = bool(enabled and _is_terminal(self.stream))
         self._tasks = {k: (max(1, int(u)), None if p is None else Path(p)) for k, (u, p) in tasks.items()}
         self._write = write
+        self._unit = unit
         self._poll_interval = poll_interval
         self._since = time.time() - 0.1  # file systems stamp with a coarse clock
         self._t0 = time.perf_counter()
         self._finished: dict[Hashable, int] = {}  # key -> units it counted for when it ended
         self._skipped = 0  # units of reused runs: no work, so not in the ETA
         self._runs_done = 0
+        self._groups = None if groups is None else {k: tuple(groups[k]) for k in self._tasks}
+        self._workers = max(1, int(workers))
+        self._seconds: dict[Hashable, float] = {}  # key -> how long the finished run took
+        self._estimate: tuple[float | None, int, float] = (None, len(self._tasks), time.perf_counter())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -176,8 +192,8 @@ class RunsProgress:
             **_width(self.stream),
             mininterval=0.2,
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit}{postfix} "
-            "[{elapsed}<{remaining}]",
-            postfix=self._runs_text(),
+            + ("[{elapsed}]" if self._groups is not None else "[{elapsed}<{remaining}]"),
+            postfix=self._postfix(),
         )
 
     @property
@@ -188,6 +204,49 @@ class RunsProgress:
         if all(u == 1 and p is None for u, p in self._tasks.values()):
             return ""  # one unit per run: the count is the bar itself
         return f"{self._runs_done}/{len(self._tasks)} runs done"
+
+    def _postfix(self) -> str:
+        parts = [self._runs_text(), self._grouped_eta_text() if self._groups is not None else ""]
+        return ", ".join(p for p in parts if p)
+
+    def grouped_eta(self) -> tuple[float | None, int]:
+        """``(seconds left, runs not timed yet)`` from the finished runs' durations per cost group.
+
+        ``None`` seconds until a run has been timed. Only with ``groups``.
+        """
+        if self._groups is None:
+            raise ValueError("grouped_eta needs the runs' cost groups (groups=...)")
+        sums: dict[tuple[Hashable, ...], list[float]] = {}
+        for key, seconds in self._seconds.items():
+            group = self._groups[key]
+            for depth in range(1, len(group) + 1):
+                total = sums.setdefault(group[:depth], [0.0, 0.0])
+                total[0] += seconds
+                total[1] += 1
+        if not sums:
+            return None, sum(1 for k in self._tasks if k not in self._finished)
+        work, untimed = 0.0, 0
+        for key in self._tasks:
+            if key in self._finished:
+                continue
+            group = self._groups[key]
+            known = next((sums[group[:d]] for d in range(len(group), 0, -1) if group[:d] in sums), None)
+            if known is None:
+                untimed += 1
+            else:
+                work += known[0] / known[1]
+        return work / self._workers, untimed
+
+    def _grouped_eta_text(self) -> str:
+        left, untimed, at = self._estimate
+        if left is None:
+            return "ETA after the first run"
+        left = max(0.0, left - (time.perf_counter() - at))  # counts down between finished runs
+        # one unit per run (a study's jobs): the runs are the units, named as the bar names them
+        word = self._unit if all(u == 1 for u, _ in self._tasks.values()) else "runs"
+        word = word[:-1] if untimed == 1 and word.endswith("s") else word
+        more = f" + {untimed} {word} not timed yet" if untimed else ""
+        return f"ETA {format_duration(left)}{more}"
 
     def _units_of(self, key: Hashable) -> int:
         if key in self._finished:
@@ -213,6 +272,8 @@ class RunsProgress:
         with self._lock:
             done = self.units_done() - self._skipped
             self._bar.total = max(1, self.total_units - self._skipped)
+            if self._groups is not None:
+                self._bar.postfix = self._postfix()
             if done > self._bar.n:
                 self._bar.update(done - self._bar.n)
             else:
@@ -232,15 +293,23 @@ class RunsProgress:
         finally:
             self.close()
 
-    def finish(self, key: Hashable, text: str, *, reused: bool = False) -> None:
-        """Record that run ``key`` ended and write ``[i/N] text`` (plus elapsed and ETA off a terminal)."""
+    def finish(self, key: Hashable, text: str, *, reused: bool = False, seconds: float | None = None) -> None:
+        """Record that run ``key`` ended and write ``[i/N] text`` (plus elapsed and ETA off a terminal).
+
+        ``seconds``: how long the run took (for a reused run, when it was computed): with
+        ``groups``, what the ETA is estimated from.
+        """
         units = self._tasks[key][0]
         with self._lock:
             self._finished[key] = units
             self._runs_done += 1
             if reused:
                 self._skipped += units
-            self._bar.postfix = self._runs_text()
+            if seconds is not None:
+                self._seconds[key] = float(seconds)
+            if self._groups is not None:
+                self._estimate = (*self.grouped_eta(), time.perf_counter())
+            self._bar.postfix = self._postfix()
         line = f"[{self._runs_done}/{len(self._tasks)}] {text}"
         if not self.enabled:
             return
@@ -255,8 +324,13 @@ class RunsProgress:
         elapsed = time.perf_counter() - self._t0
         done = self.units_done() - self._skipped
         left = self.total_units - self._skipped - done
-        eta = elapsed * left / done if done > 0 else float("nan")
-        line += f" · {format_duration(elapsed)} elapsed, ETA {format_duration(eta) if left else '0:00'}"
+        if not left:
+            eta = "ETA 0:00"
+        elif self._groups is not None:
+            eta = self._grouped_eta_text()
+        else:
+            eta = f"ETA {format_duration(elapsed * left / done if done > 0 else float('nan'))}"
+        line += f" · {format_duration(elapsed)} elapsed, {eta}"
         if self._write is None:
             print(line, file=self.stream, flush=True)
         else:
