@@ -179,6 +179,8 @@ def test_grouped_eta_on_a_terminal_replaces_the_per_unit_guess():
 def test_grouped_eta_needs_groups():
     with pytest.raises(ValueError, match="groups"):
         RunsProgress({"a": (1, None)}, desc="x", stream=io.StringIO()).grouped_eta()
+    with pytest.raises(ValueError, match="groups must name a cost group for every task; missing \\['b'\\]"):
+        RunsProgress(dict.fromkeys("ab", (1, None)), desc="x", stream=io.StringIO(), groups={"a": ("k",)})
 
 
 def test_run_bar_draws_nothing_until_it_advances():

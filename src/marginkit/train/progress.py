@@ -176,6 +176,8 @@ class RunsProgress:
         self._finished: dict[Hashable, int] = {}  # key -> units it counted for when it ended
         self._skipped = 0  # units of reused runs: no work, so not in the ETA
         self._runs_done = 0
+        if groups is not None and (missing := [k for k in self._tasks if k not in groups]):
+            raise ValueError(f"groups must name a cost group for every task; missing {missing[:3]!r}")
         self._groups = None if groups is None else {k: tuple(groups[k]) for k in self._tasks}
         self._workers = max(1, int(workers))
         self._seconds: dict[Hashable, float] = {}  # key -> how long the finished run took
