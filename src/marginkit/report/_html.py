@@ -26,14 +26,14 @@ th{vertical-align:bottom}
 """
 
 
-def _img(b64: str, caption: str) -> str:
+def img(b64: str, caption: str) -> str:
     return (
         f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{b64}">'
         f"<figcaption>{html.escape(caption)}</figcaption></figure>"
     )
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
     if value is None:
         return "—"
     if isinstance(value, bool):
@@ -45,7 +45,7 @@ def _fmt(value: Any) -> str:
     return html.escape(str(value))
 
 
-def _fmt_as(key: str, value: Any) -> str:
+def fmt_as(key: str, value: Any) -> str:
     """``value`` formatted for the column (or metric) ``key``: seconds with one decimal,
     rates as whole numbers, learning rates with three significant digits."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -55,25 +55,25 @@ def _fmt_as(key: str, value: Any) -> str:
             return f"{value:,.0f}"
         if key in ("lr", "learning rate"):
             return f"{value:.3g}"
-    return _fmt(value)
+    return fmt(value)
 
 
-def _header(name: str) -> str:
+def header(name: str) -> str:
     """A column name that may wrap after its underscores (long metric names)."""
     return "_<wbr>".join(html.escape(part) for part in name.split("_"))
 
 
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], keys: Sequence[str] | None = None) -> str:
-    keys = list(keys) if keys is not None else list(header)
-    head = "".join(f"<th>{_header(h)}</th>" for h in header)
+def table(rows: Sequence[Sequence[Any]], columns: Sequence[str], keys: Sequence[str] | None = None) -> str:
+    keys = list(keys) if keys is not None else list(columns)
+    head = "".join(f"<th>{header(c)}</th>" for c in columns)
     body = "".join(
-        "<tr>" + "".join(f"<td>{_fmt_as(k, v)}</td>" for k, v in zip(keys, row, strict=False)) + "</tr>"
+        "<tr>" + "".join(f"<td>{fmt_as(k, v)}</td>" for k, v in zip(keys, row, strict=False)) + "</tr>"
         for row in rows
     )
     return f"<div class=wide><table><tr>{head}</tr>{body}</table></div>"
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows = []
@@ -86,7 +86,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _write_html(path: Path, title: str, parts: list[str]) -> None:
+def write_html(path: Path, title: str, parts: list[str]) -> None:
     doc = (
         f"<!doctype html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
         f"<style>{_CSS}</style></head><body>{''.join(parts)}"
@@ -97,6 +97,6 @@ def _write_html(path: Path, title: str, parts: list[str]) -> None:
     tmp.replace(path)
 
 
-def _number(value: Any) -> float | None:
+def number(value: Any) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return float(value) if ok else None

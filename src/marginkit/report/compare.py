@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from marginkit.report._html import _fmt, _fmt_as, _header, _img, _number, _read_jsonl, _write_html
+from marginkit.report._html import fmt, fmt_as, header, img, number, read_jsonl, write_html
 from marginkit.report.figures import (
     _PAIR_CURVES,
+    _epoch_axis,
     _new_figure,
     bar_figure,
     cmc_figure,
@@ -44,7 +45,7 @@ def _val_overlay(histories: dict[str, list[dict[str, Any]]]) -> str | None:
         key = next((k for k in ("val_knn_accuracy", "val_precision_at_1") if hist and k in hist[0]), None)
         if key:
             ax.plot([r["epoch"] for r in hist], [r.get(key) for r in hist], marker="o", ms=2, label=loss)
-    ax.set_xlabel("epoch")
+    _epoch_axis(ax)
     ax.set_ylabel("validation K-NN accuracy / precision@1")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)  # off the curves
@@ -79,7 +80,7 @@ def lower_is_better(metric: str) -> bool:
 
 def _winners(summary: list[dict[str, Any]], metric: str) -> tuple[list[str], float] | None:
     """The losses with the best mean of ``metric`` (several on an exact tie) and that mean."""
-    vals = [(r["loss"], v) for r in summary if (v := _number(r.get(metric))) is not None]
+    vals = [(r["loss"], v) for r in summary if (v := number(r.get(metric))) is not None]
     if not vals:
         return None
     best = (min if lower_is_better(metric) else max)(v for _, v in vals)
@@ -89,10 +90,10 @@ def _winners(summary: list[dict[str, Any]], metric: str) -> tuple[list[str], flo
 def _within_noise(summary: list[dict[str, Any]], metric: str, winners: list[str], best: float) -> list[str]:
     """Other losses whose mean is within the summed std of the winner's (several seeds only)."""
     top = next(r for r in summary if r["loss"] == winners[0])
-    s_top = _number(top.get(f"{metric}_std"))
+    s_top = number(top.get(f"{metric}_std"))
     out = []
     for r in summary:
-        v, s = _number(r.get(metric)), _number(r.get(f"{metric}_std"))
+        v, s = number(r.get(metric)), number(r.get(f"{metric}_std"))
         if r["loss"] in winners or v is None or s is None or s_top is None:
             continue
         if abs(best - v) <= s + s_top:
@@ -108,7 +109,7 @@ def winners_line(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str:
         if won is None:
             continue
         names, best = won
-        text = f"{_header(m)}: <b>{html.escape(' = '.join(names))}</b> {_fmt(best)}"
+        text = f"{header(m)}: <b>{html.escape(' = '.join(names))}</b> {fmt(best)}"
         close = _within_noise(summary, m, names, best)
         if close:
             text += f" (within one std: {html.escape(', '.join(close))})"
@@ -182,14 +183,12 @@ def _compare_table(summary: list[dict[str, Any]], cols: list[str]) -> str:
     for r in summary:
         cells = [f"<td>{html.escape(str(r['loss']))}</td>"]
         for k in keys:
-            v, sd = r.get(k), _number(r.get(f"{k}_std"))
-            text = _fmt_as(k, v) + (
-                f"<br><span class=std>± {_fmt_as(k, sd)}</span>" if sd is not None else ""
-            )
+            v, sd = r.get(k), number(r.get(f"{k}_std"))
+            text = fmt_as(k, v) + (f"<br><span class=std>± {fmt_as(k, sd)}</span>" if sd is not None else "")
             cls = " class=best" if k in best and r["loss"] in best[k][0] else ""
             cells.append(f"<td{cls}>{text}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    head = "".join(f"<th>{_header(h)}</th>" for h in ["loss", *keys])
+    head = "".join(f"<th>{header(h)}</th>" for h in ["loss", *keys])
     return f"<div class=wide><table><tr>{head}</tr>{''.join(body)}</table></div>"
 
 
@@ -205,11 +204,11 @@ def _compare_curves(evals: dict[str, dict[str, np.ndarray]]) -> list[str]:
         axes = {"xlabel": "FPIR (%)", "ylabel": "FNIR (%)"} if key == "identification" else {}
         what = "cohort-normalised " if key.endswith("_normalized") else ""
         fig = det_figure(curves, title=f"DET, {what}{name}", **axes)
-        figures.append(_img(figure_png(fig), f"DET per loss: {what}{name}."))
+        figures.append(img(figure_png(fig), f"DET per loss: {what}{name}."))
     cmc = [(loss, a["cmc_rank"], a["cmc_rate"]) for loss, a in evals.items() if "cmc_rank" in a]
     if cmc:
         caption = "CMC per loss (open-set search of the test identities)."
-        figures.append(_img(figure_png(cmc_figure(cmc)), caption))
+        figures.append(img(figure_png(cmc_figure(cmc)), caption))
     if not figures:
         return []
     return ["<h2>DET and CMC curves (first seed)</h2><div class=grid>" + "".join(figures) + "</div>"]
@@ -253,12 +252,12 @@ def write_compare_report(
     parts.append(f"<h2>Results on the test set ({heading})</h2>" + _compare_table(summary, cols))
     if summary:
         caption = "Test metrics per loss" + (" (error bars: std over seeds)." if seeds > 1 else ".")
-        parts.append(_img(_bar_plot(summary, metrics), caption))
-    histories = {loss: _read_jsonl(dirs[0] / "metrics.jsonl") for loss, dirs in runs.items() if dirs}
+        parts.append(img(_bar_plot(summary, metrics), caption))
+    histories = {loss: read_jsonl(dirs[0] / "metrics.jsonl") for loss, dirs in runs.items() if dirs}
     overlay = _val_overlay(histories)
     if overlay:
         parts.append(
-            "<h2>Validation curves (first seed)</h2>" + _img(overlay, "Model-selection metric per epoch.")
+            "<h2>Validation curves (first seed)</h2>" + img(overlay, "Model-selection metric per epoch.")
         )
     panels = []
     evals: dict[str, dict[str, np.ndarray]] = {}
@@ -273,7 +272,7 @@ def write_compare_report(
     if panels:
         caption = "Each loss's test embeddings on their two leading principal components (colour: class)."
         pca = figure_png(projections_figure(panels))
-        parts.append("<h2>Test embeddings (PCA, first seed)</h2>" + _img(pca, caption))
+        parts.append("<h2>Test embeddings (PCA, first seed)</h2>" + img(pca, caption))
     links = []
     for loss, dirs in runs.items():
         for d in dirs:
@@ -290,5 +289,5 @@ def write_compare_report(
     if table_markdown:
         parts.append(f"<h2>Table (Markdown)</h2><pre>{html.escape(table_markdown)}</pre>")
     path = out_dir / "report.html"
-    _write_html(path, title, parts)
+    write_html(path, title, parts)
     return path

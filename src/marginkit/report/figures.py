@@ -36,6 +36,14 @@ def _new_figure(w: float = 5.2, h: float = 3.6) -> Any:
     return fig
 
 
+def _epoch_axis(ax: Any) -> None:
+    """An x axis of epochs: whole numbers only (not 1.0, 1.2, … for a two-epoch run)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _curves(history: list[dict[str, Any]], title: str = "") -> str | None:
     if not history:
         return None
@@ -43,7 +51,7 @@ def _curves(history: list[dict[str, Any]], title: str = "") -> str | None:
     ax1, ax2 = fig.subplots(1, 2)
     epochs = [r["epoch"] for r in history]
     ax1.plot(epochs, [r.get("train_loss") for r in history], marker="o", ms=3)
-    ax1.set_xlabel("epoch")
+    _epoch_axis(ax1)
     ax1.set_ylabel("training loss")
     ax1.grid(alpha=0.3)
     for key, label in (
@@ -54,13 +62,14 @@ def _curves(history: list[dict[str, Any]], title: str = "") -> str | None:
         values = [r.get(key) for r in history]
         if any(v is not None for v in values):
             ax2.plot(epochs, [np.nan if v is None else v for v in values], marker="o", ms=3, label=label)
-    ax2.set_xlabel("epoch")
+    _epoch_axis(ax2)
     ax2.set_ylabel("validation")
     ax2.grid(alpha=0.3)
     if ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=8)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()  # the right panel's y label clear of the left panel
     return figure_png(fig)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from marginkit.report._html import _fmt, _img, _number, _read_jsonl, _table, _write_html
+from marginkit.report._html import fmt, img, number, read_jsonl, table, write_html
 from marginkit.report.figures import (
     _PAIR_SCORES,
     _confusion,
@@ -27,13 +27,13 @@ from marginkit.report.figures import (
 def _identification_figures(arrays: dict[str, np.ndarray]) -> list[str]:
     figures = []
     if "cmc_rank" in arrays:
-        figures.append(_img(figure_png(cmc_figure([("", arrays["cmc_rank"], arrays["cmc_rate"])])),
+        figures.append(img(figure_png(cmc_figure([("", arrays["cmc_rank"], arrays["cmc_rate"])])),
                             "CMC of the open-set search: share of mated probes whose identity is "
                             "within the first k gallery labels."))  # fmt: skip
     if "det_identification_p_fa" in arrays:
         fig = det_figure([("", arrays["det_identification_p_fa"], arrays["det_identification_p_miss"])],
                          xlabel="FPIR (%)", ylabel="FNIR (%)", title="open-set DET")  # fmt: skip
-        figures.append(_img(figure_png(fig), "Open-set identification: false-negative identification rate "
+        figures.append(img(figure_png(fig), "Open-set identification: false-negative identification rate "
                             "against false-positive identification rate (non-mated probes)."))  # fmt: skip
     return figures
 
@@ -62,8 +62,8 @@ def _flatten(prefix: str, value: Any, out: list[tuple[str, Any]]) -> None:
             _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
     elif isinstance(value, (int, float, str, bool)) or value is None:
         out.append((prefix, value))
-    elif isinstance(value, (list, tuple)) and len(value) == 2 and all(_number(v) is not None for v in value):
-        out.append((prefix, f"[{_fmt(float(value[0]))}, {_fmt(float(value[1]))}]"))  # an interval
+    elif isinstance(value, (list, tuple)) and len(value) == 2 and all(number(v) is not None for v in value):
+        out.append((prefix, f"[{fmt(float(value[0]))}, {fmt(float(value[1]))}]"))  # an interval
 
 
 #: Readable names of the metric blocks' keys; ``{}`` is the key's last part (a rate or a rank).
@@ -102,18 +102,18 @@ def _run_headline(metrics: dict[str, Any], history: list[dict[str, Any]]) -> str
     bits = []
     for key, label in (("knn_accuracy", "K-NN accuracy"), ("head_accuracy", "cosine-head accuracy"),
                        ("map_at_r", "MAP@R")):  # fmt: skip
-        if _number(metrics.get(key)) is not None:
-            bits.append(f"{label} <b>{_fmt(float(metrics[key]))}</b>")
+        if number(metrics.get(key)) is not None:
+            bits.append(f"{label} <b>{fmt(float(metrics[key]))}</b>")
     for key, label in (
         ("verification", "EER"), ("verification_normalized", "normalised EER"),
         ("templates", "template EER"), ("templates_normalized", "normalised template EER"),
     ):  # fmt: skip
         block = metrics.get(key)
-        if isinstance(block, dict) and _number(block.get("eer")) is not None:
-            bits.append(f"{label} <b>{_fmt(float(block['eer']))}</b>")
+        if isinstance(block, dict) and number(block.get("eer")) is not None:
+            bits.append(f"{label} <b>{fmt(float(block['eer']))}</b>")
     ident = metrics.get("identification")
-    if isinstance(ident, dict) and _number((ident.get("cmc") or {}).get("1")) is not None:
-        bits.append(f"open-set rank-1 <b>{_fmt(float(ident['cmc']['1']))}</b>")
+    if isinstance(ident, dict) and number((ident.get("cmc") or {}).get("1")) is not None:
+        bits.append(f"open-set rank-1 <b>{fmt(float(ident['cmc']['1']))}</b>")
     if not bits:
         return ""
     where = []
@@ -134,7 +134,7 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
     """Write ``report.html`` for a run directory; returns its path."""
     run_dir = Path(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
-    history = _read_jsonl(run_dir / "metrics.jsonl")
+    history = read_jsonl(run_dir / "metrics.jsonl")
     config_text = (
         (run_dir / "config.yaml").read_text(encoding="utf-8") if (run_dir / "config.yaml").is_file() else ""
     )
@@ -154,40 +154,40 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
     rows = [(label, metrics[key]) for key, label in _SCALARS if key in metrics]
     if metrics.get("open_set"):
         rows.insert(1, ("K-NN protocol", metrics.get("knn_protocol", "")))
-    parts.append("<h2>Test metrics</h2>" + _table(rows, ["metric", "value"]))
+    parts.append("<h2>Test metrics</h2>" + table(rows, ["metric", "value"]))
     for key, heading in _METRIC_SECTIONS:
         if isinstance(metrics.get(key), dict):
             flat: list[tuple[str, Any]] = []
             _flatten("", metrics[key], flat)
             flat = [(_metric_label(name, key), value) for name, value in flat]
-            parts.append(f"<h3>{heading}</h3>" + _table(flat, ["metric", "value"]))
+            parts.append(f"<h3>{heading}</h3>" + table(flat, ["metric", "value"]))
     figures = []
     curves = _curves(history)
     if curves:
-        figures.append(_img(curves, "Training loss and validation metrics per epoch."))
+        figures.append(img(curves, "Training loss and validation metrics per epoch."))
     if "confusion" in arrays:
         figures.append(
-            _img(
+            img(
                 _confusion(arrays["confusion"], None),
                 "Confusion matrix of the K-NN classifier on the test set.",
             )
         )
     if "roc_far" in arrays:
-        figures.append(_img(_roc(arrays["roc_far"], arrays["roc_tar"]), "ROC of test pairs."))
+        figures.append(img(_roc(arrays["roc_far"], arrays["roc_tar"]), "ROC of test pairs."))
     dets = _pair_dets(arrays, metrics)
     if dets:
         caption = ("DET curves of pair scores: miss against false-alarm rate on normal-deviate axes "
                    "(accept iff score > threshold).")  # fmt: skip
-        figures.append(_img(figure_png(det_figure(dets)), caption))
+        figures.append(img(figure_png(det_figure(dets)), caption))
     figures.extend(_identification_figures(arrays))
     if "projection" in arrays:
         proj = _projection(arrays["projection"], arrays["projection_labels"])
         figures.append(
-            _img(proj, "Test embeddings projected on their two leading principal components (colour: class).")
+            img(proj, "Test embeddings projected on their two leading principal components (colour: class).")
         )
     if "margin_gap" in arrays:
         figures.append(
-            _img(
+            img(
                 _histogram(
                     arrays["margin_gap"], "margin gap: true-class cosine − best other cosine", vline=0.0
                 ),
@@ -196,7 +196,7 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
         )
     if "support_size" in arrays:
         figures.append(
-            _img(
+            img(
                 _histogram(
                     arrays["support_size"].astype(float), "classes with non-zero probability", discrete=True
                 ),
@@ -206,12 +206,12 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
     parts.append("<h2>Figures</h2><div class=grid>" + "".join(figures) + "</div>")
     if "per_class_recall" in metrics:
         rec = [(i, r) for i, r in enumerate(metrics["per_class_recall"])]
-        parts.append("<h2>Per-class recall (K-NN)</h2>" + _table(rec, ["class", "recall"]))
+        parts.append("<h2>Per-class recall (K-NN)</h2>" + table(rec, ["class", "recall"]))
     if history:
         keys = [k for k in history[0] if k not in ("best",)]
-        parts.append("<h2>Training log</h2>" + _table([[r.get(k) for k in keys] for r in history], keys))
+        parts.append("<h2>Training log</h2>" + table([[r.get(k) for k in keys] for r in history], keys))
     if config_text:
         parts.append(f"<h2>Configuration</h2><pre>{html.escape(config_text)}</pre>")
     path = Path(out) if out else run_dir / "report.html"
-    _write_html(path, title, parts)
+    write_html(path, title, parts)
     return path
