@@ -122,6 +122,16 @@ def positive_float(value: Any, name: str, *, allow_zero: bool = False) -> float:
     return real(value, name, low=0.0, open_low=not allow_zero)
 
 
+def nonnegative(value: Any, name: str) -> float:
+    """Check a finite scalar ``>= 0`` (a margin) and return it as float."""
+    return positive_float(value, name, allow_zero=True)
+
+
+def optional_real(value: Any, name: str) -> float | None:
+    """``None``, or a finite scalar returned as float."""
+    return None if value is None else real(value, name)
+
+
 def positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
     """Check an integer ``>= minimum`` and return it."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import positive_float, real, reduce
-from marginkit.losses.pair_loss import optional_real
+from marginkit._validation import optional_real, positive_float, real, reduce
 from marginkit.losses.pair_matrix import PairMatrix, PairMatrixLoss
 from marginkit.mining.multi_similarity import _ms_select
 from marginkit.ops.contrastive import _multi_similarity

@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from marginkit._validation import positive_float, real
 from marginkit.ops.pairs import PairBatch, PairIndices, prepare_pairs
 
 #: mined pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``
@@ -22,16 +21,6 @@ Indices = PairIndices | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 #: ``check(value, name) -> value``: returns the checked value or raises naming ``name``
 Check = Callable[[Any, str], Any]
-
-
-def nonnegative(value: Any, name: str) -> float:
-    """A finite scalar ``>= 0`` (a margin)."""
-    return positive_float(value, name, allow_zero=True)
-
-
-def optional_real(value: Any, name: str) -> float | None:
-    """``None`` or a finite scalar."""
-    return None if value is None else real(value, name)
 
 
 class PairLoss(nn.Module):

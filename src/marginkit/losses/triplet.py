@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from marginkit._validation import REDUCTIONS, choice, positive_int
-from marginkit.losses.pair_loss import PairLoss, nonnegative
+from marginkit._validation import REDUCTIONS, choice, nonnegative, positive_int
+from marginkit.losses.pair_loss import PairLoss
 from marginkit.mining.triplets import _batch_hard_select, _local_select, _semi_hard_select
 from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import (
