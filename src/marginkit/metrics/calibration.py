@@ -119,7 +119,7 @@ def _newton_sums(
     return loss, (grad if with_grad else None), (hess if with_grad else None)
 
 
-def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5) -> Calibration:
+def calibrate(scores: torch.Tensor, is_genuine: torch.Tensor, *, prior: float = 0.5) -> Calibration:
     r"""Fit ``llr = a s + b`` by prior-weighted logistic regression (see the module docstring).
 
     Solved by Newton's method with backtracking on standardised scores, in float64, until a
@@ -129,7 +129,7 @@ def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5
 
     Args:
         scores: ``[P]`` trial scores (larger: more likely genuine).
-        genuine: ``[P]`` bool (or 0/1), both kinds present.
+        is_genuine: ``[P]`` bool (or 0/1), both kinds present.
         prior: the target prior ``P`` in ``(0, 1)`` the cross-entropy is weighted for.
 
     Example:
@@ -138,9 +138,9 @@ def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5
         >>> round(c.slope, 3), round(c.offset, 3), c.threshold_at_far(0.5)
         (14.806, -8.931, 0.4000000059604645)
     """
-    scores, genuine = check_pairs(scores, genuine, ("scores", "genuine"))
+    scores, is_genuine = check_pairs(scores, is_genuine, ("scores", "is_genuine"))
     prior = _prior(prior, "prior")
-    gen_side, imp_side = sides(scores, genuine)
+    gen_side, imp_side = sides(scores, is_genuine)
     gv, iv = gen_side.values, imp_side.values
     if iv[-1] <= gv[0] or gv[-1] <= iv[0]:
         raise ValueError(
@@ -153,7 +153,7 @@ def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5
     n_g, n_i = gen_side.count, imp_side.count
     w = (prior / n_g, (1 - prior) / n_i)
     params = torch.tensor([0.0, math.log(prior / (1 - prior))], dtype=torch.float64)
-    loss, grad, hess = _newton_sums(s, genuine, w, params, True)
+    loss, grad, hess = _newton_sums(s, is_genuine, w, params, True)
     for _ in range(_MAX_NEWTON):
         assert grad is not None and hess is not None
         step = torch.linalg.solve(hess, grad)
@@ -164,23 +164,23 @@ def calibrate(scores: torch.Tensor, genuine: torch.Tensor, *, prior: float = 0.5
         # Backtracking while the predicted decrease (decrement / 2) is resolvable in the loss;
         # below that, Newton's full steps converge quadratically and the loss cannot judge them.
         while decrement > 1e-12 * loss:
-            if _newton_sums(s, genuine, w, params - t * step, False)[0] <= loss - 0.25 * t * decrement:
+            if _newton_sums(s, is_genuine, w, params - t * step, False)[0] <= loss - 0.25 * t * decrement:
                 break
             t /= 2
         params = params - t * step
-        loss, grad, hess = _newton_sums(s, genuine, w, params, True)
+        loss, grad, hess = _newton_sums(s, is_genuine, w, params, True)
     else:
         raise RuntimeError("calibrate: Newton's method did not converge (scores nearly separated?)")
     alpha, beta = float(params[0]), float(params[1]) - math.log(prior / (1 - prior))
     return Calibration(alpha / sd, beta - alpha * mu / sd, prior, n_g, n_i, iv)
 
 
-def _check_llr(llr: object, genuine: object) -> tuple[torch.Tensor, torch.Tensor]:
-    llr, genuine = check_pairs(llr, genuine, ("llr", "genuine"))
-    return llr.detach().to(torch.float64), genuine
+def _check_llr(llr: object, is_genuine: object) -> tuple[torch.Tensor, torch.Tensor]:
+    llr, is_genuine = check_pairs(llr, is_genuine, ("llr", "is_genuine"))
+    return llr.detach().to(torch.float64), is_genuine
 
 
-def cllr(llr: torch.Tensor, genuine: torch.Tensor) -> float:
+def cllr(llr: torch.Tensor, is_genuine: torch.Tensor) -> float:
     r"""Log-likelihood-ratio cost :math:`C_\text{llr}` in bits (module docstring); finite llrs.
 
     Example:
@@ -188,10 +188,10 @@ def cllr(llr: torch.Tensor, genuine: torch.Tensor) -> float:
         >>> cllr(torch.zeros(4), torch.tensor([1, 1, 0, 0]))
         1.0
     """
-    llr, genuine = _check_llr(llr, genuine)
+    llr, is_genuine = _check_llr(llr, is_genuine)
     softplus = torch.nn.functional.softplus
-    gen = softplus(-llr[genuine]).mean()
-    imp = softplus(llr[~genuine]).mean()
+    gen = softplus(-llr[is_genuine]).mean()
+    imp = softplus(llr[~is_genuine]).mean()
     return float((gen + imp) / (2 * math.log(2)))
 
 
@@ -228,7 +228,7 @@ def _lower_hull(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return hull
 
 
-def min_cllr(scores: torch.Tensor, genuine: torch.Tensor) -> float:
+def min_cllr(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     r"""Cllr after the optimal monotone transform of ``scores`` (PAV), in bits.
 
     The PAV fit of the genuine share is the slope sequence of the lower convex hull of the
@@ -243,8 +243,8 @@ def min_cllr(scores: torch.Tensor, genuine: torch.Tensor) -> float:
         >>> min_cllr(torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0, 0, 1, 1]))
         0.0
     """
-    scores, genuine = check_pairs(scores, genuine, ("scores", "genuine"))
-    gen_side, imp_side = sides(scores, genuine)
+    scores, is_genuine = check_pairs(scores, is_genuine, ("scores", "is_genuine"))
+    gen_side, imp_side = sides(scores, is_genuine)
     merged = sort_values(torch.cat([gen_side.values, imp_side.values]))
     distinct = merged[torch.cat([merged[1:] != merged[:-1], merged.new_ones(1, dtype=torch.bool)])]
     zero = torch.zeros(1, dtype=torch.long, device=merged.device)
@@ -261,7 +261,7 @@ def min_cllr(scores: torch.Tensor, genuine: torch.Tensor) -> float:
 
 def actual_dcf(
     llr: torch.Tensor,
-    genuine: torch.Tensor,
+    is_genuine: torch.Tensor,
     p_target: float = 0.01,
     c_miss: float = 1.0,
     c_fa: float = 1.0,
@@ -278,9 +278,9 @@ def actual_dcf(
         >>> actual_dcf(torch.tensor([3.0, -1.0, -5.0, 0.5]), torch.tensor([1, 1, 0, 0]), p_target=0.5)
         1.0
     """
-    llr, genuine = _check_llr(llr, genuine)
+    llr, is_genuine = _check_llr(llr, is_genuine)
     theta = bayes_threshold(p_target, c_miss, c_fa)
-    gen_side, imp_side = sides(llr, genuine)
+    gen_side, imp_side = sides(llr, is_genuine)
     t = torch.tensor([theta], dtype=torch.float64, device=llr.device)
     p_miss = float(gen_side.mass_le(t)[0]) / gen_side.count
     p_fa = float(imp_side.count - imp_side.mass_le(t)[0]) / imp_side.count
