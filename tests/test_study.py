@@ -176,6 +176,9 @@ def test_quick_study_writes_every_table(tmp_path) -> None:
     assert res["wall_seconds"] > 0
     cost = json.loads((tmp_path / "cost.json").read_text(encoding="utf-8"))
     assert cost["missing"] == 0 and cost["job_cpu_seconds"] > 0
+    # each job records the CPU and kernels it ran on (they set the rounding); the header lists them
+    (cpu, count), *others = cost["computed_on"].items()
+    assert not others and count == cost["jobs"] and "torch kernels" in cpu and f"Computed on {cpu}" in md
     for job in build_jobs(study_plan(quick=True)):
         run_dir = tmp_path / "runs" / job["name"]
         assert json.loads((run_dir / "job.json").read_text(encoding="utf-8")) == job

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -471,6 +472,23 @@ def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | 
     return stored
 
 
+def computed_on() -> str:
+    """The CPU and the kernels torch picks on it, e.g. ``"AMD EPYC (torch kernels AVX512)"``.
+
+    Floating-point results depend on them (oneDNN and ATen choose their vector kernels by the
+    CPU's instruction set, and the summation order with them), so the same job on another CPU
+    rounds differently and, through training, ends elsewhere; on the same kind of CPU it repeats.
+    """
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:  # not Linux
+        pass
+    return f"{model} (torch kernels {torch.backends.cpu.get_cpu_capability()})"
+
+
 def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Run one job into ``out_dir/runs/<job name>/``; reuse a finished result of the same job.
 
@@ -493,5 +511,6 @@ def run_job(job: dict[str, Any], out_dir: str) -> dict[str, Any]:
     out["defaults"] = library_defaults(job)
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out["cpu_seconds"] = round(time.process_time() - c0, 3)
+    out["computed_on"] = computed_on()
     (run_dir / "result.json").write_text(json.dumps(out, indent=2, default=str) + "\n", encoding="utf-8")
     return out

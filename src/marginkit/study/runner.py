@@ -354,6 +354,16 @@ def run_study(
     }
 
 
+def _computed_on(results: list[dict[str, Any]]) -> dict[str, int]:
+    """How many of the results were computed on each CPU (results stored before it was
+    recorded: ``"not recorded"``)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        where = str(r.get("computed_on", "not recorded"))
+        counts[where] = counts.get(where, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def _cost(results: list[dict[str, Any]], missing: list[dict[str, Any]]) -> dict[str, Any]:
     by_kind: dict[str, float] = {}
     cpu_by_kind: dict[str, float] = {}
@@ -375,4 +385,5 @@ def _cost(results: list[dict[str, Any]], missing: list[dict[str, Any]]) -> dict[
         "missing_groups": groups,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "computed_on": _computed_on(results),
     }

@@ -391,6 +391,18 @@ def build_tables(plan: StudyPlan, res: Any) -> tuple[dict[str, str], dict[str, A
     return tables, facts
 
 
+def _computed_on_text(cost: dict[str, Any]) -> str:
+    where = cost.get("computed_on") or {}
+    if not where:
+        return ""
+    listed = "; ".join(f"{cpu}: {n} jobs" for cpu, n in where.items())
+    return (
+        f"Computed on {listed} (float results depend on the CPU's vector kernels: another CPU "
+        "rounds differently and training carries that on, so the same command there gives other "
+        "figures). "
+    )
+
+
 def results_markdown(
     plan: StudyPlan, tables: dict[str, str], claims: list[dict[str, Any]], cost: dict[str, Any], jobs: int
 ) -> str:
@@ -418,7 +430,8 @@ def results_markdown(
         f"{cost['load_average_start']} at the start and {cost['load_average_end']} at the end "
         f"(the end figure includes this invocation's own workers). torch {torch.__version__}, "
         f"Python {cost['python']}, "
-        f"{cost['machine']}. {plan.seeds} seeds per cell, no augmentation, nothing selected on test data. "
+        f"{cost['machine']}. {_computed_on_text(cost)}"
+        f"{plan.seeds} seeds per cell, no augmentation, nothing selected on test data. "
         "Each run's config is saved next to its result under `OUT/runs/`.\n",
         partial,
         "## Verdicts\n",
