@@ -16,6 +16,7 @@ on shared cores). Nothing here ever looks at test data to choose anything.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import platform
@@ -472,6 +473,7 @@ def stored_result(job: dict[str, Any], out_dir: str | Path) -> dict[str, Any] | 
     return stored
 
 
+@functools.cache  # one CPU per process: read /proc/cpuinfo once, not once per job
 def computed_on() -> str:
     """The CPU and the kernels torch picks on it, e.g. ``"AMD EPYC (torch kernels AVX512)"``.
 

@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -357,11 +358,7 @@ def run_study(
 def _computed_on(results: list[dict[str, Any]]) -> dict[str, int]:
     """How many of the results were computed on each CPU (results stored before it was
     recorded: ``"not recorded"``)."""
-    counts: dict[str, int] = {}
-    for r in results:
-        where = str(r.get("computed_on", "not recorded"))
-        counts[where] = counts.get(where, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return dict(Counter(str(r.get("computed_on", "not recorded")) for r in results).most_common())
 
 
 def _cost(results: list[dict[str, Any]], missing: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from marginkit.study.jobs import FARS, PRECISIONS
 from marginkit.study.plan import StudyPlan, identity_rows
-from marginkit.study.stats import tuned_beats_defaults
+from marginkit.study.stats import RULE_Z, difference_se, tuned_beats_defaults
 from marginkit.study.tables import markdown_table, stat
 
 __all__ = ["TABLES", "build_tables", "results_markdown"]
@@ -102,8 +102,9 @@ def _val_se(res: Any) -> str:
     n = next((r["result"].get("num_val") for r in res.select("tune_defaults")), None)
     if not n:
         return "n not known"
-    se = 100 * (2 * 0.9 * 0.1 / n) ** 0.5
-    return f"n = {n}: one standard error is about {se:.1f} points near 90 %, so the bar about {1.96 * se:.1f}"
+    se = 100 * difference_se(0.9, 0.9, n)
+    bar = RULE_Z * se
+    return f"n = {n}: one standard error is about {se:.1f} points near 90 %, so the bar about {bar:.1f}"
 
 
 def _baselines(res: Any, data: str, pc: int | None) -> dict[str, dict[int, float | None]]:

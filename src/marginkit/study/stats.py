@@ -128,13 +128,22 @@ def grade(comparisons: Sequence[Comparison]) -> str:
     return "mixed"
 
 
-def tuned_beats_defaults(best: float, defaults: float, n: int, z: float = 1.96) -> bool:
+#: standard errors the best tuning trial must clear (:func:`tuned_beats_defaults`)
+RULE_Z = 1.96
+
+
+def difference_se(p1: float, p2: float, n: int) -> float:
+    """Standard error of a difference of two proportions on ``n`` samples each,
+    ``sqrt((p1 (1 - p1) + p2 (1 - p2)) / n)``."""
+    return math.sqrt((p1 * (1 - p1) + p2 * (1 - p2)) / n)
+
+
+def tuned_beats_defaults(best: float, defaults: float, n: int, z: float = RULE_Z) -> bool:
     """The rule that moves a registry default: the best tuning trial's validation accuracy
     exceeds the defaults' by more than ``z`` standard errors of a difference of two
-    proportions on ``n`` validation samples, ``sqrt((p1 (1 - p1) + p2 (1 - p2)) / n)``.
+    proportions on ``n`` validation samples (:func:`difference_se`).
 
     Conservative on purpose: the best of several noisy trials is biased upwards (the
     winner's curse), and one development draw is one draw.
     """
-    se = math.sqrt((best * (1 - best) + defaults * (1 - defaults)) / n)
-    return best - defaults > z * se
+    return best - defaults > z * difference_se(best, defaults, n)
