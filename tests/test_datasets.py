@@ -305,8 +305,8 @@ def test_unknown_dataset_lists_valid_names():
 def test_bad_arguments_name_themselves(tmp_path):
     with pytest.raises(ValueError, match="unknown option 'test_frac' .*did you mean 'test_fraction'"):
         load_dataset("digits", test_frac=0.3)
-    with pytest.raises(ValueError, match="valid options: none"):
-        load_dataset(f"npz:{tmp_path}/x.npz", standardize=True)
+    with pytest.raises(ValueError, match="unknown option 'standardize'.*valid options: split, test_classes"):
+        load_dataset(f"npz:{tmp_path}/x.npz", standardize=True)  # npz has only the split options
     with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\)"):
         load_dataset("digits", val_fraction=1.0)
     with pytest.raises(ValueError, match="train_per_class must be >= 1"):
@@ -320,9 +320,11 @@ def test_bad_arguments_name_themselves(tmp_path):
 
 
 def test_dataset_options_lists_keywords():
-    assert dataset_options("mnist1d") == ("cache_dir",)
+    split = ("split", "test_classes", "val_classes", "folds", "fold")
+    assert dataset_options("mnist1d") == ("cache_dir", *split, "split_seed", "test_fraction")
     assert "nuisance_strength" in dataset_options("identities")
-    assert dataset_options("folder:/x") == ("image_size", "color", "test_fraction", "split_seed")
+    assert not set(split) & set(dataset_options("identities"))  # disjoint identities by construction
+    assert dataset_options("folder:/x") == ("image_size", "color", "test_fraction", "split_seed", *split)
 
 
 # --------------------------------------------------------------------------------------------

@@ -136,6 +136,13 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         help="autocast: bf16 (the default of a bare --amp) or fp16 (with a gradient scaler); default: off",
     )
     g.add_argument(
+        "--augment",
+        dest="opt_augment",
+        metavar="NAMES",
+        help="opt-in training augmentation, comma-separated: flip, crop, rotate, brightness, contrast "
+        "(images), crop, time_mask (sequences); never at evaluation (default: none)",
+    )
+    g.add_argument(
         "--set",
         dest="assignments",
         action="append",
@@ -230,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true", help="replace existing runs in DIR")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once in separate processes")
+    p.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="leave out the baselines' rows (closed set: raw-input 1-NN, logistic regression; "
+        "open set: raw inputs, whitened PCA), scored on the same splits by the same evaluation",
+    )
     _protocol_flags(p)
 
     p = sub.add_parser("demo", help="compare 8 losses on mnist1d (a few minutes on CPU)", allow_abbrev=False)

@@ -113,15 +113,35 @@ def _verification_rows(ver: dict[str, Any], title: str = "verification") -> list
     if isinstance(norm, dict):
         rows.append((f"{title}: score norm", f"{norm.get('method')} against {norm.get('cohort')} training "
                      f"embeddings" + (f", top {norm['top_k']}" if norm.get("top_k") else "")))  # fmt: skip
+    ci = ver.get("confidence_intervals") if isinstance(ver.get("confidence_intervals"), dict) else {}
+
+    def interval(value: Any) -> str:
+        ok = (
+            isinstance(value, (list, tuple))
+            and len(value) == 2
+            and all(isinstance(v, (int, float)) for v in value)
+        )
+        return f" [{value[0]:.4f}, {value[1]:.4f}]" if ok else ""
+
     if isinstance(ver.get("eer"), (int, float)):
-        rows.append((f"{title} EER", f"{ver['eer']:.4f}"))
+        rows.append((f"{title} EER", f"{ver['eer']:.4f}{interval(ci.get('eer'))}"))
+    if ci:
+        how = f"{ci.get('level', 0.95):.0%} subject bootstrap, {ci.get('replicates')} replicates"
+        rows.append((f"{pre}intervals [lo, hi]", f"{how} over {ci.get('num_subjects')} test classes"))
     tars, thresholds = ver.get("tar_at_far") or {}, ver.get("thresholds") or {}
+    ci_tars = ci.get("tar_at_far") or {}
     for far, tar in tars.items():
         label = f"{pre}TAR @ FAR {float(far):.0e}"
         if tar is None:
             rows.append((label, f"not measurable with {ver.get('num_impostor')} impostor pairs"))
         else:
-            rows.append((label, f"{tar:.4f} (threshold {thresholds.get(far, float('nan')):.4f})"))
+            rows.append(
+                (
+                    label,
+                    f"{tar:.4f}{interval(ci_tars.get(far))} "
+                    f"(threshold {thresholds.get(far, float('nan')):.4f})",
+                )
+            )
     if isinstance(ver.get("auc"), (int, float)):
         rows.append((f"{pre}ROC AUC", f"{ver['auc']:.4f}"))
     if isinstance(ver.get("min_dcf"), (int, float)):
@@ -558,6 +578,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     summary_text, report = run_compare(
         base, losses, seeds=args.seeds, out=args.out, quiet=args.quiet, overwrite=args.overwrite,
         file_pairs=file_pairs, cli_pairs=cli_pairs, jobs=args.jobs, protocol=protocol,
+        baselines=not args.no_baselines,
     )  # fmt: skip
     print(summary_text)
     print(f"report  {report}")

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -149,7 +150,8 @@ def _row_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             row[key] = float(v)
     if isinstance(metrics.get("verification"), dict):  # every number, as before `--protocol`
-        ver = {k: v for k, v in metrics["verification"].items() if k != "calibration"}
+        skip = ("calibration", "confidence_intervals")  # each run's metrics.json holds them
+        ver = {k: v for k, v in metrics["verification"].items() if k not in skip}
         _flat_numbers("ver", ver, row)
     for key, prefix in PROTOCOL_COLUMNS.items():  # `--protocol`: the scores only, not the bookkeeping
         block = metrics.get(key)
@@ -192,6 +194,26 @@ def summary_row(
     return row
 
 
+def baseline_rows(configs: Sequence[Any], *, protocol: Any = None) -> list[dict[str, Any]]:
+    """Rows of the baselines (:mod:`marginkit.train.baselines`) on the data of each seed's config,
+    aggregated over the seeds as the losses' rows are (``kind: "baseline"``)."""
+    from marginkit.train.baselines import BASELINES, evaluate_baselines
+    from marginkit.train.components import load_splits
+
+    per_seed: dict[str, list[dict[str, Any]]] = {}
+    for config in configs:
+        with user_errors("baselines: "):
+            results = evaluate_baselines(load_splits(config, cache=True), config, protocol=protocol)
+        for name, metrics in results.items():
+            per_seed.setdefault(name, []).append(metrics)
+    rows = []
+    for name, found in per_seed.items():
+        row = aggregate(name, [_row_metrics(m) for m in found])
+        row.update(kind="baseline", description=BASELINES[name], seconds=None, runs=[])
+        rows.append(row)
+    return rows
+
+
 def write_run_summary(run_dir: str | Path, metrics: dict[str, Any], loss: str) -> Path:
     """Write ``RUN/summary.json`` of one run (atomically, under the run directory's lock): a list
     of one row, as the rows of a comparison's ``summary.json`` (one seed: each ``_std`` null)."""
@@ -226,15 +248,28 @@ def markdown_table(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str
     sep = "|---|" + "|".join("---:" for _ in metrics) + "|"
     lines = [head, sep]
     for row in summary:
-        lines.append(f"| {row['loss']} | " + " | ".join(_cell(row, m) for m in metrics) + " |")
+        label = f"{row['loss']} (baseline)" if row.get("kind") == "baseline" else row["loss"]
+        lines.append(f"| {label} | " + " | ".join(_cell(row, m) for m in metrics) + " |")
     return "\n".join(lines)
+
+
+_NOT_COLUMNS = ("loss", "kind", "n_seeds", "runs", "seconds", "description")
+
+
+#: Columns of the printed tables: the headline metrics and the protocols' scores; the rest of a
+#: row (thresholds, cost parameters, pair counts) stays in summary.json.
+_TABLE_COLUMN = re.compile(
+    rf"({'|'.join(TABLE_METRICS)}"
+    r"|(ver|ver_norm|tpl|tpl_norm)_(eer|auc|min_dcf|cllr|min_cllr|actual_dcf|tar_at_far_.+)"
+    r"|id_(cmc|dir_at_fpir)_.+)"
+)
 
 
 def _columns(summary: list[dict[str, Any]]) -> list[str]:
     cols: list[str] = []
     for row in summary:
         for key in row:
-            if key.endswith("_std") or key in ("loss", "kind", "n_seeds", "runs", "seconds") or key in cols:
+            if key.endswith("_std") or key in _NOT_COLUMNS or key in cols or not _TABLE_COLUMN.fullmatch(key):
                 continue
             cols.append(key)
     order = {k: i for i, k in enumerate(TABLE_METRICS)}
@@ -333,9 +368,14 @@ def run_compare(
     title: str = "marginkit comparison",
     jobs: int = 1,
     protocol: Any = None,
+    baselines: bool = True,
 ) -> tuple[str, Path]:
     """Train every loss for ``seeds`` seeds and write the summary files; returns the
     Markdown table and the report's path.
+
+    ``baselines``: add the rows of :mod:`marginkit.train.baselines` (raw-input 1-NN and logistic
+    regression on closed-set data, raw inputs and whitened PCA on open-set data), scored on the
+    same splits by the same evaluation (``kind: "baseline"`` in ``summary.json``).
 
     ``protocol`` (:class:`marginkit.train.protocols.ProtocolOptions`): evaluate it on every
     run after training (its scores join the rows; see :data:`PROTOCOL_COLUMNS`).
@@ -361,6 +401,7 @@ def run_compare(
         return _compare_into(
             base, losses, seeds=seeds, out=lock.path, quiet=quiet, overwrite=overwrite,
             pairs=[*file_pairs, *cli_pairs], per_loss=per_loss, title=title, jobs=jobs, protocol=protocol,
+            baselines=baselines,
         )  # fmt: skip
 
 
@@ -410,6 +451,7 @@ def _compare_into(
     title: str,
     jobs: int,
     protocol: Any = None,
+    baselines: bool = True,
 ) -> tuple[str, Path]:
     from marginkit.report import compare_plot, write_compare_report
     from marginkit.train.components import load_splits
@@ -474,6 +516,8 @@ def _compare_into(
         summary_row(loss, [per_seed[loss][s] for s in range(seeds)], seconds[loss], runs[loss])
         for loss in losses
     ]
+    if baselines:
+        summary.extend(baseline_rows([configs[(losses[0], s)] for s in range(seeds)], protocol=protocol))
     cols = _columns(summary)
     table = markdown_table(summary, cols)
     _write_summaries(out, summary, table, cols)

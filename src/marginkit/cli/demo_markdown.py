@@ -52,8 +52,9 @@ def _conditions(summary: list[dict[str, Any]], wall_seconds: float) -> str:
     train = [float(r["seconds"]) for r in summary if isinstance(r.get("seconds"), (int, float))]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     span = f"{min(train):.1f}–{max(train):.1f} s" if train else "n/a"
+    losses = sum(r.get("kind") != "baseline" for r in summary)
     return (
-        f"{len(summary)} losses, {seeds} seed{'s' if seeds > 1 else ''}, {epochs} epochs; "
+        f"{losses} losses, {seeds} seed{'s' if seeds > 1 else ''}, {epochs} epochs; "
         f"marginkit {__version__}, torch {version('torch')}, Python {platform.python_version()}, "
         f"{platform.system()} {platform.machine()}, {cpu_name()} ({os.cpu_count()} logical cores); "
         f"{threads} torch thread(s) per run. Wall time {wall_seconds:.0f} s (training {span} per run; "

@@ -45,6 +45,7 @@ from marginkit._validation import positive_float, positive_int
 from marginkit.data.identities import IdentitySimulator
 from marginkit.data.loaders import RawSplits, image_array, split_note
 from marginkit.data.packaged import japanese_vowels, mnist_sample_arrays
+from marginkit.data.resplit import labelled_splits
 from marginkit.data.splits import _seed, _split_indices, _subset_indices, stratified_split, stratified_subset
 
 __all__ = [
@@ -94,11 +95,13 @@ class DatasetSplits:
         num_classes: classes of the training split (the size of a classification head).
         input_shape: per-sample shape, e.g. ``(40,)`` for mnist1d, ``(1, 28, 28)`` for MNIST.
         name: the spec it was loaded from.
-        open_set: ``True`` when validation/test identities are disjoint from the training
-            classes (``identities``). Their labels are then identity ids *outside*
-            ``0..num_classes-1``, meant for verification / retrieval within the split, never
-            for a classification head or for K-NN against training references.
-        class_names: one name per class (``None`` for open-set data).
+        open_set: ``True`` when the test classes are disjoint from the training classes
+            (``identities``, a class-disjoint ``split``, or a source whose test split holds other
+            classes). Their labels are then ids *outside* ``0..num_classes-1``, meant for
+            verification / retrieval within the split, never for a classification head or for
+            K-NN against training references. :attr:`val_open_set` says the same of validation.
+        class_names: one name per class: the ``num_classes`` training classes first, then any
+            validation and test classes that training lacks (``None`` for ``identities``).
         kind: ``"image"`` (``[C, H, W]`` in [0, 1]) or ``"vector"``.
         mean, std: standardisation statistics (shape ``input_shape``) fitted on the final
             training split, or ``None`` when the inputs were not standardised.
@@ -117,6 +120,12 @@ class DatasetSplits:
     mean: torch.Tensor | None = None
     std: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def val_open_set(self) -> bool:
+        """Whether the validation classes are disjoint from the training classes (model selection
+        then happens within validation, as open-set testing does)."""
+        return len(self.val) > 0 and not bool(torch.isin(self.val.y, self.train.y).any())
 
     def preprocess(self, x: Any) -> torch.Tensor:
         """Bring new raw inputs (e.g. for prediction) into this data set's model input space.
@@ -437,9 +446,19 @@ def _options_of(reader: Callable[..., RawSplits]) -> tuple[str, ...]:
     return tuple(p.name for p in _keyword_parameters(reader))
 
 
+#: Options that every source takes (the class-disjoint and re-split modes of
+#: :mod:`marginkit.data.class_splits`); ``split_seed`` and ``test_fraction`` are taken too when
+#: ``split`` pools the source.
+SPLIT_OPTIONS: tuple[str, ...] = ("split", "test_classes", "val_classes", "folds", "fold", "split_seed")
+
+
 def dataset_options(spec: str) -> tuple[str, ...]:
     """The extra ``**options`` accepted by :func:`load_dataset` for ``spec``."""
-    return _options_of(_resolve(spec)[0])
+    reader = _resolve(spec)[0]
+    own = _options_of(reader)
+    if reader is _identities:  # disjoint identities by construction: no re-splitting
+        return own
+    return own + tuple(o for o in (*SPLIT_OPTIONS, "test_fraction") if o not in own)
 
 
 def _unknown_spec(spec: str) -> ValueError:
@@ -476,22 +495,33 @@ def _to_tensor(x: np.ndarray, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
 
-def _remap_labels(raw: RawSplits, name: str) -> tuple[dict[str, np.ndarray], int, list[str] | None]:
-    labels = {"train": raw.y_train, "test": raw.y_test}
-    if raw.y_val is not None:
-        labels["val"] = raw.y_val
-    if raw.open_set:
-        return labels, int(np.unique(raw.y_train).size), None
-    present = np.unique(np.concatenate(list(labels.values())))
-    names = raw.class_names
-    if names is not None:  # labels index the source's class names: keep them as they are
-        if present.size and present[-1] >= len(names):
-            raise ValueError(f"{name}: label {int(present[-1])} has no entry in its {len(names)} class names")
-        return labels, len(names), list(names)
-    if np.array_equal(present, np.arange(present.size)):
-        return labels, int(present.size), [str(v) for v in present.tolist()]
-    remapped = {split: np.searchsorted(present, y).astype(np.int64) for split, y in labels.items()}
-    return remapped, int(present.size), [str(v) for v in present.tolist()]
+def _split_options(
+    reader: Callable[..., RawSplits], options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(options of labelled_splits, options of the reader)``: the ``split`` options go to the
+    former; a reader's own ``split_seed`` / ``test_fraction`` stay with it unless ``split`` pools
+    the source, which then re-splits with them (the reader is asked to hold nothing out)."""
+    split = {k: v for k, v in options.items() if k in SPLIT_OPTIONS}
+    own = _options_of(reader)
+    pooled = split.get("split", "source") != "source" or any(
+        split.get(k) is not None for k in ("test_classes", "folds")
+    )
+    reader_options = {k: v for k, v in options.items() if k not in SPLIT_OPTIONS or (k in own and not pooled)}
+    if pooled:
+        if "test_fraction" in options:
+            if split.get("split") != "samples":
+                raise ValueError(
+                    "test_fraction splits samples (split='samples' or the source's own split); a "
+                    "class-disjoint split tests whole classes: use test_classes"
+                )
+            split["test_fraction"] = reader_options.pop("test_fraction")
+        if "test_fraction" in own:
+            reader_options["test_fraction"] = 0.0
+    elif "test_fraction" in options and "test_fraction" not in own:
+        raise ValueError(
+            "test_fraction: this source has its own test split; to re-split it by samples, add split=samples"
+        )
+    return split, reader_options
 
 
 def load_dataset(
@@ -555,7 +585,7 @@ def load_dataset(
     if train_per_class is not None:
         train_per_class = positive_int(train_per_class, "train_per_class")
     min_val_per_class = positive_int(min_val_per_class, "min_val_per_class", minimum=0)
-    allowed = _options_of(reader)
+    allowed = dataset_options(spec)
     for key in options:
         if key not in allowed:
             guess = difflib.get_close_matches(key, allowed, n=1)
@@ -566,15 +596,16 @@ def load_dataset(
         fraction = positive_float(options["test_fraction"], "test_fraction", allow_zero=True)
         if fraction >= 1:
             raise ValueError(f"test_fraction must be in [0, 1), got {fraction}")
-    raw = reader(**options) if rest is None else reader(rest, **options)
-
-    labels, num_classes, class_names = _remap_labels(raw, spec)
-    x_train, y_train = raw.x_train, labels["train"]
-    info: dict[str, Any] = dict(raw.info)
+    split_options, reader_options = _split_options(reader, options)
+    raw = reader(**reader_options) if rest is None else reader(rest, **reader_options)
+    parts = labelled_splits(raw, spec, **split_options)
+    num_classes, class_names = parts.num_classes, parts.class_names
+    x_train, y_train = parts.x["train"], parts.y["train"]
+    info: dict[str, Any] = dict(parts.info)
     info["options"] = dict(options)
-    if raw.x_val is not None:
-        x_val, y_val = raw.x_val, labels["val"]
-        info["val_split"] = "provided by the source"
+    if "val" in parts.y:
+        x_val, y_val = parts.x["val"], parts.y["val"]
+        info.setdefault("val_split", "provided by the source")
     else:
         source_counts = np.bincount(y_train, minlength=num_classes)
         keep_np, held_np = _split_indices(y_train, val_fraction, np.random.default_rng([seed, 1]))
@@ -604,7 +635,12 @@ def load_dataset(
         counts = np.bincount(y_train, minlength=num_classes)
         short = [c for c in np.flatnonzero(counts < train_per_class).tolist() if counts[c] > 0]
         if short:
-            held = np.bincount(y_val, minlength=num_classes) if raw.x_val is None else np.zeros_like(counts)
+            carved = "val" not in parts.y
+            held = (
+                np.bincount(y_val[y_val < num_classes], minlength=num_classes)
+                if carved
+                else np.zeros_like(counts)
+            )
             shown = ", ".join(
                 f"{class_names[c] if class_names else c} ({counts[c]}"
                 + (f" after {held[c]} went to validation" if held[c] else "") + ")"
@@ -620,14 +656,6 @@ def load_dataset(
         info["train_per_class"] = train_per_class
     if len(y_train) == 0:
         raise ValueError(f"{spec}: the training split is empty")
-    if not raw.open_set:
-        missing = np.setdiff1d(np.unique(labels["test"]), np.unique(y_train))
-        if missing.size:
-            warnings.warn(
-                f"{spec}: test class(es) {missing.tolist()[:10]} have no training samples",
-                UserWarning,
-                stacklevel=2,
-            )
 
     mean = std = None
     if raw.standardize:  # statistics of the final training split only, computed in float64
@@ -648,7 +676,7 @@ def load_dataset(
         "train": Split(train_x, torch.from_numpy(np.ascontiguousarray(y_train, dtype=np.int64))),
         "val": Split(finish(x_val), torch.from_numpy(np.ascontiguousarray(y_val, dtype=np.int64))),
         "test": Split(
-            finish(raw.x_test), torch.from_numpy(np.ascontiguousarray(labels["test"], dtype=np.int64))
+            finish(parts.x["test"]), torch.from_numpy(np.ascontiguousarray(parts.y["test"], dtype=np.int64))
         ),
     }
     if len(splits["test"]) == 0:
@@ -656,5 +684,5 @@ def load_dataset(
     info["sizes"] = {k: len(v) for k, v in splits.items()}
     return DatasetSplits(
         **splits, num_classes=num_classes, input_shape=tuple(int(s) for s in train_x.shape[1:]), name=spec,
-        open_set=raw.open_set, class_names=class_names, kind=raw.kind, mean=mean, std=std, info=info,
+        open_set=parts.open_set, class_names=class_names, kind=raw.kind, mean=mean, std=std, info=info,
     )  # fmt: skip

@@ -652,7 +652,7 @@ def split_note(test_fraction: float, split_seed: int) -> str:
 
 def _seeded_split(y: np.ndarray, test_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
     train, test = stratified_split(y, test_fraction, seed=split_seed)
-    if len(test) == 0:
+    if len(test) == 0 and test_fraction > 0:  # 0: nothing held out (the caller re-splits the pool)
         raise ValueError(
             f"test_fraction={test_fraction} leaves no test samples ({len(y)} samples); "
             "raise test_fraction or provide an explicit test split"

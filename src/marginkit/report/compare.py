@@ -41,10 +41,14 @@ def _val_overlay(histories: dict[str, list[dict[str, Any]]]) -> str | None:
         return None
     fig = _new_figure(6.5, 3.8)
     ax = fig.subplots()
+    plotted = 0
     for loss, hist in histories.items():
         key = next((k for k in ("val_knn_accuracy", "val_precision_at_1") if hist and k in hist[0]), None)
         if key:
             ax.plot([r["epoch"] for r in hist], [r.get(key) for r in hist], marker="o", ms=2, label=loss)
+            plotted += 1
+    if not plotted:  # no validation split: nothing to show
+        return None
     _epoch_axis(ax)
     ax.set_ylabel("validation K-NN accuracy / precision@1")
     ax.grid(alpha=0.3)
@@ -54,7 +58,7 @@ def _val_overlay(histories: dict[str, list[dict[str, Any]]]) -> str | None:
 
 
 #: Summary keys that are bookkeeping or settings, not metrics (never a "best").
-_NOT_METRICS = ("loss", "kind", "n_seeds", "runs", "seconds", "epochs")
+_NOT_METRICS = ("loss", "kind", "n_seeds", "runs", "seconds", "epochs", "description")
 
 
 def _metric_columns(summary: list[dict[str, Any]]) -> list[str]:
@@ -161,7 +165,8 @@ def _config_values(path: Path, keys: Sequence[str]) -> dict[str, str]:
 def _setup_line(summary: list[dict[str, Any]], runs: dict[str, list[Path]]) -> str:
     f = _run_facts(runs)
     seeds = max((int(r.get("n_seeds") or 1) for r in summary), default=1)
-    bits = [f"{len(summary)} losses on {f.get('data', '?')}"]
+    losses = sum(r.get("kind") != "baseline" for r in summary)
+    bits = [f"{losses} losses on {f.get('data', '?')}"]
     if "num_train" in f:
         bits[0] += f" ({f['num_train']} training / {f.get('num_test', '?')} test samples)"
     bits.append(f"{seeds} seed{'s' if seeds > 1 else ''} each")
@@ -250,6 +255,16 @@ def write_compare_report(
     seeds = max((int(r.get("n_seeds") or 1) for r in summary), default=1)
     heading = f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed per loss"
     parts.append(f"<h2>Results on the test set ({heading})</h2>" + _compare_table(summary, cols))
+    base = [r for r in summary if r.get("kind") == "baseline"]
+    if base:
+        items = "".join(
+            f"<li><b>{html.escape(str(r['loss']))}</b>: {html.escape(str(r.get('description', '')))}</li>"
+            for r in base
+        )
+        parts.append(
+            "<p class=muted>Baselines, on the same splits and scored by the same evaluation (nothing "
+            f"learned by a loss):</p><ul class=muted>{items}</ul>"
+        )
     if summary:
         caption = "Test metrics per loss" + (" (error bars: std over seeds)." if seeds > 1 else ".")
         parts.append(img(_bar_plot(summary, metrics), caption))

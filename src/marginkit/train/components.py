@@ -101,7 +101,10 @@ def data_facts(splits: Any) -> dict[str, Any]:
         "num_classes": int(splits.num_classes),
         "input_shape": [int(s) for s in splits.input_shape],
         "open_set": bool(getattr(splits, "open_set", False)),
-        "class_names": [str(c) for c in (getattr(splits, "class_names", None) or [])],
+        # the head's (and the K-NN index's) classes; an open split's other classes are in info
+        "class_names": [str(c) for c in (getattr(splits, "class_names", None) or [])][
+            : int(splits.num_classes)
+        ],
         "kind": str(getattr(splits, "kind", "vector")),
         "mean": getattr(splits, "mean", None),
         "std": getattr(splits, "std", None),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marginkit.data.augment import augment_options
 from marginkit.train.errors import ConfigError, suggest
 from marginkit.train.ranges import (
     DEVICE_PATTERN,
@@ -53,6 +54,7 @@ OPTIMIZERS = ("adamw", "sgd")
 SCHEDULERS = ("cosine", "step", "none")
 KNN_METRICS = ("cosine", "l2")
 KNN_WEIGHTS = ("uniform", "distance")
+SELECTIONS = ("auto", "knn_accuracy", "precision_at_1", "eer")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
 RUNTIME_KEYS = frozenset(
     {"device", "num_threads", "eval_batch_size", "collective_timeout", "checkpoint_every"}
@@ -67,7 +69,11 @@ class TrainConfig:
         ``data`` — data set spec for :func:`marginkit.data.load_dataset` (``mnist1d``,
         ``digits``, ``npz:PATH``, ...); ``train_per_class`` — keep N training examples per
         class (stratified, seeded); ``val_fraction`` — share of training data held out for
-        validation (model selection); ``data_options`` — extra keyword arguments.
+        validation (model selection); ``data_options`` — extra keyword arguments, among them
+        the class-disjoint splits of every source (``split``, ``test_classes``, ``val_classes``,
+        ``folds``/``fold``, ``split_seed``: :mod:`marginkit.data.class_splits`); ``augment`` —
+        opt-in training augmentation (``{flip: 0.5, crop: 0.1}``, or ``flip,crop``:
+        :mod:`marginkit.data.augment`), never applied at evaluation.
     Model
         ``model`` — backbone name (``auto`` picks ``cnn1d`` for mnist1d, ``cnn2d`` for
         images, ``mlp`` otherwise); ``embedding_dim``; ``normalize`` — L2-normalised output;
@@ -93,7 +99,11 @@ class TrainConfig:
         ``k`` — neighbours of the K-NN classifier; ``eval_every`` — validate (and consider
         for ``best.pt``) every N epochs and after the last; ``knn_metric`` (cosine | l2);
         ``knn_weights`` (uniform | distance);
-        ``max_impostors`` — cap on impostor pairs for verification metrics.
+        ``max_impostors`` — cap on impostor pairs for verification metrics;
+        ``selection`` — what chooses ``best.pt`` on the validation split: ``auto`` (K-NN accuracy
+        against the training embeddings when the validation classes are training classes,
+        leave-one-out precision@1 within validation when they are disjoint), ``knn_accuracy``,
+        ``precision_at_1`` or ``eer`` (of the validation pairs, lower is better).
     Runtime
         ``seed``, ``device`` (cpu | cuda | auto), ``num_threads`` (default: the available cores
         divided by the processes sharing them), ``deterministic``
@@ -112,6 +122,7 @@ class TrainConfig:
     train_per_class: int | None = None
     val_fraction: float = 0.1
     data_options: dict[str, Any] = field(default_factory=dict)
+    augment: dict[str, Any] = field(default_factory=dict)
     embedding_dim: int = 64
     normalize: bool = True
     model_options: dict[str, Any] = field(default_factory=dict)
@@ -137,6 +148,7 @@ class TrainConfig:
     knn_metric: str = "cosine"
     knn_weights: str = "uniform"
     max_impostors: int | None = 200_000
+    selection: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
     deterministic: bool = True
@@ -185,6 +197,10 @@ class TrainConfig:
         itself checks fails here too, before any data is loaded.
         """
         self.amp = amp_mode(self.amp)
+        try:
+            self.augment = augment_options(self.augment)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_types()[f.name]))
         if not self.data or not isinstance(self.data, str):
@@ -230,6 +246,7 @@ _CHOICES = {
     "scheduler": SCHEDULERS,
     "knn_metric": KNN_METRICS,
     "knn_weights": KNN_WEIGHTS,
+    "selection": SELECTIONS,
 }
 
 
@@ -389,7 +406,7 @@ def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> C
 
 
 # ---------------------------------------------------------------------- building
-_DICT_KEYS = ("data_options", "model_options", "loss_options")
+_DICT_KEYS = ("data_options", "model_options", "loss_options", "augment")
 _DICT_ALIASES = {"data": "data_options", "model": "model_options", "loss": "loss_options"}  # loss.scale=30
 
 
@@ -430,6 +447,9 @@ def apply_overrides(
             raw[key] = merged
         elif key in _DICT_KEYS and isinstance(value, str):
             parsed = _parse_scalar(value)
+            if key == "augment" and not isinstance(parsed, Mapping):  # names: "flip,crop" replaces
+                raw[key] = parsed
+                continue
             if not isinstance(parsed, Mapping):
                 raise ConfigError(f"{key} must be a mapping such as {{scale: 30}}, got {value!r}")
             raw[key] = {**raw[key], **parsed}

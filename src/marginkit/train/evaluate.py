@@ -12,18 +12,23 @@ Closed-set data (test classes = training classes):
   (:func:`marginkit.ops.margin_gap`) and, for alpha losses, the support size of the sparse
   posterior on the test set.
 
-Open-set data (``identities``: test identities never seen in training):
+Open-set data (test classes never seen in training: ``identities``, a class-disjoint
+``split``, or a source whose test split holds other classes):
 
 - ``knn_accuracy`` — leave-one-out K-NN *within* the test set (each query's own sample is
   excluded), since training classes cannot be predicted for new identities;
 - retrieval metrics within the test set, as above;
 - verification: genuine / impostor cosine scores of test pairs
   (:func:`marginkit.metrics.pair_scores`), then :func:`marginkit.metrics.verification_metrics`
-  (EER, TAR at several FARs, minDCF) and the ROC curve for the report.
+  (EER, TAR at FAR 1e-1 … 1e-4 where measurable, minDCF) with percentile intervals from
+  :data:`BOOTSTRAP_REPLICATES` replicates of the subject bootstrap, and the ROC and DET curves
+  for the report.
 
-Model selection during training (:func:`validation_metrics`) uses the validation split:
-K-NN accuracy against the training embeddings (closed set) or leave-one-out precision@1
-within the validation identities (open set).
+Model selection during training (:func:`validation_metrics`) uses the validation split only,
+never the test split; ``selection`` (:func:`selection_metric`) says what it scores: K-NN
+accuracy against the training embeddings (validation classes seen in training), or leave-one-out
+precision@1 or the EER of the pairs *within* validation (validation classes disjoint from
+training, as in the test).
 """
 
 from __future__ import annotations
@@ -40,17 +45,24 @@ from torch import nn
 from marginkit.train.config import TrainConfig
 
 __all__ = [
+    "BOOTSTRAP_REPLICATES",
     "check_k_fits",
+    "check_selection",
     "confusion_matrix",
+    "data_note",
     "embed",
     "evaluate_model",
     "evaluate_run",
     "pca_2d",
     "roc_curve",
+    "selection_metric",
+    "selection_note",
     "validation_metrics",
 ]
 
 FARS = (1e-1, 1e-2, 1e-3, 1e-4)
+#: Subject-bootstrap replicates behind the intervals of open-set verification figures.
+BOOTSTRAP_REPLICATES = 200
 MAX_PROJECTED = 2000
 
 
@@ -153,6 +165,79 @@ def _knn(config: TrainConfig, k: int | None = None) -> Any:
     return KNNClassifier(k=k or config.k, metric=config.knn_metric, weights=config.knn_weights)
 
 
+def selection_metric(config: TrainConfig, splits: Any) -> str:
+    """What chooses ``best.pt``: ``config.selection``, or for ``auto`` K-NN accuracy against the
+    training embeddings (validation classes seen in training) or leave-one-out precision@1
+    within validation (validation classes disjoint from training)."""
+    if config.selection != "auto":
+        return config.selection
+    return "precision_at_1" if splits.val_open_set else "knn_accuracy"
+
+
+def check_selection(config: TrainConfig, splits: Any) -> None:
+    """Refuse, before training, a ``selection`` the validation split cannot score."""
+    from marginkit.train.errors import ConfigError
+
+    if len(splits.val) == 0:
+        return
+    what = selection_metric(config, splits)
+    if what == "knn_accuracy" and splits.val_open_set:
+        raise ConfigError(
+            "selection=knn_accuracy predicts training classes, but the validation classes are disjoint from "
+            "training: use selection=precision_at_1 or eer (or auto)"
+        )
+    counts = torch.bincount(splits.val.y)
+    if what in ("precision_at_1", "eer") and int(counts.max()) < 2:
+        raise ConfigError(
+            f"selection={what} scores pairs within validation, but no validation class has 2 samples: "
+            "use more validation data (val_fraction, val_classes)"
+        )
+    if what == "eer" and int((counts > 0).sum()) < 2:
+        raise ConfigError("selection=eer needs impostor pairs: at least 2 validation classes")
+
+
+def data_note(splits: Any) -> str:
+    """The log's line on the data: its splits' sizes and classes, closed- or open-set, and how
+    the classes were split."""
+    info = getattr(splits, "info", {})
+    sizes = f"{len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test samples"
+    if not splits.open_set:
+        closed = "closed set: the test classes are training classes"
+        return f"data {splits.name}: {sizes}, {splits.num_classes} classes ({closed})"
+    classes = info.get("classes")
+    if classes:
+        shown = f"training classes {classes['train']}, validation {classes['val']}, test {classes['test']}"
+    else:
+        shown = (
+            f"{splits.num_classes} training classes, {int(torch.unique(splits.test.y).numel())} test classes"
+        )
+    how = f" [{info['split']}]" if "split" in info else ""
+    return (
+        f"data {splits.name}: {sizes}; open set: the test classes are never seen in training, scored by "
+        f"verification and retrieval within them; {shown}{how}"
+    )
+
+
+def selection_note(config: TrainConfig, splits: Any) -> str:
+    """The log's line on model selection."""
+    if len(splits.val) == 0:
+        why = splits.info.get("val_split", "val_fraction=0")
+        return f"no validation split ({why}): best.pt is the last epoch's checkpoint"
+    classes = int(torch.unique(splits.val.y).numel())
+    where = (
+        f"the {len(splits.val)} validation samples of {classes} "
+        f"class{'es' if classes > 1 else ''} never trained on"
+        if splits.val_open_set
+        else f"{len(splits.val)} validation samples of the training classes"
+    )
+    what = {
+        "knn_accuracy": f"{config.k}-NN accuracy against the training embeddings",
+        "precision_at_1": "leave-one-out precision@1 within validation",
+        "eer": "the EER of the validation pairs (lower is better)",
+    }[selection_metric(config, splits)]
+    return f"model selection: {what}, on {where}; the test split is never looked at"
+
+
 def validation_metrics(
     model: nn.Module, head: nn.Module | None, splits: Any, config: TrainConfig, device: torch.device
 ) -> dict[str, Any]:
@@ -160,21 +245,31 @@ def validation_metrics(
     if len(splits.val) == 0:
         return {}
     bs = config.eval_batch_size
+    what = selection_metric(config, splits)
     val = embed(model, splits.val.x, batch_size=bs, device=device)
-    if splits.open_set:
+    out: dict[str, Any] = {}
+    if not splits.val_open_set:
+        train = embed(model, splits.train.x, batch_size=bs, device=device)
+        pred = _knn(config).fit(train, splits.train.y).predict(val)
+        out["val_knn_accuracy"] = float((pred.cpu() == splits.val.y).double().mean())
+        if head is not None:
+            with torch.no_grad():
+                head_pred = head(val.to(device)).argmax(-1).cpu()
+            out["val_head_accuracy"] = float((head_pred == splits.val.y).double().mean())
+    if what == "precision_at_1" or splits.val_open_set:
         from marginkit.metrics import knn_accuracy
 
-        # leave-one-out 1-NN within the validation identities = precision@1
+        # leave-one-out 1-NN within validation = precision@1
         p1 = knn_accuracy(val, splits.val.y, k=1, metric=config.knn_metric) if len(splits.val) > 1 else None
-        return {"val_precision_at_1": p1, "val_selection": p1}
-    train = embed(model, splits.train.x, batch_size=bs, device=device)
-    pred = _knn(config).fit(train, splits.train.y).predict(val)
-    acc = float((pred.cpu() == splits.val.y).double().mean())
-    out: dict[str, Any] = {"val_knn_accuracy": acc, "val_selection": acc}
-    if head is not None:
-        with torch.no_grad():
-            head_pred = head(val.to(device)).argmax(-1).cpu()
-        out["val_head_accuracy"] = float((head_pred == splits.val.y).double().mean())
+        out["val_precision_at_1"] = p1
+    if what == "eer":
+        from marginkit.metrics import eer, pair_scores
+
+        scores, genuine = pair_scores(val, splits.val.y, max_impostors=config.max_impostors, seed=config.seed)
+        out["val_eer"] = eer(scores, genuine)
+        out["val_selection"] = -out["val_eer"]
+    else:
+        out["val_selection"] = out[f"val_{what}"]
     return out
 
 
@@ -232,6 +327,9 @@ def evaluate_model(
         "num_train": len(splits.train),
         "num_test": len(splits.test),
     }
+    for key in ("split", "val_split", "class_split"):
+        if key in getattr(splits, "info", {}):
+            metrics[key] = splits.info[key]
     arrays: dict[str, np.ndarray] = {}
     knn = _knn(config, k).fit(train_emb, y_train, model_fingerprint=model_fingerprint(model))
     if not splits.open_set:
@@ -258,8 +356,12 @@ def evaluate_model(
             test_emb, y_test, k=k, metric=config.knn_metric, weights=config.knn_weights
         )
         metrics["knn_protocol"] = "leave-one-out within the test identities"
-        scores, genuine = pair_scores(test_emb, y_test, max_impostors=config.max_impostors, seed=config.seed)
-        ver = verification_metrics(scores, genuine, fars=FARS)
+        scores, genuine, pairs = pair_scores(
+            test_emb, y_test, max_impostors=config.max_impostors, seed=config.seed, return_pairs=True
+        )
+        ver = verification_metrics(
+            scores, genuine, fars=FARS, bootstrap=BOOTSTRAP_REPLICATES, groups=y_test[pairs], seed=config.seed
+        )
         metrics["verification"] = _jsonable(ver)
         far, tar = roc_curve(scores, genuine)
         arrays["roc_far"], arrays["roc_tar"] = far, tar

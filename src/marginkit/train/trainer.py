@@ -50,7 +50,14 @@ from marginkit.train.components import (
 )
 from marginkit.train.config import RUNTIME_KEYS, TrainConfig
 from marginkit.train.errors import CheckpointError, ConfigError, RunDirError, TrainingError
-from marginkit.train.evaluate import check_k_fits, evaluate_checkpoint, validation_metrics
+from marginkit.train.evaluate import (
+    check_k_fits,
+    check_selection,
+    data_note,
+    evaluate_checkpoint,
+    selection_note,
+    validation_metrics,
+)
 from marginkit.train.progress import ProgressBar
 from marginkit.train.registry import LOSSES
 from marginkit.train.rundir import (
@@ -199,6 +206,7 @@ class _Run:
     best_epoch: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     scaler: Any = None  # fp16's torch.amp.GradScaler (built at the first epoch of this process)
+    augment: Any = None  # marginkit.data.augment.BatchAugment of the training batches, or None
 
     @property
     def spec_norms(self) -> bool:
@@ -360,9 +368,9 @@ def _restore(
         splits = load_splits(config)
     facts = data_facts(splits)
     check_k_fits(config, splits)
-    if len(splits.val) == 0:
-        why = splits.info.get("val_split", "val_fraction=0")
-        log(f"no validation split ({why}): best.pt is the last epoch's checkpoint")
+    check_selection(config, splits)
+    log(data_note(splits))
+    log(selection_note(config, splits))
     model, head, loss_fn = build_components(config, facts, device)
     par, head = _ddp.parallelize(ctx, model, head, loss_fn, device)
     optimizer = build_optimizer(config, model, head)
@@ -379,6 +387,10 @@ def _restore(
     scheduler = lr_scheduler(config, optimizer, len(batches))
     run = _Run(ctx, config, splits, facts, device, model, head, par, optimizer, scheduler, batches, rundir,
                run_dir, log)  # fmt: skip
+    run.augment = _augmenter(config, splits)
+    if run.augment is not None:
+        shown = ", ".join(f"{k} {v:g}" for k, v in run.augment.options.items())
+        log(f"augmentation of the training batches ({run.augment.kind}s): {shown}; none at evaluation")
     if ckpt is None:
         payload = run.checkpoint()
         if rundir is not None:
@@ -407,6 +419,29 @@ def _restore(
         rundir.write_config(config)
     log(f"resuming {run_dir} after epoch {run.epoch}/{config.epochs}")
     return run
+
+
+def _augmenter(config: TrainConfig, splits: Any) -> Any:
+    """The run's :class:`~marginkit.data.augment.BatchAugment` (``None`` without ``augment``):
+    image transforms for images, time shifts and masks for the sequences of ``cnn1d``."""
+    if not config.augment:
+        return None
+    from marginkit.data.augment import BatchAugment
+
+    model = resolve_model_name(config, tuple(splits.input_shape), str(splits.name))
+    if splits.kind == "image":
+        kind = "image"
+    elif model == "cnn1d":
+        kind = "sequence"
+    else:
+        raise ConfigError(
+            f"augment applies to images and to sequences (model cnn1d); {splits.name!r} has feature "
+            f"vectors of shape {tuple(splits.input_shape)} for model {model!r}: drop augment"
+        )
+    try:
+        return BatchAugment(config.augment, kind)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _epochs(run: _Run, end_epoch: int, *, quiet: bool) -> None:
@@ -476,10 +511,13 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
     for idx in run.batches:
         idx = torch.as_tensor(idx, dtype=torch.long)
         batch_samples = int(idx.numel())
-        if ctx.active:  # this rank's share of the global batch
-            idx = idx[ctx.share(batch_samples)]
-        xb = train_x[idx].to(run.device, non_blocking=True)
-        yb = train_y[idx].to(run.device, non_blocking=True)
+        share = ctx.share(batch_samples) if ctx.active else slice(None)  # this rank's part of the batch
+        if run.augment is None:
+            xb = train_x[idx[share]].to(run.device, non_blocking=True)
+        else:  # the global batch, as one process would augment it: N ranks train as one
+            xb = train_x[idx].to(run.device, non_blocking=True)
+            xb = run.augment(xb, seed=config.seed, epoch=epoch, step=n_steps)[share]
+        yb = train_y[idx[share]].to(run.device, non_blocking=True)
         with autocast:
             emb = par.model(xb)
             if ctx.any(not bool(torch.isfinite(emb).all()), run.device):
@@ -576,7 +614,7 @@ def _final_evaluation(run: _Run, *, report: bool) -> dict[str, Any]:
 
 def _epoch_line(row: dict[str, Any], epochs: int) -> str:
     parts = [f"epoch {row['epoch']:>3}/{epochs}", f"loss {row['train_loss']:.4f}"]
-    for key in ("val_knn_accuracy", "val_precision_at_1", "val_head_accuracy"):
+    for key in ("val_knn_accuracy", "val_precision_at_1", "val_eer", "val_head_accuracy"):
         if key in row and row[key] is not None:
             parts.append(f"{key} {row[key]:.4f}")
     parts.append(f"{row['samples_per_second']:.0f} samples/s")
