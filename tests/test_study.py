@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,6 +139,33 @@ def test_full_plan_covers_the_issue() -> None:
     assert paper == set(KNN_LOSSES)
 
 
+def test_faces_section_is_leave_people_out_folds_with_and_without_augmentation(tmp_path) -> None:
+    from dataclasses import replace
+
+    from marginkit.study.plan import FACE_LOSSES, FACE_PEERS
+    from marginkit.study.runner import face_jobs
+
+    faces = tmp_path / "yale"
+    for person in range(15):
+        (faces / f"subject{person:02d}").mkdir(parents=True)
+    plan = replace(study_plan(quick=False), faces=str(faces))
+    jobs = face_jobs(plan)
+    base = [j for j in jobs if j["kind"] == "faces_baseline"]
+    runs = [j for j in jobs if j["kind"] == "faces"]
+    assert [j["fold"] for j in base] == [0, 1, 2] and plan.faces_seeds >= 3
+    assert all(j["data_options"] == {"image_size": 64, "folds": 3, "split": "classes", "fold": j["fold"],
+                                     "split_seed": 0} for j in jobs)  # fmt: skip
+    rows = {(j["loss"], j["augment"]) for j in runs}
+    assert rows == {(loss, False) for loss in (*FACE_LOSSES, *FACE_PEERS)} | {
+        (loss, True) for loss in FACE_LOSSES
+    }
+    assert len(runs) == 3 * plan.faces_seeds * len(rows)
+    assert all(
+        j["train_options"].get("augment") == (plan.face_augment if j["augment"] else None) for j in runs
+    )
+    assert face_jobs(replace(plan, faces=str(tmp_path / "absent"))) == []  # no faces here: no section jobs
+
+
 def test_tuning_spaces_are_options_of_their_losses() -> None:
     from marginkit.study.tuning import PAPER, SPACES
     from marginkit.train import TrainConfig
@@ -166,13 +194,17 @@ def test_quick_study_writes_every_table(tmp_path) -> None:
     first = next(line for line in lines if line.startswith(f"[1/{n}]"))
     assert re.search(r" ETA [\d:]+ \+ \d+ jobs not timed yet$", first), first
     assert next(line for line in lines if line.startswith(f"[{n}/{n}]")).endswith("ETA 0:00")
+    faces = Path(study_plan(quick=True).faces).is_dir()  # the real faces of ../shared/data, if here
     for name in TABLES:
-        assert "|" in (tmp_path / "tables" / f"{name}.md").read_text(encoding="utf-8"), name
+        table = (tmp_path / "tables" / f"{name}.md").read_text(encoding="utf-8")
+        assert "|" in table or (name == "faces" and not faces and table.startswith("Not run: no faces")), name
     md = (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
-    assert "## Verdicts" in md and all(f"## {i}." in md for i in range(1, 9))
+    assert "## Verdicts" in md and all(f"## {i}." in md for i in range(1, 11))
     claims = json.loads((tmp_path / "claims.json").read_text(encoding="utf-8"))
     verdicts = ("supported", "not supported", "mixed", "contradicted", "not measured")
-    assert len(claims) == 6 and all(c["verdict"] in verdicts for c in claims)
+    assert len(claims) == 7 and all(c["verdict"] in verdicts for c in claims)
+    face_claim = next(c for c in claims if c["claim"].startswith("On real faces"))
+    assert (face_claim["verdict"] != "not measured") == faces  # 3 folds x 1 seed: 3 paired units
     assert res["wall_seconds"] > 0
     cost = json.loads((tmp_path / "cost.json").read_text(encoding="utf-8"))
     assert cost["missing"] == 0 and cost["job_cpu_seconds"] > 0

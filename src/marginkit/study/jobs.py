@@ -4,7 +4,8 @@ full config) and ``result.json`` into ``OUT/runs/<name>/`` and returns the resul
 Kinds: ``tune`` (one loss's Optuna study, :mod:`marginkit.study.tuning`), ``knn`` (small-data
 K-NN classification through :func:`marginkit.train.train`), ``baseline`` (raw-input K-NN and a
 logistic regression on the same subset), ``disjoint`` (train on half of the classes, retrieve
-and verify on the unseen half), ``identities`` (open-set verification at very low FAR),
+and verify on the unseen half), ``faces`` and ``faces_baseline`` (real faces, leave-people-out
+folds: a loss, or raw pixels and Eigenfaces), ``identities`` (open-set verification at very low FAR),
 ``margin`` (cross-entropy, Crammer–Singer hinge and MEP, evaluated with fake-quantised weights)
 and ``e2e`` (training-step throughput, backbone + head + loss and head + loss alone).
 
@@ -126,12 +127,6 @@ def _train(job: dict[str, Any], run_dir: Path, splits: Any) -> tuple[dict[str, A
     return {"config": config.to_dict(), "metrics": result.metrics, "train_seconds": result.seconds}, run
 
 
-def _subset(split: Any, keep: torch.Tensor, offset: int = 0) -> Any:
-    from marginkit.data import Split
-
-    return Split(split.x[keep], split.y[keep] - offset)
-
-
 def _verification(
     emb: torch.Tensor, labels: torch.Tensor, max_impostors: int | None = None
 ) -> dict[str, Any]:
@@ -210,26 +205,19 @@ def _job_baseline(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 def _job_disjoint(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """Train on classes ``0..H-1`` (H = C // 2); query the unseen classes' test rows among
-    themselves (retrieval, Musgrave et al. 2020) and score their pairs (open-set verification)."""
-    import dataclasses
-
+    """Train on the first half of the classes (``split=halves``, the retrieval benchmarks'
+    convention); query the unseen half's samples among themselves (retrieval, Musgrave et al.
+    2020) and score their pairs (open-set verification) and 1:N search."""
     from marginkit.metrics import retrieval_metrics
     from marginkit.train.evaluate import embed
 
-    full = _load(job["data"], job["seed"], job.get("per_class"), job.get("data_options"))
-    half = full.num_classes // 2
-    seen_tr, seen_te = full.train.y < half, full.test.y < half
-    splits = dataclasses.replace(
-        full,
-        train=_subset(full.train, seen_tr),
-        val=_subset(full.train, torch.zeros_like(seen_tr)),
-        test=_subset(full.test, seen_te),
-        num_classes=half,
-        class_names=None,
-    )
-    res: dict[str, Any] = {"seen_classes": half, "unseen_classes": full.num_classes - half}
-    query = _subset(full.test, ~seen_te, half)
+    splits = _load(job["data"], job["seed"], job.get("per_class"), job["data_options"])
+    query = splits.test
+    res: dict[str, Any] = {
+        "seen_classes": splits.num_classes,
+        "unseen_classes": int(torch.unique(query.y).numel()),
+        "num_queries": len(query),
+    }
     out: dict[str, Any] = {"config": job}
     x = query.x.flatten(1)  # loss "raw": the inputs themselves, the baseline
     if job["loss"] != "raw":
@@ -241,6 +229,49 @@ def _job_disjoint(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     res["identification"] = _identification(x, query.y, job["seed"])
     out["result"] = res
     return out
+
+
+#: What a faces job keeps of the run's open-set metrics (``verification`` with its intervals).
+_FACE_METRICS = ("map_at_r", "precision_at_1", "r_precision", "knn_accuracy", "num_train", "num_test")
+
+
+def _face_result(metrics: dict[str, Any]) -> dict[str, Any]:
+    ver = metrics["verification"]
+    ci = ver.get("confidence_intervals") or {}
+    return {
+        **{key: metrics.get(key) for key in _FACE_METRICS},
+        "verification": {
+            "eer": ver["eer"], "tar_at_far": ver["tar_at_far"], "min_dcf": ver["min_dcf"],
+            "eer_interval": ci.get("eer"), "tar_at_far_interval": ci.get("tar_at_far"),
+            "num_genuine_pairs": ver["num_genuine"], "num_impostor_pairs": ver["num_impostor"],
+        },
+    }  # fmt: skip
+
+
+def _job_faces(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One loss on one leave-people-out fold of the real faces, at the library's defaults (epochs
+    from the data's size, no validation split: the last checkpoint); the run's own open-set
+    evaluation (verification with subject-bootstrap intervals, retrieval within the test people)."""
+    splits = _load(job["data"], job["seed"], None, job["data_options"])
+    out, _ = _train(job, run_dir, splits)
+    out["result"] = {**_face_result(out["metrics"]), "epochs": out["config"]["epochs"]}
+    out["result"]["test_people"] = splits.info["class_split"]["test"]
+    return out
+
+
+def _job_faces_baseline(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Raw pixels and whitened PCA (Eigenfaces, fitted on the fold's training people) on one fold,
+    by the same evaluation as the losses' runs."""
+    from marginkit.train import TrainConfig
+    from marginkit.train.baselines import evaluate_baselines
+
+    splits = _load(job["data"], 0, None, job["data_options"])
+    config = TrainConfig(data=job["data"], k=job["k"], max_impostors=20_000, val_fraction=0.0)
+    found = evaluate_baselines(splits, config)
+    result = {name: _face_result(metrics) for name, metrics in found.items()}
+    result["pca_whitened"]["pca_components"] = found["pca_whitened"]["pca_components"]
+    result["test_people"] = splits.info["class_split"]["test"]
+    return {"config": job, "result": result}
 
 
 def _job_identities(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -404,6 +435,8 @@ _KINDS = {
     "knn": _job_knn,
     "baseline": _job_baseline,
     "disjoint": _job_disjoint,
+    "faces": _job_faces,
+    "faces_baseline": _job_faces_baseline,
     "identities": _job_identities,
     "margin": _job_margin,
     "e2e": _job_e2e,
@@ -440,16 +473,23 @@ def _results_keys(train: dict[str, Any]) -> dict[str, Any]:
 def _legacy(defaults: Any) -> Any:
     """Stored defaults in today's spelling: ``amp`` was a bool before fp16, read as the config
     reads it (:func:`marginkit.train.config.amp_mode`: False is "off", True "bf16"); runtime
-    keys, stored before they were left out, are dropped."""
+    keys, stored before they were left out, are dropped; keys added since (:data:`_ADDED_KEYS`)
+    read as the values that reproduce the stored runs."""
     from marginkit.train.config import amp_mode
 
     train = defaults.get("train") if isinstance(defaults, dict) else None
     if isinstance(train, dict):
-        train = _results_keys(train)
+        train = {**_ADDED_KEYS, **_results_keys(train)}
         if isinstance(train.get("amp"), bool):
             train["amp"] = amp_mode(train["amp"])
         defaults = {**defaults, "train": train}
     return defaults
+
+
+#: TrainConfig keys added after results were stored, at the values that compute what the runs
+#: did before them: no augmentation; ``selection: auto`` is the K-NN accuracy (closed set) or
+#: leave-one-out precision@1 (disjoint validation) that selected checkpoints before.
+_ADDED_KEYS = {"augment": {}, "selection": "auto"}
 
 
 def _wired(result: Any) -> bool:

@@ -7,7 +7,18 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["KNN_LOSSES", "PEER_LOSSES", "PEER_TRAIN_OPTIONS", "StudyPlan", "identity_rows", "study_plan"]
+__all__ = [
+    "FACES",
+    "FACE_AUGMENT",
+    "FACE_LOSSES",
+    "FACE_PEERS",
+    "KNN_LOSSES",
+    "PEER_LOSSES",
+    "PEER_TRAIN_OPTIONS",
+    "StudyPlan",
+    "identity_rows",
+    "study_plan",
+]
 
 #: Losses of the small-data and retrieval sections, in table order.
 KNN_LOSSES = ("softmax", "cosface", "qmargin", "mep", "circle", "triplet", "local_triplet")
@@ -26,6 +37,15 @@ PEER_LOSSES = (
 )
 #: Training options a peer loss cannot run without (AdaFace reads the embedding norms).
 PEER_TRAIN_OPTIONS: dict[str, dict[str, Any]] = {"adaface": {"normalize": False}}
+#: Real faces, people never seen in training: the seeds' losses, each without and with augmentation ...
+FACE_LOSSES = ("qmargin", "circle", "local_triplet", "mep")
+#: ... and the field's margin and pair baselines, without augmentation.
+FACE_PEERS = ("cosface", "arcface", "triplet")
+#: The augmentation of the faces section's "+ augment" rows (``--augment``).
+FACE_AUGMENT = "flip,crop,rotate,brightness,contrast"
+#: Where the faces section reads the Yale faces (``folder:`` spec), relative to the working directory:
+#: the repository's root in a checkout beside ``shared/``. The section is skipped when it is absent.
+FACES = "../shared/data/yalefaces"
 
 
 @dataclass
@@ -63,6 +83,12 @@ class StudyPlan:
     e2e: dict[str, Any] = field(default_factory=dict)
     jobs: int = 2
     k: int = 5
+    faces: str = FACES
+    faces_options: dict[str, Any] = field(default_factory=lambda: {"image_size": 64, "folds": 3})
+    faces_seeds: int = 3
+    face_losses: tuple[str, ...] = FACE_LOSSES
+    face_peers: tuple[str, ...] = FACE_PEERS
+    face_augment: str = FACE_AUGMENT
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +131,10 @@ _QUICK: dict[str, Any] = {
     "train_options": {"epochs": 3},
     "margin_epochs": 3,
     "e2e": {**_E2E, "classes": [1000], "rounds": 2, "batch": 32, "hidden": [64]},
+    "faces_options": {"image_size": 16, "folds": 3},
+    "faces_seeds": 1,
+    "face_losses": ("circle",),
+    "face_peers": ("cosface",),
 }
 
 

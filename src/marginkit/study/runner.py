@@ -31,7 +31,7 @@ from marginkit.study.sections import TABLES, build_tables, results_markdown
 from marginkit.study.tuning import partial_result
 from marginkit.train.progress import RunsProgress
 
-__all__ = ["TABLES", "build_jobs", "run_study"]
+__all__ = ["TABLES", "build_jobs", "face_jobs", "run_study"]
 
 
 def setting_name(data: str, per_class: int | None) -> str:
@@ -140,6 +140,7 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
                         "name": f"disjoint/{setting_name(data, pc)}/{loss}/seed{seed}",
                         "kind": "disjoint",
                         "data": data,
+                        "data_options": {"split": "halves"},
                         "per_class": pc,
                         "seed": seed,
                         "loss": loss,
@@ -177,6 +178,7 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
                         "weight_decay": 5e-4,
                     }
                 )
+    jobs.extend(face_jobs(plan))
     jobs.append({"name": "throughput/e2e", "kind": "e2e", **plan.e2e})
     target = (plan.tune_data, plan.tune_per_class)
 
@@ -191,9 +193,37 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
             return 1
         if job["kind"] == "e2e":
             return 2
-        return 3 + job["seed"]
+        return 3 + job.get("seed", 0)  # the faces baselines have no seed: with seed 0
 
     return sorted(jobs, key=priority)  # stable: the order above within a tier
+
+
+def face_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
+    """The real-faces section: leave-people-out folds of the Yale faces (``split=classes``,
+    ``folds``), the baselines once per fold, every loss per fold and seed; none when the faces
+    are absent (the section says so)."""
+    if not Path(plan.faces).is_dir():
+        return []
+    data, folds = f"folder:{plan.faces}", int(plan.faces_options["folds"])
+    opts = dict(plan.train_options)
+    jobs: list[dict[str, Any]] = []
+    for fold in range(folds):
+        options = {**plan.faces_options, "split": "classes", "fold": fold, "split_seed": 0}
+        base = {"data": data, "data_options": options, "fold": fold}
+        jobs.append({"name": f"faces/fold{fold}/baselines", "kind": "faces_baseline", **base, "k": plan.k})
+        for seed in range(plan.faces_seeds):
+            rows = [(loss, False) for loss in (*plan.face_losses, *plan.face_peers)]
+            rows += [(loss, True) for loss in plan.face_losses]
+            for loss, augmented in rows:
+                train = {**opts, **({"augment": plan.face_augment} if augmented else {})}
+                jobs.append(
+                    {
+                        "name": f"faces/fold{fold}/{loss}{'-augment' if augmented else ''}/seed{seed}",
+                        "kind": "faces", **base, "seed": seed, "loss": loss, "augment": augmented,
+                        "train_options": train,
+                    }
+                )  # fmt: skip
+    return jobs
 
 
 def cost_group(job: dict[str, Any]) -> tuple[Any, ...]:
@@ -202,7 +232,8 @@ def cost_group(job: dict[str, Any]) -> tuple[Any, ...]:
     The kinds cost orders of magnitude apart (a tuning job trains dozens of models, a baseline
     none), and within a kind the data set and the loss set the cost.
     """
-    return (job["kind"], job.get("data"), job.get("per_class"), job.get("loss"), job.get("label"))
+    return (job["kind"], job.get("data"), job.get("per_class"), job.get("loss"), job.get("label"),
+            job.get("augment"))  # fmt: skip
 
 
 def _run_all(
