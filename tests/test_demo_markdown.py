@@ -54,7 +54,7 @@ def test_readme_table_is_the_markdown_output():
         if not line.startswith("|"):
             break
         rows.append(line.split("|")[1].strip())
-    assert rows == list(DEMO_LOSSES)
+    assert rows == [*DEMO_LOSSES, "raw_1nn (baseline)", "logistic (baseline)"]  # compare's baselines last
     after = lines[start + 2 + len(rows) :]
     conditions = next(line for line in after if line.strip())
     assert re.match(
@@ -72,4 +72,4 @@ def test_two_demo_runs_give_identical_tables(tmp_path, capsys):
         assert main([*args, "--jobs", str(jobs), "--markdown", "-q"]) == 0
         tables.append(table_lines(capsys.readouterr().out))
     assert tables[0] == tables[1]
-    assert tables[0][0] == HEADER and len(tables[0]) == 4
+    assert tables[0][0] == HEADER and len(tables[0]) == 6  # two losses, two baselines
