@@ -180,8 +180,11 @@ def test_compare_writes_table_csv_plot_and_report(tmp_path, features, capsys):
     assert "| loss | knn_accuracy" in out and "| circle |" in out and " ± " in out
     c = tmp_path / "c"
     summary = json.loads((c / "summary.json").read_text())
-    assert [r["loss"] for r in summary] == ["softmax", "circle"]
-    assert all(r["n_seeds"] == 2 and "knn_accuracy" in r and "map_at_r" in r for r in summary)
+    assert [r["loss"] for r in summary] == ["softmax", "circle", "raw_1nn", "logistic"]
+    assert all(r["n_seeds"] == 2 for r in summary) and summary[3]["head_accuracy"] is not None
+    assert all("knn_accuracy" in r and "map_at_r" in r for r in summary[:3])
+    assert [r["kind"] for r in summary] == ["class", "pair", "baseline", "baseline"]
+    assert "| raw_1nn (baseline) |" in out and "ver_eer" not in out  # closed set: verification in the report
     assert summary[1]["knn_accuracy_std"] is not None
     rows = list(csv.DictReader((c / "summary.csv").open()))
     assert rows[0]["loss"] == "softmax" and "map_at_r_std" in rows[0]

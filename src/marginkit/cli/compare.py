@@ -188,6 +188,8 @@ def summary_row(
 
     row = aggregate(loss, [_row_metrics(m) for m in per_seed])
     row["kind"] = LOSSES[loss].kind
+    row["open_set"] = any(bool(m.get("open_set")) for m in per_seed)
+    row["protocol"] = next((m["protocol"] for m in per_seed if m.get("protocol")), None)
     known = [t for t in seconds if t is not None]
     row["seconds"] = sum(known) / len(known) if known else None
     row["runs"] = [str(p) for p in runs]
@@ -210,6 +212,7 @@ def baseline_rows(configs: Sequence[Any], *, protocol: Any = None) -> list[dict[
     for name, found in per_seed.items():
         row = aggregate(name, [_row_metrics(m) for m in found])
         row.update(kind="baseline", description=BASELINES[name], seconds=None, runs=[])
+        row["open_set"] = any(bool(m.get("open_set")) for m in found)
         rows.append(row)
     return rows
 
@@ -253,11 +256,12 @@ def markdown_table(summary: list[dict[str, Any]], metrics: Sequence[str]) -> str
     return "\n".join(lines)
 
 
-_NOT_COLUMNS = ("loss", "kind", "n_seeds", "runs", "seconds", "description")
+_NOT_COLUMNS = ("loss", "kind", "n_seeds", "runs", "seconds", "description", "open_set", "protocol")
 
 
-#: Columns of the printed tables: the headline metrics and the protocols' scores; the rest of a
-#: row (thresholds, cost parameters, pair counts) stays in summary.json.
+#: Columns of the printed tables: the headline metrics and the protocols' scores (verification of
+#: closed-set runs only in the report); the rest of a row (thresholds, cost parameters, pair
+#: counts) stays in summary.json.
 _TABLE_COLUMN = re.compile(
     rf"({'|'.join(TABLE_METRICS)}"
     r"|(ver|ver_norm|tpl|tpl_norm)_(eer|auc|min_dcf|cllr|min_cllr|actual_dcf|tar_at_far_.+)"
@@ -271,6 +275,8 @@ def _columns(summary: list[dict[str, Any]]) -> list[str]:
         for key in row:
             if key.endswith("_std") or key in _NOT_COLUMNS or key in cols or not _TABLE_COLUMN.fullmatch(key):
                 continue
+            if key.startswith("ver_") and not (row.get("open_set") or row.get("protocol")):
+                continue  # a closed-set run's test pairs, unasked: in summary.json and the report
             cols.append(key)
     order = {k: i for i, k in enumerate(TABLE_METRICS)}
     first_seen = {k: i for i, k in enumerate(cols)}

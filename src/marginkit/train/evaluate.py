@@ -8,6 +8,8 @@ Closed-set data (test classes = training classes):
 - ``head_accuracy`` — arg-max of the cosine head (class-level losses only).
 - retrieval on the test set (query = every test sample, references = the other test
   samples): ``precision_at_1``, ``r_precision``, ``map_at_r`` (Musgrave et al. 2020).
+- verification of every genuine and up to ``max_impostors`` impostor test pairs (as below, without
+  the intervals);
 - the margin gap ``min_pos cos − max_neg cos`` of the head on every test sample
   (:func:`marginkit.ops.margin_gap`) and, for alpha losses, the support size of the sparse
   posterior on the test set.
@@ -150,6 +152,12 @@ def check_k_fits(config: TrainConfig, splits: Any, k: int | None = None) -> None
             f"k={k} needs at least {need} {what}, but {splits.name!r} has {have}: {lower}use more data "
             "(a larger train_per_class or data set, a smaller val_fraction)"
         )
+
+
+def _has_pairs(labels: torch.Tensor) -> bool:
+    """Whether ``labels`` give genuine pairs (a class with 2 samples) and impostor pairs (2 classes)."""
+    counts = torch.unique(labels, return_counts=True)[1]
+    return counts.numel() >= 2 and int(counts.max()) >= 2
 
 
 def _retrieval_cutoffs(labels: torch.Tensor) -> tuple[int, ...]:
@@ -356,11 +364,13 @@ def evaluate_model(
             test_emb, y_test, k=k, metric=config.knn_metric, weights=config.knn_weights
         )
         metrics["knn_protocol"] = "leave-one-out within the test identities"
+    if _has_pairs(y_test):  # verification of the test pairs (open set: with subject-bootstrap intervals)
         scores, genuine, pairs = pair_scores(
             test_emb, y_test, max_impostors=config.max_impostors, seed=config.seed, return_pairs=True
         )
+        replicates = BOOTSTRAP_REPLICATES if splits.open_set else 0
         ver = verification_metrics(
-            scores, genuine, fars=FARS, bootstrap=BOOTSTRAP_REPLICATES, groups=y_test[pairs], seed=config.seed
+            scores, genuine, fars=FARS, bootstrap=replicates, groups=y_test[pairs], seed=config.seed
         )
         metrics["verification"] = _jsonable(ver)
         far, tar = roc_curve(scores, genuine)
