@@ -458,6 +458,11 @@ class Gallery:
             self._sync()
             return len(self._owner)
 
+    def size_hint(self) -> int:
+        """Templates the gallery held at its last look at the storage: cheap (no check of the
+        file), and it may lag other processes' commits; for sizing work, never for answers."""
+        return len(self._owner)
+
     def identities(self) -> list[str]:
         """Enrolled identity names, in enrollment order."""
         with self._lock:
