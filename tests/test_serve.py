@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -595,16 +596,20 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.slow
-def test_readme_deploy_commands_run_as_written(tmp_path):
-    """The README's train -> export -> serve block, run by bash in a scratch directory."""
+def test_readme_deploy_example_runs_and_shows_a_match_an_unknown_and_a_rejection(tmp_path):
+    """The README's train -> export -> serve block, then its Python client, run by bash in a
+    scratch directory: the printed answers are the ones the README explains."""
     text = README.read_text(encoding="utf-8")
-    block = re.search(r"<!-- deploy -->\s*```bash\n(.*?)```", text, re.S)
-    assert block, "README has no deploy block"
-    script = block.group(1)
-    assert script.count("marginkit ") == 3 and script.count("curl ") == 2
+    found = re.search(
+        r"<!-- deploy -->\s*```bash\n(.*?)```.*?```python\n(.*?)```\s*```text\n(.*?)```", text, re.S
+    )
+    assert found, "README has no deploy block followed by its client and the client's output"
+    script, client, shown = found.groups()
+    assert script.count("marginkit ") == 3 and "/health" in script
+    (tmp_path / "client.py").write_text(client, encoding="utf-8")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script],
+        ["bash", "-euo", "pipefail", "-c", f"{script}\npython client.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -612,5 +617,14 @@ def test_readme_deploy_commands_run_as_written(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
-    assert [r["identity"] for r in results] == ["alice"] * len(results)
+    health = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"status"')))
+    assert health["gallery"] == {"identities": 0, "templates": 0} and health["far"] == 1e-3
+    printed = [line for line in done.stdout.splitlines() if not line.startswith(("INFO", "serving", '{"'))]
+    printed = printed[-3:]
+    words = [line.split()[:2] for line in printed[:2]]
+    assert words == [["match", "three"], ["unknown", "None"]], printed
+    assert [line.split()[:2] for line in shown.strip().splitlines()[:2]] == words
+    verdict = ast.literal_eval(printed[2])  # the dict the README prints
+    assert verdict["identity"] == "seven" and verdict["match"] is False
+    assert verdict["score"] < verdict["threshold"] == pytest.approx(health["threshold"])
+    assert re.search(r"POST /enroll HTTP/1.1\" 200", done.stdout + done.stderr)  # the access log
