@@ -29,7 +29,11 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
     p = sub.add_parser("serve", help="serve a bundle and a gallery over HTTP", allow_abbrev=False)
     common(p)
     p.add_argument("bundle", metavar="BUNDLE")
-    p.add_argument("--gallery", required=True, metavar="PATH", help="gallery database (created when missing)")
+    p.add_argument(
+        "--gallery", required=True, metavar="PATH",
+        help="the gallery (created when missing): a SQLite file, a milvus-lite file *.milvus.db, or a Milvus "
+        "server milvus://HOST:PORT[/COLLECTION] (marginkit[milvus])",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate of the decisions")
@@ -86,6 +90,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError("--max-body-mb must be > 0 and --max-batch >= 1")
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1 and str(args.gallery).endswith(".milvus.db"):
+        raise UserError(
+            "a milvus-lite gallery file is open in one process at a time: use --workers 1, or a Milvus "
+            "server (--gallery milvus://HOST:PORT/COLLECTION)"
+        )
     try:
         with user_errors():
             token = read_token(args.token_file) if args.token_file else None
