@@ -95,6 +95,20 @@ def test_verify_identify_classify_equal_brute_force(tmp_path, gen, backend):
     assert g.identify(probes[0], k=2).candidates[0].identity == ident[0].candidates[0].identity
 
 
+def test_hnsw_search_finds_the_exact_answers_on_separated_identities(tmp_path, gen):
+    names, owner, templates, centres = population(gen, identities=60)
+    exact, hnsw = (new_gallery(tmp_path / f"{b}.db", backend=b) for b in ("exact", "hnsw"))
+    for g in (exact, hnsw):
+        fill(g, names, owner, templates)
+    probes = unit(centres + 0.2 * torch.randn(centres.shape, generator=gen))
+    a, b = exact.identify(probes, k=3), hnsw.identify(probes, k=3)
+    same = sum(x.candidates[0].identity == y.candidates[0].identity for x, y in zip(a, b, strict=True))
+    assert same / len(a) >= 0.95
+    assert [v.score for v in exact.verify(probes, names)] == pytest.approx(
+        [v.score for v in hnsw.verify(probes, names)]
+    )  # verification never goes through the approximate index
+
+
 def test_persists_across_reopen_and_refuses_another_model(tmp_path, gen):
     names, owner, templates, centres = population(gen)
     path = tmp_path / "g.db"

@@ -99,7 +99,10 @@ class Gallery:
             calibration table (ignored when ``threshold`` is given).
         threshold: explicit score threshold (accept iff score > threshold).
         k: neighbours of :meth:`classify`'s vote.
-        backend: ``"exact"`` (torch) or ``"faiss"`` (``marginkit[faiss]``) template search.
+        backend: the template search: ``"exact"`` (torch), ``"faiss"`` (FAISS flat, exact) or
+            ``"hnsw"`` (FAISS HNSW, approximate: for millions of templates; its recall is
+            measured by ``benchmarks/bench_gallery_scale.py``), the last two with
+            ``marginkit[faiss]``. A Milvus gallery takes ``"exact"``, ``"hnsw"`` or ``"ivf"``.
         timeout: seconds a write waits for another process's transaction.
 
     Thread-safe: one lock serialises the calls of the threads of a process; other processes
@@ -178,7 +181,7 @@ class Gallery:
         return super().__new__(cls)
 
     #: Template searches this storage offers (``backend=``).
-    BACKENDS: tuple[str, ...] = ("exact", "faiss")
+    BACKENDS: tuple[str, ...] = ("exact", "faiss", "hnsw")
 
     def _open(
         self, path: Any, model_fingerprint: str | None, embedding_dim: int | None, timeout: float
