@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 
 from marginkit.gallery import Gallery, GalleryError, UnknownIdentityError
 from marginkit.gallery.store import Store
+from proc_utils import acks_then_kill
 
 FP = "sha256:" + "ab" * 32
 DIM = 8
@@ -335,18 +335,7 @@ def test_kill_9_loses_no_acknowledged_enrollment(tmp_path, acks):
         [sys.executable, "-c", CHILD, str(path), "k", "100000", FP],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
     )  # fmt: skip
-    acknowledged = []
-    try:
-        assert child.stdout is not None
-        deadline = time.monotonic() + 180
-        while len(acknowledged) < acks and time.monotonic() < deadline:
-            line = child.stdout.readline()
-            if not line:
-                break
-            acknowledged.append(line.strip())
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
+    acknowledged = acks_then_kill(child, acks, 180)
     assert len(acknowledged) == acks, child.stderr.read() if child.stderr else ""
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
+
+from proc_utils import acks_then_kill
 
 pytest.importorskip(
     "milvus_lite", reason="the Milvus gallery's tests need milvus-lite: pip install 'marginkit[milvus]'"
@@ -135,18 +135,7 @@ def test_kill_9_during_enrollment_loses_no_acknowledged_enrollment(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    acknowledged = []
-    try:
-        assert child.stdout is not None
-        deadline = time.monotonic() + 300
-        while len(acknowledged) < 30 and time.monotonic() < deadline:
-            line = child.stdout.readline()
-            if not line:
-                break
-            acknowledged.append(line.strip())
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
+    acknowledged = acks_then_kill(child, 30)
     assert len(acknowledged) == 30, child.stderr.read() if child.stderr else ""
     g = Gallery(path, threshold=0.5)
     present = g.identities()

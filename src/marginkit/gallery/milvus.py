@@ -45,7 +45,7 @@ import torch
 
 from marginkit.gallery.core import Gallery, UnknownIdentityError
 from marginkit.gallery.results import Candidate
-from marginkit.gallery.store import GalleryError
+from marginkit.gallery.store import GalleryError, check_model, require_facts
 
 __all__ = ["FORMAT", "MILVUS_HINT", "MilvusGallery"]
 
@@ -134,11 +134,8 @@ class MilvusGallery(Gallery):
         c = self._client
         index_type, build, _ = _INDEXES[self.backend]
         if not c.has_collection(self._tcol):
-            if fingerprint is None or dim is None:
-                raise GalleryError(
-                    f"{self._where}: a new gallery needs the model fingerprint and the embedding "
-                    "dimension (pass a bundle, or model_fingerprint= and embedding_dim=)"
-                )
+            require_facts(self._where, fingerprint, dim)
+            assert fingerprint is not None and dim is not None
             facts = {
                 "format": FORMAT, "version": str(VERSION), "model_fingerprint": fingerprint,
                 "dim": str(int(dim)), "metric": "cosine",
@@ -177,16 +174,7 @@ class MilvusGallery(Gallery):
                 f"{self._where}: gallery format version {facts.get('version')}; "
                 f"this marginkit reads {VERSION}"
             )
-        if fingerprint is not None and facts.get("model_fingerprint") != fingerprint:
-            raise GalleryError(
-                f"{self._where}: this gallery holds embeddings of model "
-                f"{facts.get('model_fingerprint')}, not of {fingerprint}; embeddings of another model "
-                "live in another space: enroll the identities again into a new gallery"
-            )
-        if dim is not None and facts.get("dim") != str(int(dim)):
-            raise GalleryError(
-                f"{self._where}: gallery embeddings have dimension {facts.get('dim')}, the model's {dim}"
-            )
+        check_model(self._where, facts, fingerprint, dim)
         have = c.describe_index(self._tcol, "vector").get("index_type")
         if have != index_type:
             raise GalleryError(

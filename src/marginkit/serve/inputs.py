@@ -76,11 +76,7 @@ def _array(value: Any, key: str) -> np.ndarray:
     if array.dtype.kind not in "if":
         what = "equal-length rows" if array.dtype.kind == "O" else f"got {array.dtype.name} values"
         raise BadInput(f"{key} must be a rectangular array of numbers ({what})")
-    if array.size == 0:
-        raise BadInput(f"{key} holds no number")
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise BadInput(f"{key} contains NaN or infinite values")
-    return array
+    return _checked_array(array, key)
 
 
 def _take_samples(fields: dict[str, Any]) -> Payload:
