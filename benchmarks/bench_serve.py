@@ -1,12 +1,14 @@
 """``marginkit serve`` over loopback against the same calls made in-process on the library.
 
 For galleries of 10⁴ and 10⁵ identities (one random unit template each, D = 64), a real
-uvicorn server process answers ``POST /verify`` (one probe embedding against one claimed
-identity) and ``POST /identify`` (one probe, k = 5) sent by 1, 8 and 32 client threads
-(``http.client``, one keep-alive connection each). The same calls are then made in this
-process on a :class:`~marginkit.gallery.Gallery` opened on the same file, by the same
-number of threads. Printed: requests/s and p50 / p99 latency of both, and their ratios
-(server / library). Then the bundle's ONNX model against PyTorch eager on one batch of
+``marginkit serve`` (uvicorn, 1 and 2 worker processes, access log on, written to a file)
+answers ``POST /verify`` (one probe embedding against one claimed identity) and
+``POST /identify`` (one probe, k = 5) sent by 1, 8 and 32 client threads (``http.client``,
+one keep-alive connection each; ``--body json``: the embedding as a JSON list, ``npy``: an
+``application/x-npy`` body). The same calls are then made in this process on a
+:class:`~marginkit.gallery.Gallery` opened on the same file, by the same number of threads.
+Printed: requests/s and p50 / p99 latency of both, and their ratios (server / library).
+Then the bundle's ONNX model against PyTorch eager on one batch of
 256 inputs: embeddings per second and their ratio. Both runtimes use ``--threads`` threads.
 
 Side by side: each cell runs the server and the library alternately ``--rounds`` times and
@@ -16,12 +18,14 @@ comes first; the server listens on 127.0.0.1 only and is stopped at the end. ``-
 galleries of 10³ and 10⁴, 60 requests per cell, one round.
 
     python benchmarks/bench_serve.py [--quick] [--threads 1] [--requests 400] [--seconds 20] [--rounds 3]
+                                     [--workers 1,2] [--body json|npy]
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import json
 import os
 import socket
@@ -45,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=400, help="requests per cell (at most)")
     p.add_argument("--seconds", type=float, default=20.0, help="seconds per cell (at most)")
     p.add_argument("--rounds", type=int, default=3, help="server / library alternations per cell (best kept)")
+    p.add_argument("--workers", default="1,2", help="server worker processes to measure (comma-separated)")
+    p.add_argument("--body", choices=("json", "npy"), default="json", help="how the probe is sent")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p.parse_args()
 
@@ -138,12 +144,13 @@ def interleaved(
     return best[0], best[1]
 
 
-def http_call(port: int, path: str, bodies: list[bytes]) -> Any:
+def http_call(port: int, path: str, bodies: list[tuple[str, bytes]], ctype: str) -> Any:
     def call(state: dict[str, Any], worker: int, i: int) -> None:
         conn = state.get("conn")
         if conn is None:
             conn = state["conn"] = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", path, body=bodies[i % len(bodies)], headers={"Content-Type": "application/json"})
+        url, body = bodies[i % len(bodies)]
+        conn.request("POST", url, body=body, headers={"Content-Type": ctype})
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:
@@ -152,11 +159,39 @@ def http_call(port: int, path: str, bodies: list[bytes]) -> Any:
     return call
 
 
-def wait_for(port: int, server: subprocess.Popen, seconds: float = 120.0) -> None:
+def request_bodies(
+    kind: str, probes: np.ndarray, claims: list[str]
+) -> tuple[dict[str, list[tuple[str, bytes]]], str]:
+    """Per endpoint, ``(url, body)`` of each probe, and the content type."""
+    if kind == "json":
+        return {
+            "/verify": [
+                ("/verify", json.dumps({"embeddings": [p.tolist()], "identity": c}).encode())
+                for p, c in zip(probes, claims, strict=True)
+            ],
+            "/identify": [
+                ("/identify", json.dumps({"embeddings": [p.tolist()], "k": 5}).encode()) for p in probes
+            ],
+        }, "application/json"
+
+    def npy(p: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, p[None].astype(np.float32))
+        return buf.getvalue()
+
+    return {
+        "/verify": [
+            (f"/verify?kind=embeddings&identity={c}", npy(p)) for p, c in zip(probes, claims, strict=True)
+        ],
+        "/identify": [("/identify?kind=embeddings&k=5", npy(p)) for p in probes],
+    }, "application/x-npy"
+
+
+def wait_for(port: int, server: subprocess.Popen, seconds: float = 120.0, log: Path | None = None) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"server exited: {server.communicate()[1][-2000:]}")
+            raise RuntimeError(f"server exited: {log.read_text()[-2000:] if log else ''}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/health")
@@ -214,66 +249,66 @@ def main() -> int:
             emb = make_gallery(db, bundle, n, rng)
             probes = emb[rng.integers(0, n, 256)] + 0.05 * rng.normal(size=(256, DIM)).astype(np.float32)
             claims = [f"id{i}" for i in rng.integers(0, n, 256)]
-            bodies = {
-                "/verify": [
-                    json.dumps({"embeddings": [p.tolist()], "identity": c}).encode()
-                    for p, c in zip(probes, claims, strict=True)
-                ],
-                "/identify": [json.dumps({"embeddings": [p.tolist()], "k": 5}).encode() for p in probes],
-            }
-            port = free_port()
-            cmd = [
-                sys.executable, "-m", "marginkit.cli", "serve", str(bundle_path), "--gallery", str(db),
-                "--port", str(port), "--far", "1e-2", "--threads", str(args.threads), "--quiet",
-            ]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-            server = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-            )
-            try:
-                wait_for(port, server)
-                gallery = Gallery(db, bundle, far=1e-2)
-                library = library_calls(gallery, probes, claims)
-                for path in ("/verify", "/identify"):
-                    for c in (1, 8, 32):
-                        served, local = interleaved(
-                            http_call(port, path, bodies[path]), library[path], c, requests, seconds, rounds
-                        )
-                        rows.append(
-                            {
-                                "endpoint": path,
-                                "gallery": n,
-                                "concurrency": c,
-                                "server": served,
-                                "library": local,
-                            }
-                        )
-                        print(
-                            f"{path:9s} n={n:>6} c={c:>2}  server {served['rps']:7.1f} req/s "
-                            f"p50 {served['p50']:6.2f} p99 {served['p99']:7.2f} ms | "
-                            f"library {local['rps']:8.1f} req/s p50 {local['p50']:6.3f} ms | "
-                            f"ratio req/s {served['rps'] / local['rps']:.3f}",
-                            flush=True,
-                        )
-                gallery.close()
-            finally:
-                server.terminate()
+            bodies, ctype = request_bodies(args.body, probes, claims)
+            gallery = Gallery(db, bundle, far=1e-2)
+            library = library_calls(gallery, probes, claims)
+            for workers in [int(w) for w in args.workers.split(",")]:
+                port = free_port()
+                cmd = [
+                    sys.executable, "-m", "marginkit.cli", "serve", str(bundle_path), "--gallery", str(db),
+                    "--port", str(port), "--far", "1e-2", "--threads", str(args.threads), "--quiet",
+                    "--workers", str(workers),
+                ]  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                log = (root / f"access-{n}-{workers}.log").open("w")
+                server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
                 try:
-                    server.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait(timeout=30)
+                    wait_for(port, server, log=root / f"access-{n}-{workers}.log")
+                    for path in ("/verify", "/identify"):
+                        for c in (1, 8, 32):
+                            served, local = interleaved(
+                                http_call(port, path, bodies[path], ctype), library[path], c, requests,
+                                seconds, rounds,
+                            )  # fmt: skip
+                            rows.append(
+                                {
+                                    "endpoint": path, "gallery": n, "workers": workers, "concurrency": c,
+                                    "body": args.body, "server": served, "library": local,
+                                }
+                            )  # fmt: skip
+                            print(
+                                f"{path:9s} n={n:>6} w={workers} c={c:>2}  server {served['rps']:7.1f} req/s "
+                                f"p50 {served['p50']:6.2f} p99 {served['p99']:7.2f} ms | "
+                                f"library {local['rps']:8.1f} req/s p50 {local['p50']:6.3f} ms | "
+                                f"ratio req/s {served['rps'] / local['rps']:.3f}",
+                                flush=True,
+                            )
+                finally:
+                    server.terminate()
+                    try:
+                        server.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        server.kill()
+                        server.wait(timeout=30)
+                    log.close()
+                lines = (root / f"access-{n}-{workers}.log").read_text().count('"POST /')
+                print(f"  (access log: {lines} request lines)", flush=True)
+            gallery.close()
         model = bench_model(bundle, args.threads, repeats=5 if args.quick else 20)
     print(
         f"\nembedding throughput, batch {model['batch']}: ONNX (onnxruntime) {model['onnx_per_s']:.0f}/s, "
         f"PyTorch eager {model['eager_per_s']:.0f}/s, ratio {model['ratio']:.2f}"
     )
-    print("\n| endpoint | gallery | clients | server req/s | p50 / p99 ms | library req/s | p50 ms | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| endpoint | gallery | workers | clients | server req/s | p50 / p99 ms | library req/s | p50 ms "
+        "| ratio |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         s, lib = r["server"], r["library"]
         print(
-            f"| `{r['endpoint']}` | {r['gallery']:,} | {r['concurrency']} | {s['rps']:.0f} | "
+            f"| `{r['endpoint']}` | {r['gallery']:,} | {r['workers']} | {r['concurrency']} | "
+            f"{s['rps']:.0f} | "
             f"{s['p50']:.1f} / {s['p99']:.1f} | {lib['rps']:.0f} | {lib['p50']:.2f} | "
             f"{s['rps'] / lib['rps']:.3f} |"
         )

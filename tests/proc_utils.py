@@ -129,3 +129,22 @@ def wait_until(condition: Any, seconds: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {seconds} s: {what}")
         time.sleep(0.1)
+
+
+def acks_then_kill(child: Any, count: int, seconds: float = 300) -> list[str]:
+    """The first ``count`` lines ``child`` prints (its acknowledgements), then SIGKILL: a crash
+    injected at a known point of its work, not after a delay."""
+    import signal
+
+    acknowledged: list[str] = []
+    try:
+        deadline = time.monotonic() + seconds
+        while len(acknowledged) < count and time.monotonic() < deadline:
+            line = child.stdout.readline()
+            if not line:
+                break
+            acknowledged.append(line.strip())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    return acknowledged

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 
 from marginkit.gallery import Gallery, GalleryError, UnknownIdentityError
 from marginkit.gallery.store import Store
+from proc_utils import acks_then_kill
 
 FP = "sha256:" + "ab" * 32
 DIM = 8
@@ -93,6 +93,20 @@ def test_verify_identify_classify_equal_brute_force(tmp_path, gen, backend):
     single = g.verify(probes[0], names[0])
     assert single.score == pytest.approx(float(want[0, 0]), abs=1e-5)
     assert g.identify(probes[0], k=2).candidates[0].identity == ident[0].candidates[0].identity
+
+
+def test_hnsw_search_finds_the_exact_answers_on_separated_identities(tmp_path, gen):
+    names, owner, templates, centres = population(gen, identities=60)
+    exact, hnsw = (new_gallery(tmp_path / f"{b}.db", backend=b) for b in ("exact", "hnsw"))
+    for g in (exact, hnsw):
+        fill(g, names, owner, templates)
+    probes = unit(centres + 0.2 * torch.randn(centres.shape, generator=gen))
+    a, b = exact.identify(probes, k=3), hnsw.identify(probes, k=3)
+    same = sum(x.candidates[0].identity == y.candidates[0].identity for x, y in zip(a, b, strict=True))
+    assert same / len(a) >= 0.95
+    assert [v.score for v in exact.verify(probes, names)] == pytest.approx(
+        [v.score for v in hnsw.verify(probes, names)]
+    )  # verification never goes through the approximate index
 
 
 def test_persists_across_reopen_and_refuses_another_model(tmp_path, gen):
@@ -321,18 +335,7 @@ def test_kill_9_loses_no_acknowledged_enrollment(tmp_path, acks):
         [sys.executable, "-c", CHILD, str(path), "k", "100000", FP],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
     )  # fmt: skip
-    acknowledged = []
-    try:
-        assert child.stdout is not None
-        deadline = time.monotonic() + 180
-        while len(acknowledged) < acks and time.monotonic() < deadline:
-            line = child.stdout.readline()
-            if not line:
-                break
-            acknowledged.append(line.strip())
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
+    acknowledged = acks_then_kill(child, acks, 180)
     assert len(acknowledged) == acks, child.stderr.read() if child.stderr else ""
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

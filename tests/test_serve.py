@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -126,6 +127,150 @@ def test_enroll_verify_identify_classify_match_the_library(served, onnx_bundle, 
     assert client.delete("/identities/p3").status_code == 404
     r = client.post("/identify", json={"embeddings": probes.tolist(), "k": 5})
     assert all(c["identity"] != "p3" for res in r.json()["results"] for c in res["candidates"])
+
+
+def npy_body(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+NPY = {"content-type": "application/x-npy"}
+
+
+def test_binary_npy_bodies_answer_as_json_does(served, onnx_bundle, samples):
+    client, gallery = served
+    emb = unit(onnx_bundle.embed(samples[:6])).numpy()
+    r = client.post(
+        "/enroll?kind=embeddings&identities=" + json.dumps(["a", "a", "b"]),
+        content=npy_body(emb[:3]),
+        headers=NPY,
+    )
+    assert r.status_code == 200, r.text
+    assert sorted((e["identity"], e["templates"]) for e in r.json()["enrolled"]) == [("a", 2), ("b", 1)]
+    as_json = client.post("/identify", json={"embeddings": emb[3:].tolist(), "k": 2}).json()
+    as_npy = client.post("/identify?kind=embeddings&k=2", content=npy_body(emb[3:]), headers=NPY).json()
+    assert as_npy == as_json and len(as_npy["results"]) == 3
+    r = client.post("/verify?kind=inputs&identity=b", content=npy_body(samples[3:5]), headers=NPY)
+    want = gallery.verify(emb[3:5], "b")
+    assert [v["score"] for v in r.json()["results"]] == pytest.approx([v.score for v in want], abs=1e-5)
+    r = client.post("/embed?kind=inputs", content=npy_body(samples[:2]), headers=NPY)
+    np.testing.assert_allclose(r.json()["embeddings"], onnx_bundle.embed(samples[:2]).numpy(), atol=1e-6)
+    refusals = [
+        ("/identify", b"", 422, "kind=inputs"),  # no kind
+        ("/identify?kind=probes", npy_body(emb[:1]), 422, "kind=inputs"),
+        ("/identify?kind=embeddings&kind=inputs", npy_body(emb[:1]), 422, "twice"),
+        ("/identify?kind=embeddings", b"", 422, "empty"),
+        ("/identify?kind=embeddings", npy_body(emb[:1]) + b"x", 422, "bytes follow"),
+        ("/identify?kind=embeddings", b"not an array", 422, "not a valid .npy"),
+        ("/identify?kind=embeddings", npy_body(np.array([object()], dtype=object)), 422, "not allowed"),
+        ("/identify?kind=embeddings", npy_body(np.full((1, 16), np.nan, np.float32)), 422, "NaN"),
+        ("/identify?kind=embeddings", npy_body(np.zeros((0, 16), np.float32)), 422, "no number"),
+        ("/identify?kind=embeddings&embeddings=[1]", npy_body(emb[:1]), 422, "cannot be a parameter"),
+        ("/identify?kind=embeddings&k=many", npy_body(emb[:1]), 422, "integer"),
+        ("/verify?kind=embeddings&identity=nobody", npy_body(emb[:1]), 404, "unknown identity"),
+        ("/verify?kind=embeddings&identity=a&colour=1", npy_body(emb[:1]), 422, "colour"),
+    ]
+    for url, body, status, match in refusals:
+        r = client.post(url, content=body, headers=NPY)
+        assert r.status_code == status and re.search(match, r.json()["detail"]), (url, r.text)
+
+
+def test_json_integer_pixels_are_8_bit_images(served, onnx_bundle, samples):
+    client, _ = served
+    pixels = np.round(samples[:3] * 255).astype(np.uint8)  # [3, 1, 8, 8]
+    want = onnx_bundle.embed(pixels).numpy()
+    r = client.post("/embed", json={"inputs": pixels.tolist()})  # JSON integers 0..255
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["embeddings"], want, atol=1e-6)
+    floats = client.post("/embed", json={"inputs": (pixels / 255.0).tolist()}).json()["embeddings"]
+    np.testing.assert_allclose(floats, want, atol=1e-5)  # the same images as floats in [0, 1]
+    r = client.post("/embed", files=npz_file(x=pixels.astype(np.int64)))  # integer .npz: 8-bit too
+    np.testing.assert_allclose(r.json()["embeddings"], want, atol=1e-6)
+    for bad in ([[[[300] * 8] * 8]], [[[[-1] * 8] * 8]]):
+        r = client.post("/embed", json={"inputs": bad})
+        assert r.status_code == 422 and "0..255" in r.json()["detail"], r.text
+    r = client.post("/embed", json={"inputs": [[[["0.5"] * 8] * 8]]})
+    assert r.status_code == 422 and "numbers" in r.json()["detail"]
+
+
+def test_event_loop_and_thread_pool_give_the_same_answers(served, onnx_bundle, samples, monkeypatch):
+    import marginkit.serve.app as app_module
+
+    client, gallery = served
+    emb = unit(onnx_bundle.embed(samples[:12]))
+    gallery.enroll_many([f"p{i % 4}" for i in range(8)], emb[:8])
+    bodies = [
+        ("/verify", {"embeddings": emb[8:].tolist(), "identity": "p1"}),
+        ("/identify", {"embeddings": emb[8:].tolist(), "k": 3}),
+        ("/classify", {"embeddings": emb[8:].tolist(), "index": "gallery"}),
+        ("/classify", {"embeddings": emb[8:].tolist()}),
+    ]
+    inline = [client.post(path, json=body).json() for path, body in bodies]
+    monkeypatch.setattr(app_module, "INLINE_SCORES", 0)  # every request through the thread pool
+    pooled = [client.post(path, json=body).json() for path, body in bodies]
+    assert pooled == inline and all("results" in r for r in inline)
+
+
+def test_answers_match_their_documented_models(served, onnx_bundle, samples):
+    from marginkit.serve import schemas
+
+    client, _ = served
+    emb = unit(onnx_bundle.embed(samples[:4]))
+    calls = [
+        (
+            "post",
+            "/enroll",
+            {"json": {"identity": "a", "embeddings": emb[:2].tolist()}},
+            schemas.EnrollResponse,
+        ),
+        ("post", "/embed", {"json": {"inputs": samples[:2].tolist()}}, schemas.EmbedResponse),
+        (
+            "post",
+            "/verify",
+            {"json": {"identity": "a", "embeddings": emb[2:].tolist()}},
+            schemas.VerifyResponse,
+        ),
+        ("post", "/identify", {"json": {"embeddings": emb[2:].tolist(), "k": 1}}, schemas.IdentifyResponse),
+        ("post", "/classify", {"json": {"embeddings": emb[2:].tolist()}}, schemas.ClassifyResponse),
+        ("get", "/health", {}, schemas.HealthResponse),
+        ("get", "/metrics", {}, schemas.MetricsResponse),
+        ("delete", "/identities/a", {}, schemas.RemoveResponse),
+    ]
+    spec = client.get("/openapi.json").json()
+    for method, path, kwargs, model in calls:
+        r = getattr(client, method)(path, **kwargs)
+        assert r.status_code == 200, (path, r.text)
+        model.model_validate(r.json(), strict=True)
+        doc_path = "/identities/{identity}" if path.startswith("/identities/") else path
+        answers = spec["paths"][doc_path][method]["responses"]
+        assert answers["200"]["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{model.__name__}"
+        }, path
+        refusals = [code for code in answers if code.startswith("4")]
+        assert refusals or path == "/health", path
+        for code in refusals:
+            ref = answers[code]["content"]["application/json"]["schema"]
+            assert ref == {"$ref": "#/components/schemas/ErrorResponse"}, (path, code)
+    assert set(spec["paths"]["/verify"]["post"]["requestBody"]["content"]) == {
+        "application/json",
+        "multipart/form-data",
+        "application/x-npy",
+    }
+
+
+def test_docs_pages_load_nothing_from_another_host(served):
+    client, _ = served
+    for page in ("/docs", "/redoc"):
+        r = client.get(page)
+        assert r.status_code == 200
+        urls = re.findall(r"""(?:src|href)=["']([^"']+)["']""", r.text)
+        urls += re.findall(r"""url: ['"]([^'"]+)['"]""", r.text)
+        assert urls, r.text[:500]
+        for url in urls:
+            assert not re.match(r"(https?:)?//", url), (page, url)  # no CDN, no other host
+            assert client.get(url).status_code == 200, (page, url)
+    assert "swagger-ui-bundle.js" in client.get("/docs").text
 
 
 def test_health_metrics_and_docs(served):
@@ -313,6 +458,10 @@ def test_bearer_token(onnx_bundle, tmp_path):
             == 200
         )
         assert client.get("/health").status_code == 200
+        spec = client.get("/openapi.json").json()  # the docs name the scheme, Swagger UI can send it
+        assert spec["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+        assert spec["paths"]["/identify"]["post"]["security"] == [{"bearer": []}]
+        assert "security" not in spec["paths"]["/health"]["get"]
 
 
 def free_port() -> int:
@@ -370,12 +519,57 @@ def test_a_real_uvicorn_process(onnx_bundle, samples, tmp_path):
     finally:
         server.terminate()
         try:
-            server.wait(timeout=30)
+            out = server.communicate(timeout=30)[0]
         except subprocess.TimeoutExpired:  # pragma: no cover
             server.kill()
-            server.wait(timeout=30)
+            out = server.communicate(timeout=30)[0]
     with Gallery(tmp_path / "g.db", onnx_bundle, far=1e-2) as g:  # the enrollment persisted
         assert g.identities() == ["alice"]
+    # uvicorn's access log: one line per request, with its status
+    assert re.search(r'"POST /enroll HTTP/1.1" 401', out) and re.search(
+        r'"POST /enroll HTTP/1.1" 200', out
+    ), out
+    assert len(re.findall(r'"(GET|POST) /\S* HTTP/1.1" \d{3}', out)) >= 6, out
+
+
+def start_server(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "marginkit.cli", "serve", *args, "--port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert server.poll() is None, server.communicate()[0][-2000:]
+        try:
+            http("GET", f"{url}/health")
+            return server, url
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < deadline, "server did not come up in 180 s"
+            time.sleep(0.25)
+
+
+@pytest.mark.slow
+def test_two_worker_processes_share_one_gallery_file(onnx_bundle, samples, tmp_path):
+    """Each worker opens the gallery; an enrollment answered by one is seen by the other before
+    its next query. Connections are not kept alive, so requests spread over both workers."""
+    args = [str(onnx_bundle.path), "--gallery", str(tmp_path / "g.db"), "--far", "1e-2"]
+    server, url = start_server([*args, "--workers", "2", "--no-access-log"], tmp_path)
+    try:
+        for i in range(12):
+            body = json.dumps({"identity": f"p{i}", "inputs": samples[i : i + 1].tolist()}).encode()
+            assert http("POST", f"{url}/enroll", body)[0] == 200
+            status, answer = http("GET", f"{url}/health")
+            assert status == 200 and answer["gallery"]["identities"] == i + 1  # any worker sees them all
+        probe = json.dumps({"inputs": samples[:12].tolist(), "k": 1}).encode()
+        for _ in range(6):
+            status, answer = http("POST", f"{url}/identify", probe)
+            assert [r["candidates"][0]["identity"] for r in answer["results"]] == [f"p{i}" for i in range(12)]
+    finally:
+        server.terminate()
+        out = server.communicate(timeout=60)[0]
+    assert out.count("Started server process") == 2, out  # two workers ran
+    assert "POST /identify" not in out  # --no-access-log
 
 
 def test_cli_serve_refuses_bad_setups(onnx_bundle, tmp_path, capsys):
@@ -402,16 +596,20 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.slow
-def test_readme_deploy_commands_run_as_written(tmp_path):
-    """The README's train -> export -> serve block, run by bash in a scratch directory."""
+def test_readme_deploy_example_runs_and_shows_a_match_an_unknown_and_a_rejection(tmp_path):
+    """The README's train -> export -> serve block, then its Python client, run by bash in a
+    scratch directory: the printed answers are the ones the README explains."""
     text = README.read_text(encoding="utf-8")
-    block = re.search(r"<!-- deploy -->\s*```bash\n(.*?)```", text, re.S)
-    assert block, "README has no deploy block"
-    script = block.group(1)
-    assert script.count("marginkit ") == 3 and script.count("curl ") == 2
+    found = re.search(
+        r"<!-- deploy -->\s*```bash\n(.*?)```.*?```python\n(.*?)```\s*```text\n(.*?)```", text, re.S
+    )
+    assert found, "README has no deploy block followed by its client and the client's output"
+    script, client, shown = found.groups()
+    assert script.count("marginkit ") == 3 and "/health" in script
+    (tmp_path / "client.py").write_text(client, encoding="utf-8")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script],
+        ["bash", "-euo", "pipefail", "-c", f"{script}\npython client.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -419,5 +617,14 @@ def test_readme_deploy_commands_run_as_written(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
-    assert [r["identity"] for r in results] == ["alice"] * len(results)
+    health = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"status"')))
+    assert health["gallery"] == {"identities": 0, "templates": 0} and health["far"] == 1e-3
+    printed = [line for line in done.stdout.splitlines() if not line.startswith(("INFO", "serving", '{"'))]
+    printed = printed[-3:]
+    words = [line.split()[:2] for line in printed[:2]]
+    assert words == [["match", "three"], ["unknown", "None"]], printed
+    assert [line.split()[:2] for line in shown.strip().splitlines()[:2]] == words
+    verdict = ast.literal_eval(printed[2])  # the dict the README prints
+    assert verdict["identity"] == "seven" and verdict["match"] is False
+    assert verdict["score"] < verdict["threshold"] == pytest.approx(health["threshold"])
+    assert re.search(r"POST /enroll HTTP/1.1\" 200", done.stdout + done.stderr)  # the access log

@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["NpzError", "read_npz"]
+__all__ = ["NpzError", "read_npy", "read_npz"]
 
 _KINDS = "biufU"  # bool, integers, floats, unicode strings (e.g. JSON metadata)
 _MAX_HEADER = 10_000
@@ -54,6 +54,20 @@ def _read_member(fh: BinaryIO, where: str, budget: int) -> np.ndarray:
         raise NpzError(f"{where}: truncated array data ({len(data)} of {nbytes} bytes)")
     array = np.frombuffer(data, dtype=dtype, count=count)
     return array.reshape(shape, order="F" if fortran else "C").copy()
+
+
+def read_npy(data: bytes, *, where: str, max_bytes: int) -> np.ndarray:
+    """The array of one ``.npy`` file's bytes (``numpy.save`` output), at most ``max_bytes`` of
+    array data; the same checks as a member of :func:`read_npz`, and no byte may follow the data.
+
+    Raises:
+        NpzError: naming ``where`` and what is wrong.
+    """
+    fh = io.BytesIO(data)
+    array = _read_member(fh, where, int(max_bytes))
+    if fh.read(1):
+        raise NpzError(f"{where}: bytes follow the array data (expected one .npy array)")
+    return array
 
 
 def read_npz(

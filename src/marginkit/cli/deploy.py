@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,11 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
     p = sub.add_parser("serve", help="serve a bundle and a gallery over HTTP", allow_abbrev=False)
     common(p)
     p.add_argument("bundle", metavar="BUNDLE")
-    p.add_argument("--gallery", required=True, metavar="PATH", help="gallery database (created when missing)")
+    p.add_argument(
+        "--gallery", required=True, metavar="PATH",
+        help="the gallery (created when missing): a SQLite file, a milvus-lite file *.milvus.db, or a Milvus "
+        "server milvus://HOST:PORT[/COLLECTION] (marginkit[milvus])",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate of the decisions")
@@ -37,6 +42,14 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
     p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit")
     p.add_argument("--max-batch", type=int, default=1024, help="samples per request")
     p.add_argument("--threads", type=int, default=0, help="model runtime threads (0: its default)")
+    p.add_argument(
+        "--workers", type=int, default=1, metavar="N",
+        help="worker processes (uvicorn's), each with its own model and gallery connection",
+    )  # fmt: skip
+    p.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=True,
+        help="uvicorn's access log: one line per request (client, method, path, status) on stdout",
+    )  # fmt: skip
     p.add_argument(
         "--trust-torchscript", action="store_true", help="allow a TorchScript bundle (it executes code)"
     )
@@ -75,19 +88,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     if args.max_body_mb <= 0 or args.max_batch < 1:
         raise UserError("--max-body-mb must be > 0 and --max-batch >= 1")
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1 and str(args.gallery).endswith(".milvus.db"):
+        raise UserError(
+            "a milvus-lite gallery file is open in one process at a time: use --workers 1, or a Milvus "
+            "server (--gallery milvus://HOST:PORT/COLLECTION)"
+        )
     try:
         with user_errors():
             token = read_token(args.token_file) if args.token_file else None
             limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_batch=args.max_batch)
-            app = build_app(
-                args.bundle, args.gallery, far=args.far, threshold=args.threshold, token=token, limits=limits,
-                trust_torchscript=args.trust_torchscript, threads=args.threads,
-            )  # fmt: skip
+            build = {
+                "bundle_path": str(args.bundle), "gallery_path": str(args.gallery), "far": args.far,
+                "threshold": args.threshold, "trust_torchscript": args.trust_torchscript,
+                "threads": args.threads,
+            }  # fmt: skip
+            # Built here even with several workers: a bad set-up fails now, with its reason.
+            app = build_app(**build, token=token, limits=limits)
     except (BundleError, GalleryError, ImportError) as exc:
         raise UserError(str(exc)) from exc
     if not args.quiet:
         auth = "bearer token" if token else "no authentication"
         url = f"http://{args.host}:{args.port}"
-        print(f"serving {args.bundle} and {args.gallery} on {url} ({auth}); docs at {url}/docs", flush=True)
-    serve(app, args.host, args.port)
+        workers = f", {args.workers} workers" if args.workers > 1 else ""
+        print(
+            f"serving {args.bundle} and {args.gallery} on {url} ({auth}{workers}); docs at {url}/docs",
+            flush=True,
+        )
+    if args.workers > 1:
+        app.state.gallery.close()
+        build.update(token_file=args.token_file, limits=dataclasses.asdict(limits))
+    serve(
+        app, args.host, args.port, access_log=args.access_log, quiet=args.quiet, workers=args.workers,
+        build=build,
+    )  # fmt: skip
     return 0

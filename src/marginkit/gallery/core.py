@@ -37,7 +37,7 @@ from torch import nn
 from marginkit.gallery.results import Candidate, Classification, Enrollment, Identification, Verification
 from marginkit.gallery.store import GalleryError, Store
 
-__all__ = ["Gallery", "UnknownIdentityError"]
+__all__ = ["Gallery", "UnknownIdentityError", "is_milvus"]
 
 MAX_NAME = 256
 MAX_METADATA_BYTES = 64 * 1024
@@ -49,6 +49,13 @@ class UnknownIdentityError(LookupError):
     def __init__(self, identity: str) -> None:
         super().__init__(f"unknown identity {identity!r}: it is not enrolled in this gallery")
         self.identity = identity
+
+
+def is_milvus(path: Any) -> bool:
+    """Whether ``path`` names a Milvus gallery: ``milvus://host:port[/collection]``, an
+    ``http(s)://`` URI of a Milvus server, or a local milvus-lite file ``*.milvus.db``."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+    return text.startswith(("milvus://", "http://", "https://")) or text.endswith(".milvus.db")
 
 
 def _check_name(identity: Any, name: str = "identity") -> str:
@@ -92,7 +99,10 @@ class Gallery:
             calibration table (ignored when ``threshold`` is given).
         threshold: explicit score threshold (accept iff score > threshold).
         k: neighbours of :meth:`classify`'s vote.
-        backend: ``"exact"`` (torch) or ``"faiss"`` (``marginkit[faiss]``) template search.
+        backend: the template search: ``"exact"`` (torch), ``"faiss"`` (FAISS flat, exact) or
+            ``"hnsw"`` (FAISS HNSW, approximate: for millions of templates; its recall is
+            measured by ``benchmarks/bench_gallery_scale.py``), the last two with
+            ``marginkit[faiss]``. A Milvus gallery takes ``"exact"``, ``"hnsw"`` or ``"ivf"``.
         timeout: seconds a write waits for another process's transaction.
 
     Thread-safe: one lock serialises the calls of the threads of a process; other processes
@@ -142,7 +152,7 @@ class Gallery:
         if embedding_dim is not None:
             embedding_dim = positive_int(embedding_dim, "embedding_dim")
         self.k = positive_int(k, "k")
-        self.backend = choice(backend, "backend", ("exact", "faiss"))
+        self.backend = choice(backend, "backend", self.BACKENDS)
         self.embedder = embedder
         self.threshold: float | None = None
         self._threshold_error = "no decision threshold: pass threshold=, or an embedder calibrated at far="
@@ -161,6 +171,21 @@ class Gallery:
                 self._threshold_error = str(exc)
         self.far = far if threshold is None else None
         self._lock = threading.RLock()
+        self._open(path, model_fingerprint, embedding_dim, timeout)
+
+    def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Gallery:
+        if cls is Gallery and is_milvus(path):
+            from marginkit.gallery.milvus import MilvusGallery
+
+            return super().__new__(MilvusGallery)
+        return super().__new__(cls)
+
+    #: Template searches this storage offers (``backend=``).
+    BACKENDS: tuple[str, ...] = ("exact", "faiss", "hnsw")
+
+    def _open(
+        self, path: Any, model_fingerprint: str | None, embedding_dim: int | None, timeout: float
+    ) -> None:
         self._store = Store(path, model_fingerprint, embedding_dim, timeout)
         self.path = self._store.path
         self.model_fingerprint: str = self._store.model_fingerprint
@@ -306,12 +331,8 @@ class Gallery:
         meta = _metadata_json(metadata)
         emb, _ = self._as_embeddings(embeddings_or_inputs, kind, "embeddings_or_inputs")
         with self._lock:
-            self._store.add_templates(
-                [name] * emb.shape[0], emb.numpy(), {} if meta is None else {name: meta}
-            )
-            self._sync(force=True)
-            total = int((self._owner == self._index_of[name]).sum())
-        return Enrollment(name, int(emb.shape[0]), total)
+            total = self._add([name] * emb.shape[0], emb.numpy(), {} if meta is None else {name: meta})
+        return Enrollment(name, int(emb.shape[0]), total[name])
 
     def enroll_many(
         self, identities: Sequence[str], embeddings_or_inputs: Any, *, kind: str = "auto"
@@ -326,11 +347,16 @@ class Gallery:
                 f"{len(names)} identities but {1 if single else emb.shape[0]} rows; they must match"
             )
         with self._lock:
-            self._store.add_templates(names, emb.numpy(), {})
-            self._sync(force=True)
-            counts = torch.bincount(self._owner, minlength=len(self._names)).tolist()
-            added = collections.Counter(names)
-            return [Enrollment(n, a, counts[self._index_of[n]]) for n, a in added.items()]
+            counts = self._add(names, emb.numpy(), {})
+        return [Enrollment(n, a, counts[n]) for n, a in collections.Counter(names).items()]
+
+    def _add(self, names: list[str], vectors: np.ndarray, metadata: dict[str, str]) -> dict[str, int]:
+        """Store rows ``vectors[i]`` as templates of ``names[i]`` in one transaction; the templates
+        each of ``names`` holds afterwards."""
+        self._store.add_templates(names, vectors, metadata)
+        self._sync(force=True)
+        counts = torch.bincount(self._owner, minlength=len(self._names)).tolist()
+        return {n: counts[self._index_of[n]] for n in set(names)}
 
     def remove(self, identity: str) -> None:
         """Delete ``identity`` and its templates in one transaction.
@@ -340,9 +366,14 @@ class Gallery:
         """
         name = _check_name(identity)
         with self._lock:
-            if not self._store.remove(name):
+            if not self._remove(name):
                 raise UnknownIdentityError(name)
-            self._sync(force=True)
+
+    def _remove(self, name: str) -> bool:
+        if not self._store.remove(name):
+            return False
+        self._sync(force=True)
+        return True
 
     # ------------------------------------------------------------------ queries
     def verify(
@@ -362,26 +393,28 @@ class Gallery:
             raise ValueError(f"{emb.shape[0]} probes but {len(names)} identities; give one or one per probe")
         threshold = self._require_threshold()
         with self._lock:
-            self._sync()
-            missing = next((n for n in names if n not in self._index_of), None)
-            if missing is not None:
-                raise UnknownIdentityError(missing)
-            order, offsets, _ = self._templates_csr()
-            idx = torch.tensor([self._index_of[n] for n in names], dtype=torch.long)
-            counts = offsets[idx + 1] - offsets[idx]
-            probe_of = torch.repeat_interleave(torch.arange(len(names)), counts)
-            starts = torch.repeat_interleave(offsets[idx], counts)
-            within = torch.arange(int(counts.sum())) - torch.repeat_interleave(
-                counts.cumsum(0) - counts, counts
-            )
-            rows = order[starts + within]
-            sims = (self._vectors[rows] * emb[probe_of]).sum(dim=1)
-        scores = torch.full((len(names),), -math.inf).scatter_reduce(0, probe_of, sims, reduce="amax")
+            scores = self._best_scores(emb, names)
         out = [
             Verification(n, float(s), bool(s > threshold), threshold)
-            for n, s in zip(names, scores, strict=True)
+            for n, s in zip(names, scores.tolist(), strict=True)
         ]
         return out[0] if single else out
+
+    def _best_scores(self, emb: torch.Tensor, names: list[str]) -> torch.Tensor:
+        """Largest cosine between probe ``i`` and the templates of ``names[i]`` (``[B]``)."""
+        self._sync()
+        missing = next((n for n in names if n not in self._index_of), None)
+        if missing is not None:
+            raise UnknownIdentityError(missing)
+        order, offsets, _ = self._templates_csr()
+        idx = torch.tensor([self._index_of[n] for n in names], dtype=torch.long)
+        counts = offsets[idx + 1] - offsets[idx]
+        probe_of = torch.repeat_interleave(torch.arange(len(names)), counts)
+        starts = torch.repeat_interleave(offsets[idx], counts)
+        within = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        rows = order[starts + within]
+        sims = (self._vectors[rows] * emb[probe_of]).sum(dim=1)
+        return torch.full((len(names),), -math.inf).scatter_reduce(0, probe_of, sims, reduce="amax")
 
     def identify(
         self, probe: Any, k: int = 5, *, kind: str = "auto"
@@ -397,17 +430,29 @@ class Gallery:
         emb, single = self._as_embeddings(probe, kind, "probe")
         threshold = self._require_threshold()
         with self._lock:
-            self._sync()
-            if self._knn is None:
-                out = [Identification(None, None, (), threshold) for _ in range(emb.shape[0])]
-                return out[0] if single else out
-            n_templates = len(self._owner)
-            k_ids = min(k, len(self._names))
-            t_max = self._templates_csr()[2]
-            m = min(n_templates, k_ids * t_max)
-            values, indices = self._knn.kneighbors(emb, m)
-            owners = self._owner[indices]
-            names = self._names
+            ranked = self._top_identities(emb, k)
+        out = []
+        for cands in ranked:
+            if not cands:
+                out.append(Identification(None, None, (), threshold))
+                continue
+            best = cands[0]
+            accepted = best.score > threshold
+            out.append(Identification(best.identity if accepted else None, best.score, cands, threshold))
+        return out[0] if single else out
+
+    def _top_identities(self, emb: torch.Tensor, k: int) -> list[tuple[Candidate, ...]]:
+        """The ``k`` best identities of each probe, best first (none for an empty gallery)."""
+        self._sync()
+        if self._knn is None:
+            return [() for _ in range(emb.shape[0])]
+        n_templates = len(self._owner)
+        k_ids = min(k, len(self._names))
+        t_max = self._templates_csr()[2]
+        m = min(n_templates, k_ids * t_max)
+        values, indices = self._knn.kneighbors(emb, m)
+        owners = self._owner[indices]
+        names = self._names
         # First occurrence of each owner in score order; its score is the owner's best.
         sorted_owner, perm = owners.sort(dim=1, stable=True)
         first_sorted = torch.ones_like(sorted_owner, dtype=torch.bool)
@@ -417,29 +462,31 @@ class Gallery:
         top = position.sort(dim=1).values[:, :k_ids]
         top_values = values.gather(1, top).tolist()
         top_owners = owners.gather(1, top).tolist()
-        out = []
-        for vals, owns in zip(top_values, top_owners, strict=True):
-            cands = tuple(Candidate(names[o], float(v)) for v, o in zip(vals, owns, strict=True))
-            best = cands[0]
-            accepted = best.score > threshold
-            out.append(Identification(best.identity if accepted else None, best.score, cands, threshold))
-        return out[0] if single else out
+        return [
+            tuple(Candidate(names[o], float(v)) for v, o in zip(vals, owns, strict=True))
+            for vals, owns in zip(top_values, top_owners, strict=True)
+        ]
 
     def classify(self, probe: Any, *, kind: str = "auto") -> Classification | list[Classification]:
         """K-NN vote (``k`` nearest templates, uniform weights) over the enrolled identities."""
         emb, single = self._as_embeddings(probe, kind, "probe")
         with self._lock:
-            self._sync()
-            if self._knn is None:
-                raise GalleryError(f"{self.path}: the gallery is empty; enroll identities first")
-            # The vote's k is capped by the templates there are (the classifier is refitted
-            # incrementally, so its k is set here rather than at fit time).
-            self._knn.k = min(self.k, len(self._owner))
-            proba = self._knn.predict_proba(emb)
-            names = self._names
-        share, winner = proba.max(dim=1)
-        out = [Classification(names[int(w)], float(s)) for w, s in zip(winner, share, strict=True)]
+            votes = self._vote(emb)
+        out = [Classification(name, share) for name, share in votes]
         return out[0] if single else out
+
+    def _vote(self, emb: torch.Tensor) -> list[tuple[str, float]]:
+        """The winner of each probe's vote over its ``k`` nearest templates, with its share."""
+        self._sync()
+        if self._knn is None:
+            raise GalleryError(f"{self.path}: the gallery is empty; enroll identities first")
+        # The vote's k is capped by the templates there are (the classifier is refitted
+        # incrementally, so its k is set here rather than at fit time).
+        self._knn.k = min(self.k, len(self._owner))
+        proba = self._knn.predict_proba(emb)
+        names = self._names
+        share, winner = proba.max(dim=1)
+        return [(names[w], float(s)) for w, s in zip(winner.tolist(), share.tolist(), strict=True)]
 
     # ------------------------------------------------------------------ facts
     def __len__(self) -> int:
@@ -457,6 +504,11 @@ class Gallery:
         with self._lock:
             self._sync()
             return len(self._owner)
+
+    def size_hint(self) -> int:
+        """Templates the gallery held at its last look at the storage: cheap (no check of the
+        file), and it may lag other processes' commits; for sizing work, never for answers."""
+        return len(self._owner)
 
     def identities(self) -> list[str]:
         """Enrolled identity names, in enrollment order."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FORMAT", "VERSION", "GalleryError", "Store"]
+__all__ = ["FORMAT", "VERSION", "GalleryError", "Store", "check_model", "require_facts"]
 
 FORMAT = "marginkit.gallery"
 VERSION = 1
@@ -61,6 +61,29 @@ CREATE INDEX IF NOT EXISTS templates_by_identity ON templates(identity);
 
 class GalleryError(ValueError):
     """The gallery file is unusable: not a gallery, corrupted, or made by another model."""
+
+
+def require_facts(where: object, fingerprint: str | None, dim: int | None) -> None:
+    """A new gallery needs both the model fingerprint and the dimension."""
+    if fingerprint is None or dim is None:
+        raise GalleryError(
+            f"{where}: a new gallery needs the model fingerprint and the embedding "
+            "dimension (pass a bundle, or model_fingerprint= and embedding_dim=)"
+        )
+
+
+def check_model(where: object, stored: dict[str, str], fingerprint: str | None, dim: int | None) -> None:
+    """Refuse a gallery made by another model (fingerprint) or for another dimension."""
+    if fingerprint is not None and stored.get("model_fingerprint") != fingerprint:
+        raise GalleryError(
+            f"{where}: this gallery holds embeddings of model {stored.get('model_fingerprint')}, not of "
+            f"{fingerprint}; embeddings of another model live in another space: enroll the identities "
+            "again into a new gallery"
+        )
+    if dim is not None and stored.get("dim") != str(int(dim)):
+        raise GalleryError(
+            f"{where}: gallery embeddings have dimension {stored.get('dim')}, the model's {dim}"
+        )
 
 
 class Store:
@@ -110,11 +133,8 @@ class Store:
                     self.conn.execute(statement)
             meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
             if not meta:
-                if fingerprint is None or dim is None:
-                    raise GalleryError(
-                        f"{self.path}: a new gallery needs the model fingerprint and the embedding "
-                        "dimension (pass a bundle, or model_fingerprint= and embedding_dim=)"
-                    )
+                require_facts(self.path, fingerprint, dim)
+                assert fingerprint is not None and dim is not None
                 meta = {
                     "format": FORMAT, "version": str(VERSION), "model_fingerprint": fingerprint,
                     "dim": str(int(dim)), "dtype": DTYPE, "metric": "cosine", "removals": "0",
@@ -134,16 +154,7 @@ class Store:
                 f"{self.path}: unsupported gallery (dtype {meta['dtype']!r}, metric {meta['metric']!r}, "
                 f"dim {meta['dim']!r}); expected float32 cosine embeddings"
             )
-        if fingerprint is not None and meta["model_fingerprint"] != fingerprint:
-            raise GalleryError(
-                f"{self.path}: this gallery holds embeddings of model {meta['model_fingerprint']}, not of "
-                f"{fingerprint}; embeddings of another model live in another space: enroll the identities "
-                "again into a new gallery"
-            )
-        if dim is not None and int(meta["dim"]) != int(dim):
-            raise GalleryError(
-                f"{self.path}: gallery embeddings have dimension {meta['dim']}, the model's {dim}"
-            )
+        check_model(self.path, meta, fingerprint, dim)
         return meta
 
     def close(self) -> None:

@@ -1,10 +1,16 @@
 """The HTTP API (FastAPI): embedding, K-NN classification, verification, identification, enrollment.
 
-Every POST takes JSON or a form upload (:mod:`.inputs`); samples are a batch ``[B, ...]``
-of raw ``inputs`` (preprocessed like the training data) or of ``embeddings`` ``[B, D]``.
-Every refusal is a 4xx with ``{"detail": message}``: 401 (token), 404 (unknown identity),
-409 (empty gallery), 413 (body, batch or image too large), 415 (unreadable file), 422 (bad
-field, shape, NaN). Work on samples runs in the thread pool, off the event loop.
+Every POST takes JSON, a form upload or a binary ``.npy`` body (:mod:`.inputs`); samples are
+a batch ``[B, ...]`` of raw ``inputs`` (preprocessed like the training data) or of
+``embeddings`` ``[B, D]``. Every refusal is a 4xx with ``{"detail": message}``: 401 (token),
+404 (unknown identity), 409 (empty gallery), 413 (body, batch or image too large), 415
+(unreadable file), 422 (bad field, shape, NaN). Answers are written by orjson and documented
+by the models of :mod:`.schemas`.
+
+Where the time goes: a one-probe search of a small gallery costs less than a hop to the
+thread pool, so requests whose work is a search over at most :data:`INLINE_SCORES` cosines
+run on the event loop; model inference, enrollment (a synchronous disk write) and larger
+searches run in the thread pool, off the event loop.
 """
 
 from __future__ import annotations
@@ -13,59 +19,73 @@ import secrets
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from marginkit.serve.inputs import BadInput, Limits, Payload, parse_form, parse_json
+from marginkit.serve.inputs import BadInput, Limits, Payload, parse_form, parse_json, parse_npy
 from marginkit.serve.limits import BodyLimit, Recorder, RequestStats
+from marginkit.serve.schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    EmbedRequest,
+    EmbedResponse,
+    EnrollRequest,
+    EnrollResponse,
+    ErrorResponse,
+    HealthResponse,
+    IdentifyRequest,
+    IdentifyResponse,
+    MetricsResponse,
+    RemoveResponse,
+    VerifyRequest,
+    VerifyResponse,
+)
 
-__all__ = ["create_app"]
+__all__ = ["INLINE_SCORES", "create_app"]
 
-Samples = Field(None, description="a batch [B, ...] of raw samples (nested lists)")
-Embeddings = Field(None, description="a batch [B, D] of embeddings (nested lists)")
+#: Probe-template cosines a request may compute on the event loop (about a millisecond).
+INLINE_SCORES = 2**17
 
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class EmbedRequest(_Body):
-    inputs: list[Any] | None = Samples
-
-
-class ClassifyRequest(_Body):
-    inputs: list[Any] | None = Samples
-    embeddings: list[Any] | None = Embeddings
-    index: str = Field(
-        "bundle",
-        pattern="^(bundle|gallery)$",
-        description="the bundle's training classes, or the gallery's identities",
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what}
+    for code, what in (
+        (401, "missing or wrong bearer token"),
+        (404, "unknown identity"),
+        (409, "the gallery cannot answer (e.g. classify on an empty gallery)"),
+        (413, "body, batch or image too large"),
+        (415, "unsupported content type or unreadable file"),
+        (422, "invalid field, shape or value"),
     )
+}
+
+_NPY_PARAMETERS = [
+    {
+        "name": "kind",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string", "enum": ["inputs", "embeddings"]},
+        "description": "binary (application/x-npy) bodies only, and then required: what the array holds",
+    }
+]
 
 
-class VerifyRequest(_Body):
-    inputs: list[Any] | None = Samples
-    embeddings: list[Any] | None = Embeddings
-    identity: str | None = Field(None, description="the claimed identity of every probe")
-    identities: list[str] | None = Field(None, description="one claimed identity per probe")
+class _RawRoute(APIRoute):
+    """A route whose endpoint takes the raw request and answers a ``Response`` itself.
 
+    FastAPI's per-request machinery (dependency solving, body and response validation) is
+    skipped: the endpoint parses the hostile body its own way (:mod:`.inputs`), checks the
+    token and writes its answer with orjson. ``response_model``, ``responses`` and
+    ``openapi_extra`` still document the route in ``/openapi.json``.
+    """
 
-class IdentifyRequest(_Body):
-    inputs: list[Any] | None = Samples
-    embeddings: list[Any] | None = Embeddings
-    k: int = Field(5, ge=1, le=100, description="candidates returned per probe")
-
-
-class EnrollRequest(_Body):
-    inputs: list[Any] | None = Samples
-    embeddings: list[Any] | None = Embeddings
-    identity: str | None = Field(None, description="every sample becomes a template of this identity")
-    identities: list[str] | None = Field(None, description="one identity per sample (batch enrollment)")
-    metadata: dict[str, Any] | None = Field(None, description="JSON object stored with the identity")
+    def get_route_handler(self) -> Any:
+        return self.endpoint
 
 
 def _body_doc(model: type[BaseModel], fields: str) -> dict[str, Any]:
@@ -80,14 +100,22 @@ def _body_doc(model: type[BaseModel], fields: str) -> dict[str, Any]:
         },
         "description": f"form fields: {fields} (objects and lists as JSON text)",
     }
+    npy = {
+        "type": "string",
+        "format": "binary",
+        "description": f"one numpy.save array of samples; query parameters: kind, {fields}"
+        " (objects and lists as JSON text)",
+    }
     return {
+        "parameters": _NPY_PARAMETERS,
         "requestBody": {
             "required": True,
             "content": {
                 "application/json": {"schema": model.model_json_schema()},
                 "multipart/form-data": {"schema": form},
+                "application/x-npy": {"schema": npy},
             },
-        }
+        },
     }
 
 
@@ -102,15 +130,18 @@ def create_app(
     and ``gallery`` (a :class:`~marginkit.gallery.Gallery` opened with that bundle).
 
     ``token``: when given, every endpoint but ``GET /health`` and the docs needs the header
-    ``Authorization: Bearer <token>``.
+    ``Authorization: Bearer <token>``. The docs (``/docs``: Swagger UI, ``/redoc``: ReDoc)
+    load their scripts and styles from this server (``fastapi-offline``), never from a CDN.
     """
+    from fastapi_offline import FastAPIOffline
+
     from marginkit import __version__
     from marginkit.gallery import GalleryError, UnknownIdentityError
 
     limits = limits or Limits()
     recorder = Recorder()
     bundle.knn()  # load and check the K-NN index now, not in the first request
-    app = FastAPI(
+    app = FastAPIOffline(
         title="marginkit",
         version=__version__,
         description="Embeddings, K-NN classification, verification at a calibrated FAR and open-set "
@@ -134,12 +165,16 @@ def create_app(
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"detail": _validation_message(exc.errors())}, status_code=422)
 
-    def authorize(request: Request) -> None:
-        if token is None:
+    expected = None if token is None else token.encode()
+
+    security = {} if token is None else {"security": [{"bearer": []}]}
+
+    async def authorize(request: Request) -> None:
+        if expected is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     async def payload(request: Request, model: type[BaseModel]) -> tuple[Payload, BaseModel]:
@@ -155,9 +190,13 @@ def create_app(
                 await form.close()
         elif ctype in ("application/json", ""):
             data = parse_json(await request.body())
+        elif ctype == "application/x-npy":
+            data = parse_npy(await request.body(), request.query_params, limits)
         else:
             raise BadInput(
-                f"unsupported content type {ctype!r}; send application/json or multipart/form-data", 415
+                f"unsupported content type {ctype!r}; send application/json, multipart/form-data "
+                "or application/x-npy",
+                415,
             )
         try:
             fields = model.model_validate(data.fields)
@@ -170,7 +209,9 @@ def create_app(
     def probes(data: Payload) -> torch.Tensor:
         """Unit embeddings ``[B, D]`` of the payload's samples."""
         if data.array is None:
-            raise BadInput("no samples: give 'inputs' or 'embeddings' (JSON), or a file (form upload)")
+            raise BadInput(
+                "no samples: give 'inputs' or 'embeddings' (JSON), a file (form upload) or a .npy body"
+            )
         array = data.array
         if data.kind == "embeddings":
             d = bundle.embedding_dim
@@ -179,7 +220,7 @@ def create_app(
             if array.ndim != 2 or array.shape[1] != d:
                 raise BadInput(f"embeddings must have shape [B, {d}], got {list(data.array.shape)}")
             _check_batch(array.shape[0])
-            emb = torch.from_numpy(array.astype(np.float32))
+            emb = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
         else:
             emb = embed_inputs(array)
         norms = torch.linalg.vector_norm(emb, dim=1, keepdim=True)
@@ -193,7 +234,7 @@ def create_app(
             array = array[None]
         _check_batch(array.shape[0])
         try:
-            return bundle.embed(array.astype(np.float32) if array.dtype.kind == "f" else array)
+            return bundle.embed(_model_inputs(array, bundle.input_kind))
         except ValueError as exc:
             raise BadInput(f"inputs: {exc}") from None
 
@@ -203,9 +244,14 @@ def create_app(
         if n == 0:
             raise BadInput("the batch holds no sample")
 
-    guarded = [Depends(authorize)]
+    def light(data: Payload, references: int) -> bool:
+        """Whether the request is a search small enough to run on the event loop."""
+        if data.kind != "embeddings" or data.array is None:
+            return False
+        rows = data.array.shape[0] if data.array.ndim > 1 else 1
+        return rows * max(references, 1) <= INLINE_SCORES
 
-    @app.get("/health", summary="liveness, model and gallery facts")
+    @app.get("/health", summary="liveness, model and gallery facts", response_model=HealthResponse)
     def health() -> dict[str, Any]:  # sync: FastAPI runs it in the thread pool (the gallery lock)
         return {
             "status": "ok",
@@ -218,13 +264,22 @@ def create_app(
             "threshold": gallery.threshold, "far": gallery.far,
         }  # fmt: skip
 
-    @app.get("/metrics", summary="request counts and latencies per route", dependencies=guarded)
-    def metrics() -> dict[str, Any]:
+    @app.get(
+        "/metrics", summary="request counts and latencies per route (this worker process)",
+        response_model=MetricsResponse, responses={401: _ERRORS[401]}, openapi_extra=security,
+    )  # fmt: skip
+    async def metrics(request: Request) -> dict[str, Any]:
+        await authorize(request)
         return recorder.snapshot()
 
-    def post(path: str, model: type[BaseModel], summary: str, form_fields: str) -> Any:
-        """Register ``work(data, fields) -> dict`` as ``POST path``; it runs in the thread pool,
-        and a ``ValueError``/``TypeError`` it raises (a library input check) is a 422."""
+    def post(
+        path: str, model: type[BaseModel], answer: type[BaseModel], summary: str, form_fields: str,
+        references: Any = None,
+    ) -> Any:  # fmt: skip
+        """Register ``work(data, fields) -> dict`` as ``POST path`` answering ``answer``. It runs on
+        the event loop when ``references(fields)`` (the references one probe is scored against)
+        makes it :func:`light`, else in the thread pool; a ``ValueError``/``TypeError`` it raises
+        (a library input check) is a 422."""
 
         def register(work: Any) -> Any:
             def guarded_work(data: Payload, fields: BaseModel) -> dict[str, Any]:
@@ -235,30 +290,44 @@ def create_app(
                 except (ValueError, TypeError) as exc:
                     raise BadInput(str(exc)) from None
 
-            async def endpoint(request: Request) -> dict[str, Any]:
+            async def endpoint(request: Request) -> Response:
+                await authorize(request)
                 data, fields = await payload(request, model)
-                return await run_in_threadpool(guarded_work, data, fields)
+                if references is not None and light(data, references(fields)):
+                    result = guarded_work(data, fields)
+                else:
+                    result = await run_in_threadpool(guarded_work, data, fields)
+                return Response(
+                    orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
+                )
 
-            app.post(
-                path, summary=summary, dependencies=guarded, openapi_extra=_body_doc(model, form_fields),
-                name=work.__name__,
-            )(endpoint)  # fmt: skip
+            app.router.add_api_route(
+                path, endpoint, methods=["POST"], route_class_override=_RawRoute, summary=summary,
+                openapi_extra={**_body_doc(model, form_fields), **security}, name=work.__name__,
+                response_model=answer, responses=_ERRORS,
+            )  # fmt: skip
             return work
 
         return register
 
-    @post("/embed", EmbedRequest, "embeddings of raw inputs", "file")
+    @post("/embed", EmbedRequest, EmbedResponse, "embeddings of raw inputs", "file")
     def embed(data: Payload, fields: Any) -> dict[str, Any]:
         if data.array is None:
-            raise BadInput("no samples: give 'inputs' (JSON) or a file (form upload)")
+            raise BadInput("no samples: give 'inputs' (JSON), a file (form upload) or a .npy body")
         emb = embed_inputs(data.array)
         return {
-            "embeddings": emb.tolist(),
+            "embeddings": emb.numpy(),
             "dim": bundle.embedding_dim,
             "model_fingerprint": bundle.model_fingerprint,
         }
 
-    @post("/classify", ClassifyRequest, "K-NN class of each sample", "index, file")
+    def classify_references(fields: Any) -> int:
+        return gallery.size_hint() if fields.index == "gallery" else bundle.knn().num_references
+
+    @post(
+        "/classify", ClassifyRequest, ClassifyResponse, "K-NN class of each sample", "index, file",
+        classify_references,
+    )  # fmt: skip
     def classify(data: Payload, fields: Any) -> dict[str, Any]:
         emb = probes(data)
         if fields.index == "gallery":
@@ -272,16 +341,14 @@ def create_app(
                 "name": names[int(c)] if int(c) < len(names) else str(int(c)),
                 "share": float(v),
             }
-            for c, v in zip(label, share, strict=True)
+            for c, v in zip(label.tolist(), share.tolist(), strict=True)
         ]
         return {"results": results}
 
     @post(
-        "/verify",
-        VerifyRequest,
-        "score and decision of probes against claimed identities",
-        "identity or identities, file",
-    )
+        "/verify", VerifyRequest, VerifyResponse, "score and decision of probes against claimed identities",
+        "identity or identities, file", lambda fields: gallery.size_hint(),
+    )  # fmt: skip
     def verify(data: Payload, fields: Any) -> dict[str, Any]:
         if (fields.identity is None) == (fields.identities is None):
             raise BadInput("give exactly one of 'identity' (all probes) or 'identities' (one per probe)")
@@ -296,11 +363,10 @@ def create_app(
         }
 
     @post(
-        "/identify",
-        IdentifyRequest,
-        "ranked identities of each probe, 'unknown' below the threshold",
-        "k, file",
-    )
+        "/identify", IdentifyRequest, IdentifyResponse,
+        "ranked identities of each probe, 'unknown' below the threshold", "k, file",
+        lambda fields: gallery.size_hint(),
+    )  # fmt: skip
     def identify(data: Payload, fields: Any) -> dict[str, Any]:
         res = gallery.identify(probes(data), k=fields.k, kind="embeddings")
         return {
@@ -317,11 +383,10 @@ def create_app(
         }
 
     @post(
-        "/enroll",
-        EnrollRequest,
+        "/enroll", EnrollRequest, EnrollResponse,
         "add samples as templates of an identity (or one identity per sample)",
         "identity or identities, metadata, file",
-    )
+    )  # fmt: skip
     def enroll(data: Payload, fields: Any) -> dict[str, Any]:
         one, many = fields.identity, fields.identities
         if (one is None) == (many is None):
@@ -338,18 +403,50 @@ def create_app(
         }
 
     @app.delete(
-        "/identities/{identity}", summary="remove an identity and its templates", dependencies=guarded
-    )
-    async def remove(identity: str) -> dict[str, Any]:
+        "/identities/{identity}", summary="remove an identity and its templates",
+        response_model=RemoveResponse, responses={c: _ERRORS[c] for c in (401, 404, 422)},
+        openapi_extra=security,
+    )  # fmt: skip
+    async def remove(identity: str, request: Request) -> dict[str, Any]:
+        await authorize(request)
         try:
             await run_in_threadpool(gallery.remove, identity)
         except (ValueError, TypeError) as exc:
             raise BadInput(str(exc)) from None
         return {"removed": identity}
 
+    if token is not None:
+        _document_bearer(app)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(RequestStats, recorder=recorder)
     return app
+
+
+def _document_bearer(app: Any) -> None:
+    """Declare the bearer scheme in ``/openapi.json`` (Swagger UI's "Authorize" button); the
+    routes name it in their ``security`` and check the token themselves."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()  # FastAPI's, cached in app.openapi_schema
+        schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+        schemes["bearer"] = {"type": "http", "scheme": "bearer"}
+        return schema
+
+    app.openapi = openapi
+
+
+def _model_inputs(array: np.ndarray, input_kind: str) -> np.ndarray:
+    """Raw samples as the bundle takes them: integer images are 8-bit levels (``uint8``, checked
+    to lie in 0..255), every other array float32."""
+    if array.dtype.kind in "iu" and input_kind == "image":
+        if array.min() < 0 or array.max() > 255:
+            raise BadInput(
+                f"inputs: integer pixel values are 8-bit levels and must lie in 0..255, got "
+                f"{array.min()}..{array.max()} (send floats in [0, 1] otherwise)"
+            )
+        return array.astype(np.uint8)
+    return array if array.dtype == np.uint8 and input_kind == "image" else array.astype(np.float32)
 
 
 def _validation_message(errors: Any) -> str:

@@ -1,11 +1,14 @@
 """Request bodies of the server, decoded as hostile input with bounded memory.
 
-A body is JSON (``application/json``: arrays as nested lists, ``NaN``/``Infinity`` refused)
-or a form upload (``multipart/form-data``: one file — an ``.npz`` archive with an array
-``x`` of raw inputs or ``embeddings``, or one image — plus the other fields as form fields,
-JSON-encoded where they are objects or lists). The body's size is bounded before any of
+A body is JSON (``application/json``: arrays as nested lists, ``NaN``/``Infinity`` refused;
+an array of integers only stays integer, which the app reads as 8-bit pixels), a form upload
+(``multipart/form-data``: one file — an ``.npz`` archive with an array ``x`` of raw inputs
+or ``embeddings``, or one image — plus the other fields as form fields, JSON-encoded where
+they are objects or lists), or one binary ``.npy`` array (``application/x-npy``) with the
+other fields in the query string. The body's size is bounded before any of
 this runs (:class:`~marginkit.serve.limits.BodyLimit`); ``.npz`` members by their header
-before decoding (:func:`marginkit.export.read_npz`); images by their pixel count from the
+and ``.npy`` bodies by their header
+before decoding (:mod:`marginkit._npz`); images by their pixel count from the
 header, before Pillow decodes them (decompression bombs).
 """
 
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
-__all__ = ["BadInput", "Limits", "Payload", "decode_image", "parse_form", "parse_json"]
+__all__ = ["BadInput", "Limits", "Payload", "decode_image", "parse_form", "parse_json", "parse_npy"]
 
 MAX_DEPTH = 6
 
@@ -54,6 +58,8 @@ def _refuse_constant(name: str) -> float:
 
 
 def _array(value: Any, key: str) -> np.ndarray:
+    """Nested lists of JSON numbers -> a rectangular array: int64 when every number is an
+    integer (so that pixels stay 8-bit levels), else float64."""
     depth, v = 0, value
     while isinstance(v, list) and v:
         depth, v = depth + 1, v[0]
@@ -62,14 +68,15 @@ def _array(value: Any, key: str) -> np.ndarray:
     if not isinstance(value, list):
         raise BadInput(f"{key} must be an array (nested lists of numbers), got {type(value).__name__}")
     try:
-        array = np.asarray(value, dtype=np.float64)
-    except (ValueError, TypeError):
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
         raise BadInput(f"{key} must be a rectangular array of numbers (equal-length rows)") from None
-    if array.size == 0:
-        raise BadInput(f"{key} holds no number")
-    if not np.isfinite(array).all():
-        raise BadInput(f"{key} contains NaN or infinite values")
-    return array
+    if array.dtype.kind == "u":  # integers above 2**63 - 1
+        array = array.astype(np.float64)
+    if array.dtype.kind not in "if":
+        what = "equal-length rows" if array.dtype.kind == "O" else f"got {array.dtype.name} values"
+        raise BadInput(f"{key} must be a rectangular array of numbers ({what})")
+    return _checked_array(array, key)
 
 
 def _take_samples(fields: dict[str, Any]) -> Payload:
@@ -83,18 +90,65 @@ def _take_samples(fields: dict[str, Any]) -> Payload:
 
 
 def parse_json(body: bytes) -> Payload:
-    """A JSON object body -> :class:`Payload` (``inputs`` / ``embeddings`` become the array)."""
+    """A JSON object body -> :class:`Payload` (``inputs`` / ``embeddings`` become the array).
+
+    Parsed by orjson; a body it refuses is parsed again by the standard library only to name
+    the fault (e.g. ``NaN``, which JSON does not allow).
+    """
     if not body:
         raise BadInput("empty request body; send a JSON object")
     try:
-        obj = json.loads(body, parse_constant=_refuse_constant)
-    except RecursionError:
-        raise BadInput("JSON nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadInput(f"body is not valid JSON: {exc}") from None
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        try:
+            json.loads(body, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise BadInput("JSON nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as std:
+            raise BadInput(f"body is not valid JSON: {std}") from None
+        raise BadInput(f"body is not valid JSON: {exc}") from None  # e.g. nesting or integer range
     if not isinstance(obj, dict):
         raise BadInput(f"body must be a JSON object, got {type(obj).__name__}")
     return _take_samples(obj)
+
+
+def parse_npy(body: bytes, query: Any, limits: Limits) -> Payload:
+    """An ``application/x-npy`` body (one ``numpy.save`` array) -> :class:`Payload`; the other
+    fields come from the query string ``query`` (Starlette ``QueryParams``): ``kind``
+    (``inputs`` or ``embeddings``, required) and the endpoint's fields, objects and lists as
+    JSON text, as in a form."""
+    from marginkit._npz import NpzError, read_npy
+
+    fields: dict[str, Any] = {}
+    for key, value in query.multi_items():
+        if key in fields:
+            raise BadInput(f"query parameter {key!r} given twice")
+        if key in ("inputs", "embeddings"):
+            raise BadInput(f"with a binary body the samples are the body; {key!r} cannot be a parameter")
+        fields[key] = value if key == "kind" else _form_value(key, value)
+    kind = fields.pop("kind", None)
+    if kind not in ("inputs", "embeddings"):
+        raise BadInput(
+            "a binary (application/x-npy) body needs the query parameter kind=inputs (raw samples) "
+            f"or kind=embeddings, got {kind!r}"
+        )
+    if not body:
+        raise BadInput("empty request body; send one .npy array")
+    try:
+        array = read_npy(body, where="request body", max_bytes=4 * limits.max_body_bytes)
+    except NpzError as exc:
+        raise BadInput(str(exc)) from None
+    return Payload(fields, _checked_array(array, "request body"), kind)
+
+
+def _checked_array(array: np.ndarray, where: str) -> np.ndarray:
+    if array.dtype.kind not in "biuf":
+        raise BadInput(f"{where}: the array must hold numbers, got dtype {array.dtype}")
+    if array.size == 0:
+        raise BadInput(f"{where}: the array holds no number")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise BadInput(f"{where}: the array contains NaN or infinite values")
+    return array
 
 
 def decode_image(data: bytes, input_shape: tuple[int, ...], max_pixels: int) -> np.ndarray:
@@ -179,11 +233,7 @@ def parse_form(form: Any, input_shape: tuple[int, ...], limits: Limits) -> Paylo
             raise BadInput(str(exc)) from None
         for key in ("x", "embeddings"):
             if key in arrays:
-                array = arrays[key]
-                if array.dtype.kind not in "biuf":
-                    raise BadInput(f"{where}: array {key!r} must hold numbers, got dtype {array.dtype}")
-                if array.dtype.kind == "f" and not np.isfinite(array).all():
-                    raise BadInput(f"{where}: array {key!r} contains NaN or infinite values")
+                array = _checked_array(arrays[key], f"{where}: array {key!r}")
                 return Payload(fields, array, "inputs" if key == "x" else "embeddings")
         found = ", ".join(arrays) or "none"
         raise BadInput(f"{where}: expected an array 'x' (raw inputs) or 'embeddings', found {found}")

@@ -38,9 +38,10 @@ async def _drain(receive: Any, budget: int) -> None:
 class BodyLimit:
     """Refuse bodies over ``max_bytes`` with 413 before the application reads them.
 
-    A declared ``Content-Length`` over the limit is refused without holding the body;
-    otherwise the body is read (at most ``max_bytes + 1`` bytes are held) and handed on
-    whole. A refused body is discarded as it arrives, up to ``drain_bytes``, before the reply.
+    A declared ``Content-Length`` over the limit is refused without holding the body, one
+    within it is passed on untouched (the server delivers no more than it declares); a body
+    without one (chunked) is read first (at most ``max_bytes + 1`` bytes are held) and handed
+    on whole. A refused body is discarded as it arrives, up to ``drain_bytes``, before the reply.
     """
 
     def __init__(self, app: Any, max_bytes: int, drain_bytes: int = 64 * 2**20) -> None:
@@ -60,6 +61,9 @@ class BodyLimit:
                     await _drain(receive, self.drain_bytes)
                     await _reply(send, 413, too_big)
                     return
+                # The server delivers no more than the declared length (HTTP/1.1 framing).
+                await self.app(scope, receive, send)
+                return
         body = bytearray()
         more = True
         while more:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from marginkit.serve.inputs import Limits
 
-__all__ = ["build_app", "read_token", "serve"]
+__all__ = ["app_from_env", "build_app", "read_token", "serve"]
 
 SERVE_HINT = "pip install 'marginkit[serve]'"
+_ENV = "MARGINKIT_SERVE_BUILD"  # build_app's arguments (JSON) for worker processes
 
 
 def read_token(path: str | os.PathLike[str]) -> str:
@@ -58,10 +61,58 @@ def build_app(
     return create_app(bundle, gallery, token=token, limits=limits)
 
 
-def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "warning") -> None:
-    """Run ``app`` under uvicorn until interrupted (one process; torch and onnxruntime use threads)."""
+def app_from_env() -> Any:
+    """The app of one worker process (uvicorn's ``factory``): :func:`build_app` with the
+    arguments :func:`serve` left in the environment; the token is read again from its file."""
+    kwargs = json.loads(os.environ[_ENV])
+    token_file = kwargs.pop("token_file")
+    kwargs["limits"] = Limits(**kwargs["limits"])
+    return build_app(**kwargs, token=read_token(token_file) if token_file else None)
+
+
+def log_config(*, access_log: bool, quiet: bool) -> dict[str, Any]:
+    """uvicorn's logging set-up with the levels ``serve`` uses: its access log (one line per
+    request: client, method, path, status) at INFO when ``access_log``; its own messages at
+    INFO (WARNING when ``quiet``)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    level = "WARNING" if quiet else "INFO"
+    config["loggers"]["uvicorn"]["level"] = level
+    config["loggers"]["uvicorn.error"]["level"] = level
+    config["loggers"]["uvicorn.access"]["level"] = "INFO" if access_log else "WARNING"
+    return config
+
+
+def serve(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    access_log: bool = True,
+    quiet: bool = False,
+    workers: int = 1,
+    build: dict[str, Any] | None = None,
+) -> None:
+    """Run ``app`` under uvicorn until interrupted.
+
+    ``workers > 1`` starts that many worker processes (uvicorn's supervisor), each building
+    its own app with :func:`build_app` from ``build`` (its keyword arguments, with
+    ``token_file`` instead of ``token`` and ``limits`` as a dict) and opening the gallery
+    file itself; ``app`` is then not used. Processes see each other's enrollments before
+    their next query (see :class:`~marginkit.gallery.Gallery`).
+    """
     import uvicorn
 
-    uvicorn.run(
-        app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, timeout_graceful_shutdown=5
-    )
+    options = {
+        "host": host, "port": port, "access_log": access_log, "log_level": None,
+        "log_config": log_config(access_log=access_log, quiet=quiet),
+        "timeout_keep_alive": 5, "timeout_graceful_shutdown": 5,
+    }  # fmt: skip
+    if workers > 1:
+        if build is None:
+            raise ValueError("serve(workers > 1) needs build=, the arguments of build_app")
+        os.environ[_ENV] = json.dumps(build)
+        uvicorn.run("marginkit.serve.server:app_from_env", factory=True, workers=workers, **options)
+    else:
+        uvicorn.run(app, **options)
