@@ -199,7 +199,7 @@ def test_compare_report(tmp_path, gen):
             "map_at_r_std": None,
         },
     ]
-    text = write_compare_report(tmp_path, summary, runs, table_markdown="| loss |").read_text()
+    text = write_compare_report(tmp_path, summary, runs).read_text()
     assert_self_contained(text)
     assert "0.9200<br><span class=std>± 0.0200</span>" in text and "class=best" in text
     assert 'href="runs/softmax/seed0/report.html"' in text
@@ -402,3 +402,34 @@ def test_run_report_headline_and_backbone(tmp_path, gen):
     assert "backbone mlp" in text
     log = re.search(r"<h2>Training log</h2>(.*?)</table>", text).group(1)
     assert "<td>1.0 s</td>" in log and "<td>0.001</td>" in log  # epoch seconds; lr not padded
+
+
+# ---------------------------------------------------------------- readable without colour (issue 27)
+def test_curves_differ_in_line_style_and_bars_say_where_the_axis_starts():
+    from marginkit.report.figures import bar_figure, cmc_figure, det_figure, line_style
+
+    assert len({str(line_style(i)) for i in range(6)}) == 6 and line_style(6) == line_style(0)
+    p = np.linspace(0.01, 0.5, 20)
+    for fig in (det_figure([("a", p, p[::-1]), ("b", p, p[::-1] * 0.9)]),
+                cmc_figure([("a", np.arange(1, 6), p[:5]), ("b", np.arange(1, 6), p[:5])])):  # fmt: skip
+        ax = fig.axes[0]
+        styles = [line.get_linestyle() for line in ax.lines if not line.get_label().startswith("_")]
+        assert len(styles) == 2 and styles[0] != styles[1]
+        assert all(t.get_fontsize() >= 9 for t in ax.get_legend().get_texts())
+    rows = [{"loss": "a", "knn_accuracy": 0.9}, {"loss": "raw_1nn", "kind": "baseline", "knn_accuracy": 0.7}]
+    ax = bar_figure(rows, ["knn_accuracy"]).axes[0]
+    assert ax.get_ylabel() == "score (higher is better); axis from 0.6" and ax.get_ylim()[0] == 0.6
+    hatches = [bar.get_hatch() for bar in ax.patches]
+    assert hatches == [None, "//"] and [t.get_text() for t in ax.get_xticklabels()] == [
+        "a",
+        "raw_1nn\n(baseline)",
+    ]
+
+
+def test_compare_times_count_reused_runs_apart():
+    from marginkit.cli.compare import _time_note
+
+    assert _time_note([], 10.2) == "This invocation: 10 s."
+    note = _time_note([60.0, 83.0], 2.4)
+    assert note == ("This invocation: 2 s, 2 run(s) reused from an earlier invocation into the same "
+                    "directory (their training took 143 s then).")  # fmt: skip

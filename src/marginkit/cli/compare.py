@@ -491,8 +491,12 @@ def _compare_into(
         desc=f"{total} runs", enabled=not quiet,
     )  # fmt: skip
 
+    reused: list[float] = []  # training seconds of the runs reused from an earlier invocation
+
     def record(loss: str, s: int, res: dict[str, Any]) -> None:
         per_seed[loss][s] = res["metrics"]
+        if res["reused"]:
+            reused.append(float(res["metrics"].get("train_seconds") or 0.0))
         row = _row_metrics(res["metrics"])
         seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
         tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
@@ -529,11 +533,25 @@ def _compare_into(
     _write_summaries(out, summary, table, cols)
     plot_metrics = [m for m in ("knn_accuracy", "map_at_r", "precision_at_1") if m in cols]
     compare_plot(summary, plot_metrics, out / "comparison.png")
-    notes = f"Total {time.perf_counter() - t0:.0f} s."  # the report reads the set-up from the runs
     report = write_compare_report(
-        out, summary, runs, title=title, table_markdown=table, metrics=plot_metrics, notes=notes
+        out,
+        summary,
+        runs,
+        title=title,
+        metrics=plot_metrics,
+        notes=_time_note(reused, time.perf_counter() - t0),
     )
     return table, report
+
+
+def _time_note(reused: Sequence[float], wall: float) -> str:
+    """What this invocation took; runs reused from an earlier one are counted apart, with the
+    training time they took then (a rerun that trains nothing is not a fast comparison)."""
+    note = f"This invocation: {wall:.0f} s"
+    if reused:
+        note += (f", {len(reused)} run(s) reused from an earlier invocation into the same directory "
+                 f"(their training took {sum(reused):.0f} s then)")  # fmt: skip
+    return note + "."
 
 
 def run_demo(

@@ -15,12 +15,14 @@ import numpy as np
 from marginkit.report._html import fmt, fmt_as, header, img, number, read_jsonl, write_html
 from marginkit.report.figures import (
     _PAIR_CURVES,
+    LEGEND_SIZE,
     _epoch_axis,
     _new_figure,
     bar_figure,
     cmc_figure,
     det_figure,
     figure_png,
+    line_style,
     projections_figure,
 )
 
@@ -45,14 +47,17 @@ def _val_overlay(histories: dict[str, list[dict[str, Any]]]) -> str | None:
     for loss, hist in histories.items():
         key = next((k for k in ("val_knn_accuracy", "val_precision_at_1") if hist and k in hist[0]), None)
         if key:
-            ax.plot([r["epoch"] for r in hist], [r.get(key) for r in hist], marker="o", ms=2, label=loss)
+            values = [r.get(key) for r in hist]
+            ax.plot([r["epoch"] for r in hist], values, ms=3, label=loss, **line_style(plotted))
             plotted += 1
     if not plotted:  # no validation split: nothing to show
         return None
     _epoch_axis(ax)
     ax.set_ylabel("validation K-NN accuracy / precision@1")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)  # off the curves
+    ax.legend(
+        fontsize=LEGEND_SIZE, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False
+    )  # off the curves
     fig.tight_layout()
     return figure_png(fig)
 
@@ -225,7 +230,6 @@ def write_compare_report(
     runs: dict[str, list[Path]],
     *,
     title: str = "marginkit comparison",
-    table_markdown: str = "",
     metrics: Sequence[str] = ("knn_accuracy", "map_at_r"),
     notes: str = "",
 ) -> Path:
@@ -239,7 +243,6 @@ def write_compare_report(
     Args:
         summary: one row per loss (``loss`` plus ``metric`` / ``metric_std`` keys, ``n_seeds``).
         runs: loss → its run directories (the first seed's curves and projection are shown).
-        table_markdown: the text table, shown verbatim.
         metrics: the metrics of the bar plot.
         notes: one more sentence under the set-up (e.g. the total time).
     """
@@ -301,8 +304,9 @@ def write_compare_report(
                 links.append(f'<li><a href="{html.escape(str(rel))}">{text}</a></li>')
     if links:
         parts.append("<h2>Per-run reports</h2><ul>" + "".join(links) + "</ul>")
-    if table_markdown:
-        parts.append(f"<h2>Table (Markdown)</h2><pre>{html.escape(table_markdown)}</pre>")
+    if (out_dir / "summary.md").is_file():  # the table above as text, once, in its own file
+        parts.append('<p class=muted>The table as Markdown: <a href="summary.md">summary.md</a>; every '
+                     'figure of every row: <a href="summary.json">summary.json</a>.</p>')  # fmt: skip
     path = out_dir / "report.html"
     write_html(path, title, parts)
     return path

@@ -20,12 +20,26 @@ def _mpl() -> tuple[Any, Any]:
     return Figure, FigureCanvasAgg
 
 
+#: Text sizes of the figures (points; at the PNG's 100 dpi a point is about 1.4 screen pixels).
+LEGEND_SIZE = 9
+TICK_SIZE = 8
+
+#: Line styles and markers, cycled with the colours, so that curves are told apart without colour.
+_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 1)), "x"))
+
+
+def line_style(i: int) -> dict[str, Any]:
+    """The ``i``-th curve's line style and marker (matplotlib keywords), cycling."""
+    ls, marker = _STYLES[i % len(_STYLES)]
+    return {"ls": ls, "marker": marker}
+
+
 def figure_png(fig: Any) -> str:
     """Render a matplotlib ``Figure`` to a base64 PNG string."""
     _, canvas_cls = _mpl()
     canvas_cls(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -54,19 +68,26 @@ def _curves(history: list[dict[str, Any]], title: str = "") -> str | None:
     _epoch_axis(ax1)
     ax1.set_ylabel("training loss")
     ax1.grid(alpha=0.3)
+    drawn = 0
     for key, label in (
         ("val_knn_accuracy", "val K-NN accuracy"),
         ("val_head_accuracy", "val head accuracy"),
         ("val_precision_at_1", "val precision@1"),
+        ("val_eer", "val EER (lower is better)"),
     ):
         values = [r.get(key) for r in history]
         if any(v is not None for v in values):
-            ax2.plot(epochs, [np.nan if v is None else v for v in values], marker="o", ms=3, label=label)
+            ax2.plot(
+                epochs, [np.nan if v is None else v for v in values], ms=3, label=label, **line_style(drawn)
+            )
+            drawn += 1
     _epoch_axis(ax2)
     ax2.set_ylabel("validation")
     ax2.grid(alpha=0.3)
+    if not drawn:
+        ax2.text(0.5, 0.5, "no validation split", ha="center", va="center", transform=ax2.transAxes)
     if ax2.get_legend_handles_labels()[0]:
-        ax2.legend(fontsize=8)
+        ax2.legend(fontsize=LEGEND_SIZE)
     if title:
         fig.suptitle(title)
     fig.tight_layout()  # the right panel's y label clear of the left panel
@@ -126,7 +147,7 @@ def _class_legend(fig: Any, ax: Any, classes: np.ndarray) -> None:
         return  # too many to tell apart; the caption says how many
     handles, names = ax.get_legend_handles_labels()
     fig.legend(handles, names, title="class", loc="center left", bbox_to_anchor=(1.0, 0.5),
-               fontsize=8, title_fontsize=8, markerscale=2.5, frameon=False)  # fmt: skip
+               fontsize=LEGEND_SIZE, title_fontsize=LEGEND_SIZE, markerscale=2.5, frameon=False)  # fmt: skip
 
 
 def _projection(points: np.ndarray, labels: np.ndarray) -> str:
@@ -254,8 +275,9 @@ def det_figure(
     lo_x = min((float(a[b <= hi].min()) for _, a, b in drawn if (b <= hi).any()), default=1e-3)
     lo_y = min((float(b[a <= hi].min()) for _, a, b in drawn if (a <= hi).any()), default=1e-3)
     lo_x, lo_y = max(lo_x, 1e-6), max(lo_y, 1e-6)
-    for label, p_fa, p_miss in drawn:
-        ax.plot(_probit(p_fa), _probit(p_miss), lw=1.5, label=label)
+    for i, (label, p_fa, p_miss) in enumerate(drawn):
+        style = line_style(i)
+        ax.plot(_probit(p_fa), _probit(p_miss), lw=1.5, label=label, ls=style["ls"])
     (zx, zy, zh) = (float(v) for v in _probit(np.array([lo_x, lo_y, hi])))
     ax.set_xlim(zx - 0.1, zh + 0.05)
     ax.set_ylim(zy - 0.1, zh + 0.05)
@@ -263,13 +285,13 @@ def det_figure(
     ax.plot(both, both, color="0.6", lw=0.8, ls="--", label="_EER line")
     for lo, set_ticks in ((lo_x, ax.set_xticks), (lo_y, ax.set_yticks)):
         ticks = _det_ticks(lo, hi)
-        set_ticks(_probit(np.array(ticks)), [_percent(t) for t in ticks], fontsize=8)
+        set_ticks(_probit(np.array(ticks)), [_percent(t) for t in ticks], fontsize=TICK_SIZE)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     if any(label for label, _, _ in drawn):
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=LEGEND_SIZE, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -281,8 +303,10 @@ def cmc_figure(curves: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> Any:
     fig = _new_figure(4.6, 4.2)
     ax = fig.subplots()
     low, top = 1.0, 1
-    for label, ranks, rates in curves:
-        ax.plot(ranks, rates, marker="o" if len(ranks) <= 20 else None, ms=3, lw=1.5, label=label)
+    for i, (label, ranks, rates) in enumerate(curves):
+        style = line_style(i)
+        marker = style["marker"] if len(ranks) <= 20 else None
+        ax.plot(ranks, rates, ls=style["ls"], marker=marker, ms=3, lw=1.5, label=label)
         if len(rates):
             low, top = min(low, float(np.min(rates))), max(top, int(np.max(ranks)))
     if top > 20:
@@ -297,7 +321,7 @@ def cmc_figure(curves: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> Any:
     ax.set_title("CMC", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     if len(curves) > 1:
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=LEGEND_SIZE, loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -310,21 +334,32 @@ def bar_figure(summary: list[dict[str, Any]], metrics: Sequence[str]) -> Any:
     n = len(metrics)
     width = 0.8 / max(1, n)
     x = np.arange(len(summary))
+    baseline = [r.get("kind") == "baseline" for r in summary]
     for i, m in enumerate(metrics):
         means = [r.get(m, np.nan) if r.get(m) is not None else np.nan for r in summary]
         stds = [r.get(f"{m}_std") or 0.0 for r in summary]
         yerr = stds if any(stds) else None
-        ax.bar(x + (i - (n - 1) / 2) * width, means, width, yerr=yerr, capsize=2, label=m)
-    names = [r["loss"] for r in summary]
+        bars = ax.bar(x + (i - (n - 1) / 2) * width, means, width, yerr=yerr, capsize=2, label=m)
+        for bar, base in zip(bars, baseline, strict=True):
+            if base:  # a baseline's bars hatched: nothing learned by a loss
+                bar.set_hatch("//")
+                bar.set_alpha(0.6)
+    names = [
+        f"{r['loss']}\n(baseline)" if base else r["loss"] for r, base in zip(summary, baseline, strict=True)
+    ]
     crowded = max((len(nm) for nm in names), default=0) * len(names) > 70
     ax.set_xticks(x, names, rotation=30 if crowded else 0, ha="right" if crowded else "center",
                   rotation_mode="anchor")  # fmt: skip
     ax.set_xlim(-0.6, len(summary) - 0.4)
     finite = [r.get(m) for r in summary for m in metrics if isinstance(r.get(m), (int, float))]
     lo = min(finite) if finite else 0.0
-    ax.set_ylim(max(0.0, math.floor((lo - 0.05) * 10) / 10), 1.0)
+    bottom = max(0.0, math.floor((lo - 0.05) * 10) / 10)
+    ax.set_ylim(bottom, 1.0)
+    ax.set_ylabel("score (higher is better)" + (f"; axis from {bottom:g}" if bottom > 0 else ""))
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=max(1, n), frameon=False)
+    ax.legend(
+        fontsize=LEGEND_SIZE, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=max(1, n), frameon=False
+    )
     fig.tight_layout()
     return fig
 
