@@ -101,12 +101,16 @@ def test_open_set_npz_reports_the_fields_figures_equal_to_a_brute_force(tmp_path
     data = make(tmp_path / "faces.npz")
     run = tmp_path / "run"
     args = ["train", "--data", f"npz:{data}", "--loss", "circle", "--model", "mlp", "--epochs", "2",
-            "--embedding-dim", "16", "--out", str(run), "-q", "--no-report"]  # fmt: skip
+            "--embedding-dim", "16", "--out", str(run), "-q"]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "verification EER" in printed and "leave-one-out in test" in printed and "MAP@R" in printed
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["open_set"] and metrics["knn_accuracy"] > 0 and "head_accuracy" not in metrics
+    report = (run / "report.html").read_text()
+    test_classes = metrics["class_split"]["test"]  # the source's test people, named in the report
+    assert f"test {len(test_classes)} ({', '.join(test_classes)}): never seen in training" in report
+    assert "Verification (test pairs)" in report
     ver = metrics["verification"]
     assert set(ver["confidence_intervals"]["tar_at_far"]) == set(ver["tar_at_far"])
     lo, hi = ver["confidence_intervals"]["eer"]

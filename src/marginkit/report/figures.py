@@ -51,10 +51,16 @@ def _new_figure(w: float = 5.2, h: float = 3.6) -> Any:
 
 
 def _epoch_axis(ax: Any) -> None:
-    """An x axis of epochs: whole numbers only (not 1.0, 1.2, … for a two-epoch run)."""
+    """An x axis of epochs: whole numbers only (not 1.0, 1.2, … for a two-epoch run, nor 0.95 …
+    1.05 around a single epoch). Call it after plotting."""
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("epoch")
+    epochs = sorted({float(x) for line in ax.lines for x in np.asarray(line.get_xdata(), dtype=float)})
+    if epochs and epochs[-1] - epochs[0] < 2:  # one or two epochs: ticks at them, half an epoch around
+        ax.set_xticks(epochs, [f"{e:g}" for e in epochs])
+        ax.set_xlim(epochs[0] - 0.5, epochs[-1] + 0.5)
+        return
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 

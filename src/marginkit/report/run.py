@@ -151,6 +151,19 @@ def write_run_report(run_dir: str | Path, out: str | Path | None = None) -> Path
         f"checkpoint {html.escape(str(metrics.get('checkpoint')))} (epoch {metrics.get('epoch', '?')}) · "
         f"fingerprint <code>{html.escape(str(metrics.get('fingerprint', '')))}</code></p>"
     )
+    split = metrics.get("class_split")
+    if isinstance(split, dict):  # which classes trained, validated and tested
+
+        def names(side: str) -> str:
+            found = [str(n) for n in split.get(side) or []]
+            shown = ", ".join(found[:12]) + (", …" if len(found) > 12 else "")
+            return f"{len(found)} ({html.escape(shown)})" if found else "none"
+
+        test = "never seen in training" if metrics.get("open_set") else "the training classes"
+        parts.append(
+            f"<p>Classes — training {names('train')}; validation {names('val')}; test {names('test')}: "
+            f"{test}. <span class=muted>{html.escape(str(metrics.get('split', '')))}</span></p>"
+        )
     rows = [(label, metrics[key]) for key, label in _SCALARS if key in metrics]
     if metrics.get("open_set"):
         rows.insert(1, ("K-NN protocol", metrics.get("knn_protocol", "")))
