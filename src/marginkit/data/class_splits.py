@@ -118,11 +118,11 @@ def _pick(
             )
     else:
         count = _count(value, len(candidates), option)
-        chosen = np.sort(rng.permutation(candidates)[:count]) if count <= len(candidates) else candidates
         if count > len(candidates):
             raise ValueError(
                 f"{option}={value!r} asks for {count} classes, but only {len(candidates)} are left"
             )
+        chosen = np.sort(rng.permutation(candidates)[:count])
     if len(candidates) - len(chosen) < needed_left:
         raise ValueError(
             f"{option}={value!r} takes {len(chosen)} of {len(candidates)} classes and leaves "

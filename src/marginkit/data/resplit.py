@@ -91,26 +91,22 @@ def labelled_splits(
     name: str,
     *,
     split: str | None = None,
-    test_classes: Any = None,
-    val_classes: Any = None,
-    folds: int | None = None,
-    fold: int | None = None,
     split_seed: int = 0,
     test_fraction: float = 0.2,
+    **classes: Any,
 ) -> LabelledSplits:
-    """The source's splits with class labels (see the module doc); ``split`` ``None`` means
-    ``"classes"`` when ``test_classes`` or ``folds`` is given, else ``"source"``."""
+    """The source's splits with class labels (see the module doc). ``classes``: the class
+    options of :func:`~marginkit.data.class_splits.choose_classes` (``test_classes``,
+    ``val_classes``, ``folds``, ``fold``); ``split`` ``None`` means ``"classes"`` when
+    ``test_classes`` or ``folds`` is given, else ``"source"``."""
     if raw.open_set:  # a source that is class-disjoint by construction (identities): as it is
         x = {"train": raw.x_train, "test": raw.x_test}
         y = {"train": raw.y_train, "test": raw.y_test}
         if raw.x_val is not None:
             x["val"], y["val"] = raw.x_val, raw.y_val
         return LabelledSplits(x, y, int(np.unique(raw.y_train).size), None, True, dict(raw.info))
-    mode = (
-        split
-        if split is not None
-        else ("classes" if test_classes is not None or folds is not None else "source")
-    )
+    chooses = classes.get("test_classes") is not None or classes.get("folds") is not None
+    mode = split if split is not None else ("classes" if chooses else "source")
     if mode not in SPLIT_MODES:
         raise ValueError(f"split must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
     seed = _seed(split_seed, "split_seed")
@@ -120,71 +116,39 @@ def labelled_splits(
     if raw.x_val is not None:
         xs["val"] = raw.x_val
     if mode == "source":
-        return _source(
-            xs,
-            labels,
-            names,
-            name,
-            info,
-            val_classes=val_classes,
-            seed=seed,
-            test_classes=test_classes,
-            folds=folds,
-            fold=fold,
-        )
+        return _source(xs, labels, names, name, info, seed, classes)
     pool_x = np.concatenate([xs[s] for s in SIDES if s in xs])
     pool_y = np.concatenate([labels[s] for s in SIDES if s in labels])
     info["split"] = f"split={mode!r}, split_seed={seed}: the source's {len(pool_y)} samples pooled"
-    if val_classes is not None:
-        info["val_split"] = f"val_classes={val_classes!r}, split_seed={seed}: whole classes, none trained on"
-    present = _classes_of(pool_y)
-    if mode == "samples":
-        chosen = choose_classes(
-            present,
-            names,
-            mode=mode,
-            val_classes=val_classes,
-            seed=seed,
-            test_classes=test_classes,
-            folds=folds,
-            fold=fold,
-        )
-        in_val = np.isin(pool_y, chosen.val)
-        rest = np.flatnonzero(~in_val)
-        keep, held = _split_indices(pool_y[rest], test_fraction, np.random.default_rng(seed))
-        side = np.full(len(pool_y), "val", dtype=object)
-        side[rest[keep]], side[rest[held]] = "train", "test"
-        info["split"] += f", then stratified test_fraction={test_fraction} per class"
+    if classes.get("val_classes") is not None:
+        info["val_split"] = f"val_classes={classes['val_classes']!r}, split_seed={seed}: {_WHOLE}"
+    chosen = choose_classes(_classes_of(pool_y), names, mode=mode, seed=seed, **classes)
+    side = np.full(len(pool_y), "train", dtype=object)
+    side[np.isin(pool_y, chosen.val)] = "val"
+    if mode == "samples":  # the rest re-split per class: every class trains and tests
+        rest = np.flatnonzero(side == "train")
+        _, held = _split_indices(pool_y[rest], test_fraction, np.random.default_rng(seed))
         if not held.size:
             raise ValueError(
                 f"{name}: split='samples' with test_fraction={test_fraction} leaves no test samples"
             )
+        side[rest[held]] = "test"
+        info["split"] += f", then stratified test_fraction={test_fraction} per class"
     else:
-        chosen = choose_classes(
-            present,
-            names,
-            mode=mode,
-            test_classes=test_classes,
-            val_classes=val_classes,
-            folds=folds,
-            fold=fold,
-            seed=seed,
-        )
-        side = np.full(len(pool_y), "train", dtype=object)
-        side[np.isin(pool_y, chosen.val)] = "val"
         side[np.isin(pool_y, chosen.test)] = "test"
-        if mode == "classes":
-            how = (
-                f"folds={folds}, fold={fold}"
-                if folds is not None
-                else f"test_classes={test_classes or 0.5!r}"
-            )
-        else:
+        if mode == "halves":
             how = "the first half of the classes in their order train, the second half tests"
+        elif classes.get("folds") is not None:
+            how = f"folds={classes['folds']}, fold={classes.get('fold')}"
+        else:
+            how = f"test_classes={classes.get('test_classes') or 0.5!r}"
         info["split"] += f", split by class ({how})"
     x = {s: pool_x[side == s] for s in SIDES if s != "val" or chosen.val.size}
     y = {s: pool_y[side == s] for s in SIDES if s != "val" or chosen.val.size}
     return _finish(x, y, chosen, names, info, relabel=mode != "samples" or bool(chosen.val.size))
+
+
+_WHOLE = "whole classes, none trained on"
 
 
 def _source(
@@ -193,47 +157,36 @@ def _source(
     names: list[str],
     name: str,
     info: dict[str, Any],
-    *,
-    val_classes: Any,
     seed: int,
-    test_classes: Any,
-    folds: Any,
-    fold: Any,
+    classes: dict[str, Any],
 ) -> LabelledSplits:
-    """``split='source'``: the splits as given, their class overlap decided (closed, open or an error)."""
+    """``split='source'``: the splits as given, their class overlap decided (closed, open or an
+    error); ``val_classes`` moves whole training classes to validation."""
     train = _classes_of(labels["train"])
     sides = {}
     for side in ("test", "val"):
         if side not in labels:
             continue
-        classes = _classes_of(labels[side])
-        seen = np.intersect1d(classes, train)
-        if seen.size and seen.size < classes.size:
-            raise _overlap_error(name, side, np.setdiff1d(classes, train), seen, names)
+        found = _classes_of(labels[side])
+        seen = np.intersect1d(found, train)
+        if seen.size and seen.size < found.size:
+            raise _overlap_error(name, side, np.setdiff1d(found, train), seen, names)
         sides[side] = "closed" if seen.size else "open"
+    val_classes = classes.get("val_classes")
     if val_classes is not None and "val" in labels:
         raise ValueError(
             f"{name}: the source has its own validation split; val_classes would replace it "
             "(drop val_classes)"
         )
-    chosen = choose_classes(
-        train,
-        names,
-        mode="source",
-        source_test=_classes_of(labels["test"]),
-        val_classes=val_classes,
-        seed=seed,
-        test_classes=test_classes,
-        folds=folds,
-        fold=fold,
-    )
+    test = _classes_of(labels["test"])
+    chosen = choose_classes(train, names, mode="source", source_test=test, seed=seed, **classes)
     x, y = dict(xs), dict(labels)
     if chosen.val.size:  # whole training classes move to validation
         moved = np.isin(labels["train"], chosen.val)
         x["val"], y["val"] = xs["train"][moved], labels["train"][moved]
         x["train"], y["train"] = xs["train"][~moved], labels["train"][~moved]
-        info["val_split"] = f"val_classes={val_classes!r}, split_seed={seed}: whole classes, none trained on"
-    elif "val" in labels and sides["val"] == "open":
+        info["val_split"] = f"val_classes={val_classes!r}, split_seed={seed}: {_WHOLE}"
+    elif sides.get("val") == "open":
         chosen = ClassSplit(chosen.train, _classes_of(labels["val"]), chosen.test)
     relabel = sides["test"] == "open" or chosen.val.size > 0
     return _finish(x, y, chosen, names, info, relabel=relabel)
