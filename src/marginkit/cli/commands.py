@@ -533,10 +533,17 @@ def cmd_losses(args: argparse.Namespace) -> int:
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:
-    from marginkit.data.datasets import DATASETS, FILE_FORMATS
+    from marginkit.data.datasets import DATASET_INFO, DATASETS, FILE_FORMAT_INFO, FILE_FORMATS
 
-    print("built-in: " + ", ".join(DATASETS))
-    print("files:    " + ", ".join(f"{f}:PATH" for f in FILE_FORMATS))
+    specs = [*DATASETS, *(f"{f}:PATH" for f in FILE_FORMATS)]
+    width = max(map(len, specs))
+    print("built-in (--data NAME):")
+    for name in DATASETS:
+        print(f"  {name:<{width}}  {DATASET_INFO[name].line()}")
+    print("your files (--data FORMAT:PATH):")
+    for name in FILE_FORMATS:
+        print(f"  {name + ':PATH':<{width}}  {FILE_FORMAT_INFO[name]}")
+    print("Splits, options and checks of each: docs/data.md")
     return 0
 
 

@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -486,6 +485,14 @@ def _compare_into(
     return table, report
 
 
+def demo_jobs() -> int:
+    """The demo's default ``--jobs``: min(2, the CPU cores this process may use). Its runs take
+    one torch thread each (:data:`DEMO_OPTIONS`), so two of them use two cores."""
+    from marginkit.train.runtime import available_cores
+
+    return min(2, available_cores())
+
+
 def run_demo(
     out: str | Path = "demo_out",
     *,
@@ -512,7 +519,7 @@ def run_demo(
         quiet,
     )
     if jobs is None:
-        jobs = max(1, min(2, os.cpu_count() or 1))
+        jobs = demo_jobs()
     table, report = run_compare(
         base, chosen, seeds=seeds, out=out, quiet=quiet, cli_pairs=pairs, per_loss=DEMO_PER_LOSS,
         title="marginkit demo — margin losses on MNIST-1D", jobs=jobs, overwrite=overwrite,
