@@ -7,7 +7,9 @@ block are there for the next), ```` ```python ```` blocks each in a fresh ``pyth
 session, fed line by line through the interactive interpreter's rules (as when pasted into
 ``python``; a block that only runs as a saved script fails here). Before the first
 ``source .venv/bin/activate`` neither ``marginkit`` nor the environment's ``python`` is on
-PATH.
+PATH. The python blocks after the last bash block (the library's examples) run as a second
+part, in a session and directory of their own, beside the first under pytest-xdist
+(:func:`parts`).
 
 A bash block may follow one marker comment (HTML, invisible on the rendered page):
 
@@ -48,6 +50,17 @@ APPEND = re.compile(r'append "(?P<options>[^"]+)" \((?P<reason>[^)]+)\)')
 REPLACE = re.compile(r'replace "(?P<old>[^"]+)" "(?P<new>[^"]+)" \((?P<reason>[^)]+)\)')
 #: Seconds for the whole README (the demo's tiny variant, a train, eval, predict, compare).
 TIMEOUT = 1500
+#: The port the README's deploy block serves on. The tests serve on a free port instead, so that
+#: two runs of the suite on one machine (or two of its xdist workers) never meet on one port.
+README_PORT = 8000
+_PORT = re.compile(rf"(?<=--port ){README_PORT}\b|(?<=127\.0\.0\.1:){README_PORT}\b")
+
+
+def on_a_free_port(script: str) -> tuple[str, int]:
+    """``script`` with the README's port replaced by a free one, and how many places changed."""
+    from marginkit.distributed import find_free_port
+
+    return _PORT.subn(str(find_free_port()), script)
 
 
 @dataclass
@@ -219,8 +232,26 @@ def _venv(work: Path) -> None:
     (bindir / "activate").write_text(f'export PATH="{Path(sys.executable).parent}:$PATH"\n')
 
 
+def parts() -> dict[str, list[tuple[int, Block]]]:
+    """The run blocks (index, block) in two parts: ``commands``, every block up to the last bash
+    block, in order (they build on each other's files), and ``library``, the python blocks after
+    it, which are self-contained (the rule above) and so run in a directory of their own — the
+    two parts can run at once (pytest-xdist)."""
+    run = [(n, b) for n, b in enumerate(readme_blocks()) if b.lang in RUN and plan(b) is not None]
+    last_bash = max(i for i, (_, b) in enumerate(run) if b.lang == "bash")
+    return {"commands": run[: last_bash + 1], "library": run[last_bash + 1 :]}
+
+
+def test_the_two_parts_hold_every_block_once():
+    split = parts()
+    run = [(n, b) for n, b in enumerate(readme_blocks()) if b.lang in RUN and plan(b) is not None]
+    assert [n for n, _ in split["commands"] + split["library"]] == [n for n, _ in run]
+    assert all(b.lang == "python" for _, b in split["library"]) and len(split["library"]) >= 5
+
+
 @pytest.mark.slow
-def test_readme_runs_as_written(tmp_path):
+@pytest.mark.parametrize("part", ["commands", "library"])
+def test_readme_runs_as_written(tmp_path, part):
     work = tmp_path / "clone"
     work.mkdir()
     _venv(work)
@@ -228,13 +259,12 @@ def test_readme_runs_as_written(tmp_path):
     logs.mkdir()
     (tmp_path / "console.py").write_text(CONSOLE)
     script = ["set -euo pipefail"]
+    if part == "library":  # the environment the commands part's first block activates
+        script.append("source .venv/bin/activate")
     ran: list[Block] = []
-    for n, b in enumerate(readme_blocks()):
-        if b.lang not in RUN:
-            continue
+    for n, b in parts()[part]:
         text = plan(b)
-        if text is None:
-            continue
+        assert text is not None
         log = logs / f"{n}.log"
         script.append(f"echo {n} > {shlex.quote(str(tmp_path / 'current'))}")
         if b.lang == "python":
@@ -250,8 +280,9 @@ def test_readme_runs_as_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
     t0 = time.perf_counter()
+    text, _ = on_a_free_port("\n".join(script))
     proc = subprocess.run(
-        ["bash", "-c", "\n".join(script)], cwd=work, env=env, timeout=TIMEOUT, capture_output=True, text=True
+        ["bash", "-c", text], cwd=work, env=env, timeout=TIMEOUT, capture_output=True, text=True
     )
     current = (tmp_path / "current").read_text().strip() if (tmp_path / "current").is_file() else "?"
     if proc.returncode != 0 or current != "done":
@@ -262,5 +293,4 @@ def test_readme_runs_as_written(tmp_path):
             f"{failed.where if failed else 'README'} failed (exit {proc.returncode}):\n"
             f"{plan(failed) if failed else ''}\n--- output (last 3000 characters) ---\n{output[-3000:]}"
         )
-    assert len(ran) == len([b for b in readme_blocks() if b.lang in RUN and plan(b) is not None])
-    print(f"{len(ran)} README blocks ran in {time.perf_counter() - t0:.0f} s")
+    print(f"{len(ran)} README blocks ({part}) ran in {time.perf_counter() - t0:.0f} s")

@@ -29,6 +29,7 @@ from marginkit.cli import main
 from marginkit.gallery import Gallery
 from marginkit.serve import Limits, create_app
 from marginkit.train.trainer import load_run, load_splits
+from test_readme import on_a_free_port
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 LIMITS = Limits(max_body_bytes=1_000_000, max_batch=64, max_image_pixels=10_000)
@@ -409,6 +410,8 @@ def test_readme_deploy_commands_run_as_written(tmp_path):
     assert block, "README has no deploy block"
     script = block.group(1)
     assert script.count("marginkit ") == 3 and script.count("curl ") == 2
+    script, moved = on_a_free_port(script)
+    assert moved >= 2, script  # the server's --port and the clients' URLs
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script],
