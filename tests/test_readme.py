@@ -7,9 +7,9 @@ block are there for the next), ```` ```python ```` blocks each in a fresh ``pyth
 session, fed line by line through the interactive interpreter's rules (as when pasted into
 ``python``; a block that only runs as a saved script fails here). Before the first
 ``source .venv/bin/activate`` neither ``marginkit`` nor the environment's ``python`` is on
-PATH. The python blocks after the last bash block (the library's examples) run as a second
-part, in a session and directory of their own, beside the first under pytest-xdist
-(:func:`parts`).
+PATH. Each section (``##`` / ``###`` heading) runs in a session and directory of its own,
+beside the others under pytest-xdist (:func:`parts`): a section's blocks may use the files its
+earlier blocks wrote, never another section's.
 
 A bash block may follow one marker comment (HTML, invisible on the rendered page):
 
@@ -69,6 +69,7 @@ class Block:
     code: str
     line: int  # 1-based line of the opening fence
     marker: str | None
+    section: str = ""  # the ## or ### heading above the block
 
     @property
     def where(self) -> str:
@@ -79,10 +80,13 @@ def blocks(text: str) -> list[Block]:
     """The fenced blocks of ``text`` with the marker comment right above each (if any)."""
     out: list[Block] = []
     lines = text.splitlines()
+    section = ""
     i = 0
     while i < len(lines):
         m = re.match(r"^(\s*)```(.*)$", lines[i])
         if not m:
+            heading = re.match(r"^#{2,3} (.+)$", lines[i])
+            section = heading.group(1).strip() if heading else section
             i += 1
             continue
         if m.group(1):
@@ -101,7 +105,7 @@ def blocks(text: str) -> list[Block]:
             k -= 1
         marker = MARKER.search(lines[k]) if k >= 0 else None
         code = "\n".join(lines[start + 1 : j]) + "\n"
-        out.append(Block(lang, code, start + 1, marker.group("body") if marker else None))
+        out.append(Block(lang, code, start + 1, marker.group("body") if marker else None, section))
         i = j + 1
     return out
 
@@ -233,24 +237,27 @@ def _venv(work: Path) -> None:
 
 
 def parts() -> dict[str, list[tuple[int, Block]]]:
-    """The run blocks (index, block) in two parts: ``commands``, every block up to the last bash
-    block, in order (they build on each other's files), and ``library``, the python blocks after
-    it, which are self-contained (the rule above) and so run in a directory of their own — the
-    two parts can run at once (pytest-xdist)."""
-    run = [(n, b) for n, b in enumerate(readme_blocks()) if b.lang in RUN and plan(b) is not None]
-    last_bash = max(i for i, (_, b) in enumerate(run) if b.lang == "bash")
-    return {"commands": run[: last_bash + 1], "library": run[last_bash + 1 :]}
+    """The run blocks (index, block) grouped by the section (``##`` / ``###`` heading) they are in,
+    in README order: each section runs in a session and directory of its own, so that the
+    sections run at once under pytest-xdist. A section's blocks may use what its earlier blocks
+    wrote, never another section's files (a section that does fails here)."""
+    out: dict[str, list[tuple[int, Block]]] = {}
+    for n, b in enumerate(readme_blocks()):
+        if b.lang in RUN and plan(b) is not None:
+            out.setdefault(b.section, []).append((n, b))
+    return out
 
 
-def test_the_two_parts_hold_every_block_once():
+def test_the_sections_hold_every_block_once():
     split = parts()
     run = [(n, b) for n, b in enumerate(readme_blocks()) if b.lang in RUN and plan(b) is not None]
-    assert [n for n, _ in split["commands"] + split["library"]] == [n for n, _ in run]
-    assert all(b.lang == "python" for _, b in split["library"]) and len(split["library"]) >= 5
+    assert sorted(n for blocks_ in split.values() for n, _ in blocks_) == [n for n, _ in run]
+    assert len(split) >= 5 and all(len({b.section for _, b in v}) == 1 for v in split.values())
+    assert blocks("## A\n```bash\nx\n```\n### B\n```python\n# C\n```\n")[1].section == "B"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["commands", "library"])
+@pytest.mark.parametrize("part", list(parts()), ids=[p.split(" — ")[0] for p in parts()])
 def test_readme_runs_as_written(tmp_path, part):
     work = tmp_path / "clone"
     work.mkdir()
@@ -259,7 +266,7 @@ def test_readme_runs_as_written(tmp_path, part):
     logs.mkdir()
     (tmp_path / "console.py").write_text(CONSOLE)
     script = ["set -euo pipefail"]
-    if part == "library":  # the environment the commands part's first block activates
+    if part != next(iter(parts())):  # the environment the first section's first block activates
         script.append("source .venv/bin/activate")
     ran: list[Block] = []
     for n, b in parts()[part]:
