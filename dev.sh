@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# One-command set-up and run:  ./dev.sh demo   |   ./dev.sh test [pytest args]
-# Creates .venv (if missing), installs marginkit with the CPU torch pinned in
-# constraints.txt, then runs the demo or the full test suite (ruff included).
+# One-command set-up and run, from a clone of the repository:
+#   ./dev.sh demo [marginkit demo args]   .venv with marginkit[cli,export,serve], then `marginkit demo`
+#   ./dev.sh install                      the same environment, nothing run
+#   ./dev.sh test [pytest args]           .venv with marginkit[test] (every extra and the test tools),
+#                                         then ruff and the whole test suite on every core
+# Creates .venv (if missing) and installs with the CPU torch pinned in constraints.txt; an
+# install is redone only when pyproject.toml or constraints.txt changed.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${MARGINKIT_VENV:-.venv}"
 what="${1:-}"; shift || true
 case "$what" in
-  demo) extras="cli" ;;
+  demo|install) extras="cli,export,serve" ;;  # what the README's sections use
   test) extras="test" ;;
-  *) echo "usage: ./dev.sh demo [marginkit demo args] | ./dev.sh test [pytest args]" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh demo [marginkit demo args] | ./dev.sh install | ./dev.sh test [pytest args]" >&2; exit 2 ;;
 esac
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-stamp="$VENV/.installed-$extras-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)"
+stamp="$VENV/.installed-${extras//,/-}-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -c constraints.txt -e ".[$extras]"
@@ -22,6 +26,7 @@ if [ ! -f "$stamp" ]; then
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
 case "$what" in
+  install) echo "marginkit[$extras] installed in $VENV; activate it with: source $VENV/bin/activate" ;;
   demo) exec marginkit demo "$@" ;;
   test)
     # Idle OpenMP threads sleep instead of spinning: on a small shared machine spinning
@@ -29,5 +34,8 @@ case "$what" in
     export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
     ruff check src tests benchmarks
     ruff format --check src tests benchmarks
-    exec python -m pytest "$@" ;;
+    # pytest-xdist: one worker per core (at most 4; MARGINKIT_TEST_WORKERS=N sets N, 0 runs the
+    # suite in this process). worksteal hands a finished worker the queued tests of a busy one.
+    workers="${MARGINKIT_TEST_WORKERS:-auto}"
+    exec python -m pytest -n "$workers" --maxprocesses=4 --dist worksteal "$@" ;;
 esac

@@ -4,14 +4,22 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Two shared cores: keep intra-op threads low so parallel suites stay predictable.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two shared cores: keep intra-op threads low so parallel suites stay predictable. Under
+# pytest-xdist (`./dev.sh test` runs one worker per core) the workers share the cores.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # A long hunt for rare counterexamples, not run by CI: HYPOTHESIS_PROFILE=soak pytest tests/...
 settings.register_profile("soak", max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``slow`` tests first (stable order otherwise): spread over xdist's workers from the
+    start, the longest ones do not all end up in one worker's tail."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

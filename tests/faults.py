@@ -2,7 +2,9 @@
 
 A run's write steps are the ``_sync`` (a temporary file made durable) and ``_rename`` (moved
 into place) calls of :mod:`marginkit.train.rundir`, counted from 0. Importable by name, so a
-``multiprocessing`` forkserver can preload it (with torch) and fork one cheap child per kill.
+``multiprocessing`` forkserver can preload it (with torch) and fork one cheap child per kill:
+it also imports what a run's first steps import lazily (seconds of torch's Dynamo and
+Inductor), so that each child does not import them again.
 """
 
 from __future__ import annotations
@@ -11,6 +13,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Imported once in the forkserver, not again in each child: torch's Dynamo and Inductor (the
+# first optimiser and torch.use_deterministic_algorithms import them) and marginkit's modules
+# that a run imports as it needs them.
+import torch._dynamo
+import torch._inductor.config  # noqa: F401
+
+import marginkit.data.datasets
+import marginkit.heads.cosine
+import marginkit.knn.classifier
+import marginkit.metrics.retrieval
+import marginkit.metrics.verification
+import marginkit.models.backbones  # noqa: F401
 from marginkit.train import rundir
 from marginkit.train.config import TrainConfig
 from marginkit.train.trainer import train

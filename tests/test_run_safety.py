@@ -183,6 +183,14 @@ def killer() -> Iterator[Any]:
     """Start a killed run in a child forked from a server that has torch and marginkit loaded."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["faults"])
+    # Python 3.11's forkserver ignores the sys.path it is handed: without tests/ on PYTHONPATH its
+    # preload of `faults` fails silently and every child imports torch and marginkit again.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(filter(None, [str(Path(faults.__file__).parent), os.environ.get("PYTHONPATH")])),
+        )
+        multiprocessing.forkserver.ensure_running()
 
     def kill_at(step: int, cfg: Any, run_dir: Path) -> None:
         proc = ctx.Process(target=faults.kill_at, args=(step, cfg.to_json(), str(run_dir)))

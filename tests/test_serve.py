@@ -27,9 +27,11 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from marginkit.cli import main
+from marginkit.distributed import find_free_port
 from marginkit.gallery import Gallery
 from marginkit.serve import Limits, create_app
 from marginkit.train.trainer import load_run, load_splits
+from test_readme import on_a_free_port
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 LIMITS = Limits(max_body_bytes=1_000_000, max_batch=64, max_image_pixels=10_000)
@@ -606,6 +608,10 @@ def test_readme_deploy_example_runs_and_shows_a_match_an_unknown_and_a_rejection
     assert found, "README has no deploy block followed by its client and the client's output"
     script, client, shown = found.groups()
     assert script.count("marginkit ") == 3 and "/health" in script
+    port = find_free_port()  # the README's port 8000 may be taken (another suite, a server running)
+    script, moved = on_a_free_port(script, port)
+    client, moved_client = on_a_free_port(client, port)
+    assert moved >= 2 and moved_client >= 1, script  # the server's --port and the clients' URLs
     (tmp_path / "client.py").write_text(client, encoding="utf-8")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from marginkit.cli.compare import DEMO_LOSSES, DEMO_OPTIONS
+from marginkit.cli.compare import DEMO_LOSSES, DEMO_OPTIONS, demo_jobs
 from marginkit.cli.errors import EXIT_INTERRUPTED, EXIT_TRAINING, EXIT_USAGE, UserError
 from marginkit.train.config import TrainConfig
 from marginkit.train.small_data import AUTO_MIN_EPOCHS, AUTO_MIN_SAMPLES
@@ -40,8 +40,8 @@ OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
     ("--warmup-epochs", "warmup_epochs", float, "linear warm-up length in epochs"),
     ("--weight-decay", "weight_decay", float, "weight decay of the backbone"),
     ("--grad-clip", "grad_clip", float, "clip the global gradient norm (default: off)"),
-    ("--device", "device", str, "cpu, cuda, cuda:N or auto"),
-    ("--num-threads", "num_threads", int, "torch intra-op threads (default: torch's default)"),
+    ("--device", "device", str, "cpu, cuda, cuda:N, mps or auto"),
+    # --num-threads: its help depends on the command (_threads_help)
 )
 
 
@@ -114,6 +114,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
 
+def _threads_help(parallel: str) -> str:
+    """``--num-threads``'s help with the real default: the cores this process may use, divided
+    by the runs (``compare --jobs``) or processes (``train --nproc``) that share them."""
+    from marginkit.train.runtime import available_cores
+
+    cores = available_cores()
+    return (
+        f"torch intra-op threads of each run (default: the {cores} CPU core(s) this process may use "
+        f"divided by {parallel}, at least 1; the run logs the number it chose and records it in "
+        "config.yaml)"
+    )
+
+
 def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
     g = p.add_argument_group("run options (override --config)")
     g.add_argument("--config", metavar="FILE.yaml", help="YAML file with any run options")
@@ -127,6 +140,10 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         if "default" not in help_:  # the flag's own default is None: "take it from --config"
             help_ = f"{help_} (default: {defaults[key]})"
         g.add_argument(flag, dest=f"opt_{key}", type=typ, metavar=key.upper(), help=help_)
+    parallel = "--nproc" if with_loss else "--jobs"  # train / compare
+    g.add_argument(
+        "--num-threads", dest="opt_num_threads", type=int, metavar="NUM_THREADS", help=_threads_help(parallel)
+    )
     g.add_argument(
         "--amp",
         dest="opt_amp",
@@ -196,47 +213,62 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a run (optionally on other data)", allow_abbrev=False)
     _common(p)
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `marginkit train`")
     p.add_argument("--data", metavar="DATA", help="evaluate on this data set (default: the run's)")
     p.add_argument("--checkpoint", choices=("best", "last"), default="best", help="which checkpoint")
     p.add_argument("--k", type=int, help="K of the K-NN classifier (default: the run's)")
     p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json FILE")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     _protocol_flags(p)
 
     p = sub.add_parser("embed", help="write embeddings of a data set to .npz", allow_abbrev=False)
     _common(p)
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `marginkit train`")
     p.add_argument("--data", metavar="DATA", help="data set (default: the run's)")
-    p.add_argument("--out", required=True, metavar="FILE.npz")
+    p.add_argument(
+        "--out", required=True, metavar="FILE.npz", help="the embeddings, labels and split of each sample"
+    )
     p.add_argument("--split", choices=("train", "val", "test", "all"), default="all", help="which split")
     p.add_argument("--checkpoint", choices=("best", "last"), default="best", help="which checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
 
     p = sub.add_parser("predict", help="K-NN predictions for new inputs (x in an .npz)", allow_abbrev=False)
     _common(p)
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `marginkit train`")
     p.add_argument(
         "input", metavar="INPUT.npz", help="array `x` (raw inputs, like the training data's files)"
     )
     p.add_argument("--out", metavar="FILE", help="write predictions (.csv or .npz)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
 
     p = sub.add_parser("report", help="(re)write RUN_DIR/report.html", allow_abbrev=False)
     _common(p)
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `marginkit train`")
 
     p = sub.add_parser("compare", help="train several losses on the same data and budget", allow_abbrev=False)
     _common(p)
     _overrides(p, with_loss=False)
     p.add_argument("--losses", required=True, help="comma-separated loss names")
     p.add_argument("--seeds", type=int, default=1, help="seeds per loss (mean ± std)")
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="where the runs (DIR/runs/LOSS/seedN), summary.json, the table and report.html go; "
+        "rerun into it to reuse finished runs and resume the others",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace existing runs in DIR")
-    p.add_argument("--jobs", type=int, default=1, help="runs trained at once in separate processes")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained at once in separate processes, sharing the cores: each run gets cores / "
+        "JOBS torch threads unless --num-threads (1: one run at a time on every core; `demo` instead "
+        "runs min(2, cores) runs of one thread each)",
+    )
     p.add_argument(
         "--no-baselines",
         action="store_true",
@@ -256,9 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(DEMO_LOSSES)
         + ")",
     )
-    p.add_argument("--jobs", type=int, help="runs trained at once (default: min(2, CPU cores))")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        help="runs trained at once, in separate processes of one torch thread each, so that the table "
+        f"is the same for any JOBS (default: min(2, CPU cores) = {demo_jobs()} here; `compare` "
+        "defaults to 1 run using every core)",
+    )
     p.add_argument("--overwrite", action="store_true", help="retrain runs already in DIR")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     p.add_argument(
         "--markdown",
         action="store_true",
@@ -267,7 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("study", help="the reproducible study of docs/RESULTS.md", allow_abbrev=False)
     _common(p)
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="where the runs, tables, claims.json and RESULTS.md go (created); a rerun into DIR "
+        "reuses the jobs already finished there",
+    )
     p.add_argument("--quick", action="store_true", help="tiny budget (CI smoke run)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes, one torch thread each")
 
@@ -277,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("losses", help="list the loss names and their defaults", allow_abbrev=False)
     _common(p)
-    p = sub.add_parser("datasets", help="list the data set names and file formats", allow_abbrev=False)
+    p = sub.add_parser(
+        "datasets", help="describe the built-in data sets and the file formats", allow_abbrev=False
+    )
     _common(p)
     return parser
 

@@ -523,21 +523,47 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- listings
+#: What ``marginkit losses`` says after the list: why a loss has two sets of defaults.
+LOSSES_FOOTER = """\
+Two sets of defaults. `marginkit train`, `compare` and `demo` (and build_loss(NAME) in Python)
+use the command line's, chosen for the small data sets they are meant for: tens of classes.
+The classes of marginkit.losses keep their papers' settings, most of them for face recognition
+with 10^4-10^6 identities (the scale a softmax needs grows like ln(classes)). Both sets, why,
+and what the study measured with each: docs/defaults.md."""
+
+
 def cmd_losses(args: argparse.Namespace) -> int:
-    from marginkit.train.registry import LOSSES
+    from marginkit.train.registry import LOSSES, class_defaults, format_options
 
     width = max(len(n) for n in LOSSES)
+    pad = " " * (width + 9)
     for name, spec in LOSSES.items():
-        opts = ", ".join(f"{k}={v}" for k, v in spec.defaults.items())
-        print(f"{name:<{width}}  {spec.kind:<5}  {spec.description}  [{opts}]")
+        print(f"{name:<{width}}  {spec.kind:<5}  {spec.description}")
+        mine, theirs = dict(spec.defaults), class_defaults(name)
+        cls = f"{spec.loss_class().__name__}():"
+        if mine == theirs:
+            print(f"{pad}command line and {cls} {format_options(mine)}")
+        else:
+            label = max(len(cls), len("command line:"))
+            print(f"{pad}{'command line:':<{label}} {format_options(mine)}")
+            print(f"{pad}{cls:<{label}} {format_options(theirs)}")
+    print()
+    print(LOSSES_FOOTER)
     return 0
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:
-    from marginkit.data.datasets import DATASETS, FILE_FORMATS
+    from marginkit.data.datasets import DATASET_INFO, DATASETS, FILE_FORMAT_INFO, FILE_FORMATS
 
-    print("built-in: " + ", ".join(DATASETS))
-    print("files:    " + ", ".join(f"{f}:PATH" for f in FILE_FORMATS))
+    specs = [*DATASETS, *(f"{f}:PATH" for f in FILE_FORMATS)]
+    width = max(map(len, specs))
+    print("built-in (--data NAME):")
+    for name in DATASETS:
+        print(f"  {name:<{width}}  {DATASET_INFO[name].line()}")
+    print("your files (--data FORMAT:PATH):")
+    for name in FILE_FORMATS:
+        print(f"  {name + ':PATH':<{width}}  {FILE_FORMAT_INFO[name]}")
+    print("Splits, options and checks of each: docs/data.md")
     return 0
 
 

@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -554,6 +553,14 @@ def _time_note(reused: Sequence[float], wall: float) -> str:
     return note + "."
 
 
+def demo_jobs() -> int:
+    """The demo's default ``--jobs``: min(2, the CPU cores this process may use). Its runs take
+    one torch thread each (:data:`DEMO_OPTIONS`), so two of them use two cores."""
+    from marginkit.train.runtime import available_cores
+
+    return min(2, available_cores())
+
+
 def run_demo(
     out: str | Path = "demo_out",
     *,
@@ -580,7 +587,7 @@ def run_demo(
         quiet,
     )
     if jobs is None:
-        jobs = max(1, min(2, os.cpu_count() or 1))
+        jobs = demo_jobs()
     table, report = run_compare(
         base, chosen, seeds=seeds, out=out, quiet=quiet, cli_pairs=pairs, per_loss=DEMO_PER_LOSS,
         title="marginkit demo — margin losses on MNIST-1D", jobs=jobs, overwrite=overwrite,

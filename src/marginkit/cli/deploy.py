@@ -18,24 +18,40 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
         "export", help="export a run's model as a deployment bundle (ONNX)", allow_abbrev=False
     )
     common(p)
-    p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `marginkit train`")
+    p.add_argument(
+        "--format",
+        choices=("onnx", "torchscript"),
+        default="onnx",
+        help="the model's file: onnx (a graph, run by onnxruntime) or torchscript (code: `serve` "
+        "loads it only with --trust-torchscript)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="bundle directory (created)")
-    p.add_argument("--checkpoint", choices=("best", "last"), default="best")
+    p.add_argument(
+        "--checkpoint",
+        choices=("best", "last"),
+        default="best",
+        help="which weights: best.pt (the epoch chosen on validation) or last.pt (the last epoch)",
+    )
     p.add_argument("--examples", type=int, default=8, metavar="N", help="test samples kept for self-checks")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle in DIR")
     p.set_defaults(handler=cmd_export)
 
     p = sub.add_parser("serve", help="serve a bundle and a gallery over HTTP", allow_abbrev=False)
     common(p)
-    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("bundle", metavar="BUNDLE", help="a bundle directory written by `marginkit export`")
     p.add_argument(
         "--gallery", required=True, metavar="PATH",
         help="the gallery (created when missing): a SQLite file, a milvus-lite file *.milvus.db, or a Milvus "
         "server milvus://HOST:PORT[/COLLECTION] (marginkit[milvus])",
     )  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: 127.0.0.1 answers this machine only, 0.0.0.0 every network "
+        "interface (then set --token-file)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (1-65535)")
     p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate of the decisions")
     p.add_argument("--threshold", type=float, help="explicit score threshold (instead of --far)")
     p.add_argument("--token-file", metavar="FILE", help="require 'Authorization: Bearer <token in FILE>'")

@@ -51,6 +51,7 @@ def export_model(
     fars: tuple[float, ...] = CALIBRATION_FARS,
     examples: int = 8,
     overwrite: bool = False,
+    model: Any = None,
 ) -> Bundle:
     """Export the embedding model of a trained run as a bundle directory ``out``.
 
@@ -71,6 +72,9 @@ def export_model(
         fars: target false-accept rates of the calibration table.
         examples: test samples stored in ``examples.npz`` (0: none).
         overwrite: replace an existing ``out``.
+        model: for a run that trained your own module (``train(..., model=module)``), a new
+            instance of its class (the checkpoint's weights go into it); it must be exportable
+            in ``format`` (ONNX: torch.onnx's dynamo exporter).
 
     Returns:
         The loaded :class:`~marginkit.export.Bundle` (TorchScript loaded as trusted: you made it).
@@ -88,7 +92,7 @@ def export_model(
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
         raise ValueError(f"examples must be an integer >= 0, got {examples!r}")
-    run = load_run(run_dir, checkpoint, "cpu")
+    run = load_run(run_dir, checkpoint, "cpu", model=model)
     out = Path(out) if out is not None else Path(run_dir) / f"bundle-{format}"
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; choose another --out or pass overwrite=True (--overwrite)")

@@ -50,6 +50,11 @@ class AdaFaceLoss(nn.Module):
     output (the norms of the global batch: every rank computes the same statistics), or the
     ``norms`` argument. The embeddings must not be normalised before the head.
 
+    Defaults: ``AdaFaceLoss()`` keeps the authors' face-recognition setting, ``s = 64``,
+    ``m = 0.4``. ``marginkit train --loss adaface`` trains with ``scale=16.0, margin=0.4``, for
+    the command line's small data sets (``marginkit losses`` lists both sets; why:
+    ``docs/defaults.md``).
+
     Args:
         scale: ``s > 0``; margin: ``m ≥ 0``; h: ``h > 0``; t_alpha: EMA momentum in ``(0, 1]``
             (1: this batch's statistics only); eps: ``ε > 0`` added to ``σ``.

@@ -133,6 +133,11 @@ class QMarginLoss(_AlphaCosineLoss):
     :class:`~marginkit.heads.CosineHead`, the gradient goes to the head as a sparse tensor (the
     support and the labels), and the head skips its two dense gradient products.
 
+    Defaults: ``QMarginLoss()`` keeps the paper's face-recognition setting, ``α = 1.25``,
+    ``s = 35``, ``m = 0.2``. ``marginkit train --loss qmargin`` trains with
+    ``alpha=1.25, scale=16.0, margin=0.2``, for the command line's small data sets
+    (``marginkit losses`` lists both sets; why: ``docs/defaults.md``).
+
     Args:
         alpha: ``>= 1`` (paper: 1.25 for faces, 1.5–1.75 for speakers): a float, or a tensor
             (0-d: shared; or of the batch shape: per example), learnable when it requires grad
@@ -196,6 +201,10 @@ class EntmaxLoss(_AlphaCosineLoss):
     cosines, and ``scale`` defaults to 1: the loss is then ``entmax.EntmaxBisectLoss`` on the
     logits.
 
+    Defaults: ``EntmaxLoss()`` keeps the ``s = 32`` above. ``marginkit train --loss entmax``
+    trains with ``alpha=1.25, scale=16.0``, for the command line's small data sets
+    (``marginkit losses`` lists both sets; why: ``docs/defaults.md``).
+
     Args:
         alpha: ``>= 1``, float or tensor (learnable), as in :class:`QMarginLoss`.
         scale: ``s > 0`` (default 32 on cosines, 1 with ``logits=True``).
@@ -234,6 +243,10 @@ class SparsemaxLoss(_AlphaCosineLoss):
 
     Zero once :math:`c_y - c_j \ge 1/s` for every :math:`j \ne y`; the default ``scale=8`` gives the
     same 0.125 cosine margin as :class:`EntmaxLoss`'s defaults.
+
+    Defaults: ``SparsemaxLoss()`` keeps the ``s = 8`` above. ``marginkit train --loss sparsemax``
+    trains with ``scale=16.0``, for the command line's small data sets (``marginkit losses`` lists
+    both sets; why: ``docs/defaults.md``).
 
     Args:
         scale: ``s > 0`` (default 8 on cosines, 1 with ``logits=True``).

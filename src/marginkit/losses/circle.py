@@ -42,6 +42,11 @@ class CircleLoss(nn.Module):
     are not counted: ``"mean"`` averages over the anchors that have both (the same convention
     as pytorch-metric-learning's ``CircleLoss`` with its ``AvgNonZeroReducer``).
 
+    Defaults: ``CircleLoss()`` keeps the paper's face-recognition setting, ``m = 0.25``,
+    ``γ = 256``. ``marginkit train --loss circle`` trains with ``margin=0.25, gamma=64.0``, for
+    the command line's small data sets (``marginkit losses`` lists both sets; why:
+    ``docs/defaults.md``).
+
     Args:
         margin: relaxation ``m >= 0`` (paper: 0.25 for faces and re-ID, 0.4 fine-grained).
         gamma: scale ``γ > 0`` (paper: 256 faces, 128 re-ID, 80 fine-grained). Finite at 1024.
@@ -120,6 +125,11 @@ class ClassCircleLoss(nn.Module):
         z_y = \\gamma[1+m-s_y]_+(s_y-(1-m)), \\qquad z_j = \\gamma[s_j+m]_+(s_j-m)\\ (j\\ne y)
 
     with the weights detached (Sun et al., CVPR 2020, arXiv:2002.10857, §3.3 / eq. 6).
+
+    Defaults: ``ClassCircleLoss()`` keeps the paper's face-recognition setting, ``m = 0.25``,
+    ``γ = 256``. ``marginkit train --loss class_circle`` trains with ``margin=0.25, gamma=64.0``,
+    for the command line's small data sets (``marginkit losses`` lists both sets; why:
+    ``docs/defaults.md``).
 
     Args:
         margin: relaxation ``m >= 0``.

@@ -168,6 +168,10 @@ class NormSoftmaxLoss(_MarginSoftmaxBase):
     With ``logits=True`` the input is any finite scores (raw logits, no cosine head) and
     ``scale`` defaults to 1: the loss is then ``F.cross_entropy`` on the logits.
 
+    Defaults: ``NormSoftmaxLoss()`` keeps the ``s = 30`` above. ``marginkit train --loss softmax``
+    trains with ``scale=16.0``, for the command line's small data sets (``marginkit losses`` lists
+    both sets; why: ``docs/defaults.md``).
+
     Args:
         scale: ``s > 0`` (plain attribute: a schedule may change it between steps); default 30
             on cosines, 1 with ``logits=True``.
@@ -231,6 +235,10 @@ class CosFaceLoss(_AdditiveMarginBase):
     (arXiv 1801.09414); Wang et al., "Additive Margin Softmax", 2018. Defaults as in
     InsightFace's combined margin (SPEC §3): ``s = 64``, ``m = 0.4``.
 
+    Defaults: ``CosFaceLoss()`` keeps InsightFace's face-recognition setting above.
+    ``marginkit train --loss cosface`` trains with ``scale=16.0, margin=0.2``, for the command
+    line's small data sets (``marginkit losses`` lists both sets; why: ``docs/defaults.md``).
+
     Args:
         scale: ``s > 0``; margin: ``m ≥ 0`` (plain attributes; a schedule may change them).
         reduction, ignore_index: as in :class:`NormSoftmaxLoss`.
@@ -279,6 +287,11 @@ class ArcFaceLoss(_AdditiveMarginBase):
     implementation), and the derivative is finite at ``c = ±1`` and at the switch point: no
     ``arccos`` is used (``cos(θ + m) = c·cos m - sqrt(1 - c²)·sin m``, radicand clamped at
     machine epsilon).
+
+    Defaults: ``ArcFaceLoss()`` keeps the paper's face-recognition setting, ``s = 64``,
+    ``m = 0.5``. ``marginkit train --loss arcface`` trains with ``scale=16.0, margin=0.2``, for
+    the command line's small data sets (``marginkit losses`` lists both sets; why:
+    ``docs/defaults.md``).
 
     Args:
         scale: ``s > 0``; margin: ``m`` in radians, ``0 ≤ m ≤ π/2`` (plain attributes).
@@ -334,6 +347,11 @@ class SubCenterArcFaceLoss(ArcFaceLoss):
     ``K`` the head is built with (the trainer reads it). Any class-level loss runs on a
     sub-centre head; with ``K = 1`` this is ArcFace.
 
+    Defaults: ``SubCenterArcFaceLoss()`` keeps the paper's face-recognition setting, ``s = 64``,
+    ``m = 0.5``, ``K = 3``. ``marginkit train --loss subcenter_arcface`` trains with
+    ``scale=16.0, margin=0.2, sub_centers=3``, for the command line's small data sets
+    (``marginkit losses`` lists both sets; why: ``docs/defaults.md``).
+
     Args:
         scale: ``s > 0``; margin: ``m`` in radians, ``0 ≤ m ≤ π/2``.
         sub_centers: ``K ≥ 1`` for the head (pytorch-metric-learning's default 3).
@@ -376,6 +394,11 @@ class CombinedMarginLoss(_MarginSoftmaxBase):
     ``m₁θ + m₂`` reaches ``π`` the target continues monotonically
     (:func:`marginkit.ops.margins.combined_margin_target`). ``(1, 0, m)`` is exactly
     :class:`CosFaceLoss` with margin ``m``, ``(1, m, 0)`` exactly :class:`ArcFaceLoss`.
+
+    Defaults: ``CombinedMarginLoss()`` keeps ArcFace's face-recognition setting, ``(1, 0.5, 0)``
+    at ``s = 64``. ``marginkit train --loss combined_margin`` trains with
+    ``m1=1.0, m2=0.3, m3=0.2, scale=16.0``, for the command line's small data sets
+    (``marginkit losses`` lists both sets; why: ``docs/defaults.md``).
 
     Args:
         m1: ``m₁ > 0``; m2: ``0 ≤ m₂ ≤ π/2`` (radians); m3: ``m₃ ≥ 0``; the switch angle

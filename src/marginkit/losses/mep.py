@@ -26,6 +26,11 @@ class MEPLoss(nn.Module):
     loss "brakes" once the target is reached instead of pushing scores apart forever as
     cross-entropy does.
 
+    Defaults: ``MEPLoss()`` keeps ``margin = 1`` on whatever scores it is given.
+    ``marginkit train --loss mep`` trains with ``scale=16.0, margin=4.0`` (scores ``16·cos``: the
+    margin is 0.25 in cosine units), for the command line's small data sets (``marginkit losses``
+    lists both sets; why: ``docs/defaults.md``).
+
     Args:
         margin: required gap ``m > 0`` between the smallest positive and the largest negative.
         norm: ``"l2"`` (default) or ``"l1"``: which projection gives the target.

@@ -37,6 +37,11 @@ class MultiSimilarityLoss(PairMatrixLoss):
     :func:`marginkit.mining.multi_similarity_pairs` and pass ``indices=``, or set ``epsilon``
     to mine inside the forward from the same similarity matrix (no extra pass, no host sync).
 
+    Defaults: ``MultiSimilarityLoss()`` keeps ``epsilon=None``: no mining, every pair (or
+    ``indices=``). ``marginkit train --loss multi_similarity`` trains with
+    ``alpha=2.0, beta=50.0, base=0.5, epsilon=0.1``, for the command line's small data sets
+    (``marginkit losses`` lists both sets; why: ``docs/defaults.md``).
+
     Args:
         alpha: positive scale ``α > 0`` (paper and PML: 2).
         beta: negative scale ``β > 0`` (paper and PML: 50).

@@ -359,6 +359,12 @@ class TripletMarginLoss(_TripletBase):
     × references``) and keeps, for backward, only the per-pair counts of active triplets; it
     needs the largest number of positives per anchor, read in the forward's single host sync.
 
+    Defaults: ``TripletMarginLoss()`` keeps batch-hard mining (Hermans et al. 2017).
+    ``marginkit train`` trains ``--loss triplet`` with ``margin=0.2, mining=batch_all`` and
+    ``--loss smooth_triplet`` with ``margin=0.2, mining=batch_all, smooth_loss=True``, for the
+    command line's small data sets (``marginkit losses`` lists both sets; why:
+    ``docs/defaults.md``).
+
     Args:
         margin: ``>= 0``.
         mining: ``"batch_hard"`` | ``"batch_all"`` | ``"semi_hard"``.

@@ -7,6 +7,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 
 from marginkit._files import _mb
 from marginkit.schedules import Constant, CosineDecay, Join, LinearWarmup
-from marginkit.train.config import TrainConfig
+from marginkit.train.config import CUSTOM_MODEL, TrainConfig
 from marginkit.train.errors import ConfigError
 from marginkit.train.registry import LOSSES, build_loss
 from marginkit.train.small_data import MIN_VAL_PER_CLASS
@@ -26,6 +27,7 @@ __all__ = [
     "build_components",
     "build_optimizer",
     "data_facts",
+    "for_own_model",
     "load_splits",
     "resolve_device",
     "resolve_model_name",
@@ -111,29 +113,78 @@ def data_facts(splits: Any) -> dict[str, Any]:
     }
 
 
-def build_components(
-    config: TrainConfig, facts: dict[str, Any], device: torch.device
-) -> tuple[nn.Module, nn.Module | None, nn.Module]:
-    """``(model, head or None, loss)`` for ``config`` on data with ``facts``."""
-    from marginkit.models import build_model
+def own_model_class(model: nn.Module) -> str:
+    """``module.QualName`` of the caller's model, as a run records it."""
+    return f"{type(model).__module__}.{type(model).__qualname__}"
 
+
+def for_own_model(config: TrainConfig, model: nn.Module, x: torch.Tensor) -> TrainConfig:
+    """``config`` for a run of the caller's ``model``: ``model: custom``, the module's class in
+    ``model_options["class"]``, and the ``embedding_dim`` and ``normalize`` that its output on
+    two inputs ``x`` (eval mode, no gradient) shows — the head and the exported bundle follow
+    them. The module must map ``[B, *input_shape]`` to ``[B, D]``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    probe = x[:2]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(probe.to(device))
+    except Exception as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"model ({own_model_class(model)}) failed on inputs of shape {list(probe.shape)}, the data "
+            f"set's [B, *input_shape]: {type(exc).__name__}: {first}"
+        ) from exc
+    finally:
+        model.train(training)
+    if not (isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape[:1] == probe.shape[:1]
+            and out.dim() == 2):  # fmt: skip
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(
+            f"model ({own_model_class(model)}) must map inputs [B, *input_shape] to floating-point "
+            f"embeddings [B, D]; on inputs {list(probe.shape)} it returned {got}"
+        )
+    unit = bool(torch.allclose(out.float().norm(dim=1), torch.ones(len(out), device=out.device), atol=1e-4))
+    return dataclasses.replace(
+        config, model=CUSTOM_MODEL, model_options={"class": own_model_class(model)},
+        embedding_dim=int(out.shape[1]), normalize=unit,
+    ).validate()  # fmt: skip
+
+
+def _own_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
+    if model is None:
+        cls = config.model_options["class"]
+        raise ConfigError(
+            f"this run trained its own model ({cls}, passed as train(config, run_dir, model=...)), which "
+            "only Python can rebuild: pass a new instance of that class as model= to load_run, "
+            "evaluate_run or export_model (its weights are replaced by the checkpoint's)"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config.model != CUSTOM_MODEL:
+        raise ConfigError(
+            f"this run trained the built-in model {config.model!r}, not one passed as model=; "
+            "load it without model="
+        )
+    return model
+
+
+def build_components(
+    config: TrainConfig, facts: dict[str, Any], device: torch.device, model: nn.Module | None = None
+) -> tuple[nn.Module, nn.Module | None, nn.Module]:
+    """``(model, head or None, loss)`` for ``config`` on data with ``facts``; a run of the
+    caller's own module (``model: custom``) takes that module as ``model``."""
     spec = LOSSES[config.loss]
     input_shape = tuple(facts["input_shape"])
     model_name = resolve_model_name(config, input_shape, facts.get("name", ""))
     options = dict(embedding_dim=config.embedding_dim, normalize=config.normalize, **config.model_options)
-    try:
-        with torch.device("meta"):  # shapes only: what the model costs, before allocating it
-            skeleton = build_model(model_name, input_shape, **options)
-        head_size = facts["num_classes"] * config.embedding_dim if spec.kind == "class" else 0
-        _check_model_fits(config, model_name, skeleton, head_size, device)
-        model = build_model(model_name, input_shape, **options).to(device)
-    except (ValueError, TypeError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(
-            f"cannot build model {model_name!r} for input shape {input_shape}: {first}"
-        ) from None
+    if config.model == CUSTOM_MODEL or model is not None:
+        model = _own_model(config, model).to(device)
+    else:
+        model = _built_model(config, model_name, input_shape, options, facts, device)
     loss = build_loss(config.loss, config.loss_options, k=config.k).to(device)
     head = None
     if spec.kind == "class":
@@ -142,6 +193,26 @@ def build_components(
         sub_centers = getattr(loss, "sub_centers", 1)  # SubCenterArcFaceLoss's K is the head's
         head = CosineHead(facts["num_classes"], config.embedding_dim, sub_centers=sub_centers).to(device)
     return model, head, loss
+
+
+def _built_model(
+    config: TrainConfig, name: str, input_shape: tuple[int, ...], options: dict[str, Any],
+    facts: dict[str, Any], device: torch.device,
+) -> nn.Module:  # fmt: skip
+    """A built-in backbone, refused before allocation when it cannot fit on ``device``."""
+    from marginkit.models import build_model
+
+    try:
+        with torch.device("meta"):  # shapes only: what the model costs, before allocating it
+            skeleton = build_model(name, input_shape, **options)
+        head_size = facts["num_classes"] * config.embedding_dim if LOSSES[config.loss].kind == "class" else 0
+        _check_model_fits(config, name, skeleton, head_size, device)
+        return build_model(name, input_shape, **options).to(device)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"cannot build model {name!r} for input shape {input_shape}: {first}") from None
 
 
 #: Bytes of training state per parameter: the float32 weight, its gradient and the optimiser's

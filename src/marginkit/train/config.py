@@ -38,6 +38,7 @@ from marginkit.train.ranges import (
 )
 
 __all__ = [
+    "CUSTOM_MODEL",
     "MODEL_NAMES",
     "RUNTIME_KEYS",
     "ConfigError",
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 MODEL_NAMES = ("auto", "mlp", "cnn1d", "cnn2d", "resnet")
+#: ``model`` of a run that trained the caller's own module (``train(config, run_dir, model=module)``);
+#: ``model_options["class"]`` names its class. Only Python can rebuild it (``model=`` again).
+CUSTOM_MODEL = "custom"
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULERS = ("cosine", "step", "none")
 KNN_METRICS = ("cosine", "l2")
@@ -76,8 +80,9 @@ class TrainConfig:
         :mod:`marginkit.data.augment`), never applied at evaluation.
     Model
         ``model`` — backbone name (``auto`` picks ``cnn1d`` for mnist1d, ``cnn2d`` for
-        images, ``mlp`` otherwise); ``embedding_dim``; ``normalize`` — L2-normalised output;
-        ``model_options`` — extra keyword arguments for the backbone.
+        images, ``mlp`` otherwise; ``custom``: your own module, ``train(..., model=module)``);
+        ``embedding_dim``; ``normalize`` — L2-normalised output; ``model_options`` — extra
+        keyword arguments for the backbone.
     Loss
         ``loss`` — a name from :data:`marginkit.train.registry.LOSSES`; ``loss_options`` —
         keyword arguments overriding the registry's defaults (``scale``, ``margin``, ...).
@@ -241,7 +246,7 @@ def _choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
 
 
 _CHOICES = {
-    "model": MODEL_NAMES,
+    "model": (*MODEL_NAMES, CUSTOM_MODEL),
     "optimizer": OPTIMIZERS,
     "scheduler": SCHEDULERS,
     "knn_metric": KNN_METRICS,
@@ -313,8 +318,18 @@ def _batches_of_two(c: TrainConfig, kind: str) -> str | None:
     return None
 
 
+def _own_model_named(c: TrainConfig, kind: str) -> str | None:
+    if c.model == CUSTOM_MODEL and not isinstance(c.model_options.get("class"), str):
+        return (
+            f"model {CUSTOM_MODEL!r} is your own nn.Module, given in Python as "
+            "train(config, run_dir, model=module); the built-in models: " + ", ".join(MODEL_NAMES)
+        )
+    return None
+
+
 #: Rules between fields: each returns the error message, or None. (Single values: ranges.py.)
 _RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
+    _own_model_named,
     _warmup_within_epochs,
     _norm_adaptive_loss_sees_norms,
     _batches_of_two,

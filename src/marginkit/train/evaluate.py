@@ -434,9 +434,10 @@ def evaluate_checkpoint(
     which: str = "best",
     k: int | None = None,
     protocol: Any = None,
+    model: Any = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], Any, bool]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (``None``: the run's own data set), as
-    :func:`evaluate_run` does, but write nothing.
+    :func:`evaluate_run` does, but write nothing. ``model``: as in :func:`evaluate_run`.
 
     Returns the (JSON-able) metrics, the report's arrays, the K-NN index fitted on the
     training embeddings, and whether ``splits`` is the run's own data set.
@@ -445,7 +446,7 @@ def evaluate_checkpoint(
     from marginkit.train.rundir import load_run, read_history
 
     run_dir = Path(run_dir)
-    run = load_run(run_dir, which, device)
+    run = load_run(run_dir, which, device, model=model)
     config: TrainConfig = run["config"]
     own_data = splits is None or str(getattr(splits, "name", "")) == run["facts"].get("name")
     if splits is None:
@@ -486,19 +487,22 @@ def evaluate_run(
     write: bool = True,
     report: bool = True,
     protocol: Any = None,
+    model: Any = None,
 ) -> dict[str, Any]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
 
     With ``write`` (and the run's own data), writes ``metrics.json``, ``eval.npz``, the
     K-NN reference index ``knn_index.npz`` (training embeddings + model fingerprint) and,
     with ``report``, ``report.html``, holding the run directory's lock. Returns the metrics.
-    ``protocol``: see :func:`evaluate_model`.
+    ``protocol``: see :func:`evaluate_model`. ``model``: for a run that trained your own module
+    (``train(..., model=module)``), a new instance of its class (the checkpoint's weights go
+    into it).
     """
     from marginkit.train.rundir import RunDir
 
     with RunDir(run_dir, create=False) if write else contextlib.nullcontext() as rundir:
         metrics, arrays, knn, own_data = evaluate_checkpoint(
-            run_dir, splits=splits, device=device, which=which, k=k, protocol=protocol
+            run_dir, splits=splits, device=device, which=which, k=k, protocol=protocol, model=model
         )
         if rundir is not None and own_data:
             rundir.write_results(metrics, arrays, knn, report=report)

@@ -28,7 +28,16 @@ from torch import nn
 
 from marginkit.train.errors import ConfigError, suggest
 
-__all__ = ["LOSSES", "LossSpec", "ScaledScoresLoss", "build_loss", "check_loss_options", "loss_names"]
+__all__ = [
+    "LOSSES",
+    "LossSpec",
+    "ScaledScoresLoss",
+    "build_loss",
+    "check_loss_options",
+    "class_defaults",
+    "format_options",
+    "loss_names",
+]
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,11 @@ class LossSpec:
     """One registered loss.
 
     ``target`` is ``"module:Class"``; ``defaults`` are this library's training defaults
-    (overridable with ``loss_options``); ``alpha`` marks the alpha-divergence family
+    (overridable with ``loss_options``): what ``marginkit train``, ``compare`` and ``demo`` and
+    :func:`build_loss` use. They differ from the class's own constructor defaults
+    (:func:`class_defaults`, its papers' settings for face recognition at 10⁴–10⁶ identities)
+    where the command line's small data sets, with few classes, call for other values
+    (``docs/defaults.md``); ``marginkit losses`` prints both. ``alpha`` marks the alpha-divergence family
     (sparse posteriors: the report shows their support sizes); ``scores`` marks losses that
     take scaled scores rather than cosines (wrapped in :class:`ScaledScoresLoss`); ``norms``
     marks losses that read the embedding norms (the head's ``with_norms=True`` output; the
@@ -117,6 +130,26 @@ LOSSES: dict[str, LossSpec] = {
 def loss_names() -> list[str]:
     """Registered loss names in registry order."""
     return list(LOSSES)
+
+
+def class_defaults(name: str) -> dict[str, Any]:
+    """The loss class's own defaults for the options the registry sets: what ``Class()`` uses in
+    Python where ``marginkit train --loss NAME`` uses ``LOSSES[NAME].defaults``.
+
+    Read from a default-constructed instance, so a ``None`` default appears as the value the class
+    resolves it to (``NormSoftmaxLoss()``'s scale, 30). An option the class does not take is left
+    out (MEP's ``scale``: the command line multiplies the cosines by it, :class:`ScaledScoresLoss`).
+
+        >>> class_defaults("cosface"), dict(LOSSES["cosface"].defaults)
+        ({'scale': 64.0, 'margin': 0.4}, {'scale': 16.0, 'margin': 0.2})
+    """
+    loss = LOSSES[name].loss_class()()
+    return {key: getattr(loss, key) for key in LOSSES[name].defaults if hasattr(loss, key)}
+
+
+def format_options(options: Mapping[str, Any]) -> str:
+    """``key=value, ...`` as ``marginkit losses`` prints options (``(none)`` for none)."""
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "(none)"
 
 
 class ScaledScoresLoss(nn.Module):

@@ -347,8 +347,13 @@ def _checkpoint_path(run_dir: Path, which: str) -> Path:
     return path
 
 
-def load_run(run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu") -> dict[str, Any]:
+def load_run(
+    run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu", *, model: Any = None
+) -> dict[str, Any]:
     """Load ``RUN_DIR/{which}.pt`` (``best`` falls back to ``last``) and rebuild the model.
+
+    A run that trained your own module (``train(..., model=module)``, ``model: custom``) needs
+    ``model``: a new instance of the same class, whose weights are replaced by the checkpoint's.
 
     Returns a dict with ``config`` (:func:`stored_config`), ``facts``, ``model``, ``head``,
     ``checkpoint``, ``fingerprint`` and ``path``.
@@ -367,7 +372,7 @@ def load_run(run_dir: str | Path, which: str = "best", device: str | torch.devic
     config = stored_config(ckpt, path)
     facts = dict(ckpt["data"])
     dev = torch.device(device) if not isinstance(device, torch.device) else device
-    model, head, _ = build_components(config, facts, dev)
+    model, head, _ = build_components(config, facts, dev, model)
     try:
         model.load_state_dict(ckpt["model"])
         if head is not None:

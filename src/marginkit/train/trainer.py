@@ -21,6 +21,7 @@ thread count is recorded in the run's config).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -43,12 +44,13 @@ from marginkit.train.components import (
     build_components,
     build_optimizer,
     data_facts,
+    for_own_model,
     load_splits,
     lr_scheduler,
     resolve_device,
     resolve_model_name,
 )
-from marginkit.train.config import RUNTIME_KEYS, TrainConfig
+from marginkit.train.config import CUSTOM_MODEL, RUNTIME_KEYS, TrainConfig
 from marginkit.train.errors import CheckpointError, ConfigError, RunDirError, TrainingError
 from marginkit.train.evaluate import (
     check_k_fits,
@@ -240,6 +242,7 @@ def train(
     splits: Any = None,
     log: Callable[[str], None] | None = None,
     report: bool = True,
+    model: nn.Module | None = None,
 ) -> RunResult:
     """Train (or resume) a run in ``run_dir``, then evaluate its best checkpoint.
 
@@ -261,12 +264,21 @@ def train(
         splits: an already loaded ``DatasetSplits`` for ``config`` (else loaded here).
         log: where log lines go (default: stderr unless ``quiet``).
         report: write ``report.html`` at the end.
+        model: your own embedding model instead of a built-in backbone: any ``nn.Module`` that
+            maps ``[B, *input_shape]`` (the data set's) to ``[B, D]``. It is trained in place
+            (it holds the last epoch's weights afterwards; ``best.pt`` the chosen epoch's), and
+            the run records ``model: custom``, the module's class, and ``embedding_dim = D`` and
+            ``normalize`` as its output shows. Resuming such a run, and :func:`load_run`,
+            :func:`~marginkit.train.evaluate_run` and :func:`~marginkit.export.export_model` on
+            it, take a new instance of the same class as ``model=`` (the command line cannot
+            rebuild it). Seed torch before building the module for a reproducible run: its
+            initial weights are yours.
     """
     ctx = _ddp.init_distributed(config)
     try:
         result = _train(
             ctx, config, Path(run_dir), resume=resume, stop_after=stop_after, overwrite=overwrite,
-            quiet=quiet, splits=splits, log=log, report=report,
+            quiet=quiet, splits=splits, log=log, report=report, model=model,
         )  # fmt: skip
     except BaseException as exc:
         ctx.close(clean=False)
@@ -293,6 +305,7 @@ def _train(
     splits: Any,
     log: Callable[[str], None] | None,
     report: bool,
+    model: nn.Module | None = None,
 ) -> RunResult:
     t_start = time.perf_counter()
     quiet = quiet or not ctx.is_main  # one rank talks and writes the run directory
@@ -300,6 +313,9 @@ def _train(
         log = (lambda _msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if config is not None:  # an unavailable device fails like a typo: before anything is read or written
         resolve_device(config.validate().device)
+    if config is not None and model is not None:  # the caller's module: its class and output size
+        splits = splits if splits is not None else load_splits(config)
+        config = for_own_model(config, model, splits.train.x)  # a module that fails, before writing
     rundir = RunDir.for_training(run_dir, resume=resume, overwrite=overwrite) if ctx.is_main else None
     try:
         ctx.barrier()
@@ -319,7 +335,7 @@ def _train(
         config = dataclasses.replace(config, num_threads=threads)  # recorded in config.yaml
         log(f"{run_dir}: {threads} torch thread(s) per process ({how})")
         with runtime(threads, deterministic=config.deterministic):
-            run = _restore(ctx, config, splits, ckpt, rundir, run_dir, log)
+            run = _restore(ctx, config, splits, ckpt, rundir, run_dir, log, model)
             end_epoch = config.epochs if stop_after is None else min(config.epochs, stop_after)
             _epochs(run, end_epoch, quiet=quiet)
             result = RunResult(run_dir, config, end_epoch, end_epoch >= config.epochs, history=run.history)
@@ -359,6 +375,7 @@ def _restore(
     rundir: RunDir | None,
     run_dir: Path,
     log: Callable[[str], None],
+    own_model: nn.Module | None = None,
 ) -> _Run:
     """Build the run's components and restore them from ``ckpt`` (resuming); a fresh run commits
     its epoch-0 checkpoint, so that it can be resumed from its first step on."""
@@ -371,7 +388,7 @@ def _restore(
     check_selection(config, splits)
     log(data_note(splits))
     log(selection_note(config, splits))
-    model, head, loss_fn = build_components(config, facts, device)
+    model, head, loss_fn = build_components(config, facts, device, own_model)
     par, head = _ddp.parallelize(ctx, model, head, loss_fn, device)
     optimizer = build_optimizer(config, model, head)
     if splits.train.y.numel() == 0:
@@ -607,7 +624,10 @@ def _final_evaluation(run: _Run, *, report: bool) -> dict[str, Any]:
     """Test metrics of the best checkpoint, once (rank 0, full evaluation sets), to every rank."""
     metrics: dict[str, Any] = {}
     if run.rundir is not None:
-        metrics, arrays, knn, _ = evaluate_checkpoint(run.run_dir, splits=run.splits, device=run.device)
+        own = copy.deepcopy(run.model) if run.config.model == CUSTOM_MODEL else None  # best.pt goes into it
+        metrics, arrays, knn, _ = evaluate_checkpoint(
+            run.run_dir, splits=run.splits, device=run.device, model=own
+        )
         run.rundir.write_results(metrics, arrays, knn, report=report)
     return run.ctx.broadcast(metrics)
 
