@@ -23,7 +23,8 @@ def option_help(parser: argparse.ArgumentParser, flag: str) -> str:
     """The help line of ``flag``, unwrapped."""
     text = parser.format_help()
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if re.match(rf" {{2}}{re.escape(flag)}\b", line))
+    # the flag first on its line, or after the action's other spellings (--access-log, --no-access-log)
+    start = next(i for i, line in enumerate(lines) if re.match(rf" {{2}}(-\S+, )*{re.escape(flag)}\b", line))
     block = [lines[start]]
     for line in lines[start + 1 :]:
         if re.match(r" {2}-", line) or not line.startswith(" " * 8):  # the next option, or a section

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from marginkit.distributed import find_free_port
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 RUN = {"python", "bash"}
@@ -59,8 +61,6 @@ _PORT = re.compile(rf"(?<=--port ){README_PORT}\b|(?<=127\.0\.0\.1:){README_PORT
 def on_a_free_port(script: str, port: int | None = None) -> tuple[str, int]:
     """``script`` with the README's port replaced by ``port`` (default: a free one), and how many
     places changed."""
-    from marginkit.distributed import find_free_port
-
     return _PORT.subn(str(port or find_free_port()), script)
 
 
@@ -267,6 +267,7 @@ def test_readme_runs_as_written(tmp_path, part):
     logs.mkdir()
     (tmp_path / "console.py").write_text(CONSOLE)
     script = ["set -euo pipefail"]
+    port = find_free_port()  # the section's server (the README says 8000) and its clients, bash or python
     if part != next(iter(parts())):  # the environment the first section's first block activates
         script.append("source .venv/bin/activate")
     ran: list[Block] = []
@@ -277,7 +278,7 @@ def test_readme_runs_as_written(tmp_path, part):
         script.append(f"echo {n} > {shlex.quote(str(tmp_path / 'current'))}")
         if b.lang == "python":
             path = tmp_path / f"block{n}.py"
-            path.write_text(b.code, encoding="utf-8")
+            path.write_text(on_a_free_port(b.code, port)[0], encoding="utf-8")
             body = f"python {shlex.quote(str(tmp_path / 'console.py'))} {shlex.quote(str(path))}"
         else:
             body = text.rstrip("\n")
@@ -288,7 +289,7 @@ def test_readme_runs_as_written(tmp_path, part):
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
     t0 = time.perf_counter()
-    text, _ = on_a_free_port("\n".join(script))
+    text, _ = on_a_free_port("\n".join(script), port)
     proc = subprocess.run(
         ["bash", "-c", text], cwd=work, env=env, timeout=TIMEOUT, capture_output=True, text=True
     )
