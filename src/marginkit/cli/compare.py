@@ -460,6 +460,7 @@ def _compare_into(
 ) -> tuple[str, Path]:
     from marginkit.report import compare_plot, write_compare_report
     from marginkit.train.components import load_splits
+    from marginkit.train.evaluate import data_note, selection_note
     from marginkit.train.processes import run_in_workers, sigterm_as_interrupt
     from marginkit.train.progress import RunsProgress
     from marginkit.train.runtime import available_cores
@@ -474,6 +475,11 @@ def _compare_into(
                 configs[key] = resolve_epochs(cfg, len(load_splits(cfg, cache=True).train))
     total = len(configs)
     threads = sorted({c.num_threads for c in configs.values()})
+    first = configs[(losses[0], 0)]
+    with user_errors():
+        splits = load_splits(first, cache=True)
+    _log(data_note(splits), quiet)  # the seeds share the data's classes and test split
+    _log(selection_note(first, splits), quiet)
     _log(
         f"{total} run(s), {jobs} at a time, {'/'.join(map(str, threads))} torch thread(s) each "
         f"({available_cores()} cores available)",
