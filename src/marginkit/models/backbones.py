@@ -9,14 +9,20 @@ All are sized for CPUs and small data: the default ``cnn1d`` on mnist1d has 68 k
 (one plain softmax run: ~97 % test accuracy after 10 epochs, ~5 s of single-thread CPU
 time), the default ``resnet`` ~1.2 M. No augmentation, dropout off by default. Batch norm is the
 default normalisation (``norm="none"`` removes it), so training batches need >= 2 samples.
+
+``timm:NAME`` and ``torchvision:NAME`` wrap those libraries' image models the same way
+(:mod:`marginkit.models.external`). For fine-tuning every backbone can freeze its trunk or its
+first stages (:meth:`EmbeddingModel.freeze`) and recompute activations in the backward pass
+(:meth:`EmbeddingModel.set_grad_checkpointing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +31,18 @@ from torch import nn
 
 from marginkit._validation import choice, positive_float, positive_int
 
-__all__ = ["MODELS", "CNN1d", "CNN2d", "EmbeddingModel", "MLPEmbedding", "SmallResNet", "build_model"]
+__all__ = [
+    "MODELS",
+    "CNN1d",
+    "CNN2d",
+    "EmbeddingModel",
+    "MLPEmbedding",
+    "SmallResNet",
+    "build_model",
+    "frozen_modules",
+    "is_frozen",
+    "run_stages",
+]
 
 #: Backbone names accepted by :func:`build_model`.
 MODELS: tuple[str, ...] = ("mlp", "cnn1d", "cnn2d", "resnet")
@@ -45,6 +62,69 @@ def _norm1d(kind: str, channels: int) -> nn.Module:
     if kind == "none":
         return nn.Identity()
     return nn.BatchNorm1d(channels)
+
+
+def is_frozen(module: nn.Module) -> bool:
+    """Whether ``module`` belongs to a part of a model that :meth:`EmbeddingModel.freeze` froze."""
+    return bool(getattr(module, "_marginkit_frozen", False))
+
+
+def frozen_modules(model: EmbeddingModel, spec: str | int) -> list[nn.Module]:
+    """The modules ``freeze: spec`` stops training (see :meth:`EmbeddingModel.freeze`)."""
+    if isinstance(spec, str) and spec.strip().isdigit():
+        spec = int(spec)
+    if spec in ("none", 0):
+        return []
+    if spec == "trunk":
+        return model.trunk_modules()
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec > 0:
+        stages = model.stage_modules()
+        if spec > len(stages):
+            raise ValueError(
+                f"freeze={spec} asks for more stages than model {model.name!r} has ({len(stages)}); "
+                f"use 1..{len(stages)} or 'trunk'"
+            )
+        return stages[:spec]
+    raise ValueError(f"freeze must be 'none', 'trunk' or a number of stages >= 1, got {spec!r}")
+
+
+@contextlib.contextmanager
+def _batchnorm_kept(module: nn.Module) -> Iterator[None]:
+    """Restore the batch-norm buffers of ``module`` on exit: a checkpointed stage's recomputation
+    must not count its batch twice in the running statistics."""
+    saved = [
+        (m, [b.clone() for b in m.buffers(recurse=False)])
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in saved:
+                for b, old in zip(m.buffers(recurse=False), buffers, strict=True):
+                    b.copy_(old)
+
+
+def run_stages(stages: Sequence[nn.Module], x: torch.Tensor, checkpointing: bool) -> torch.Tensor:
+    """``x`` through ``stages`` in order, each under ``torch.utils.checkpoint`` when ``checkpointing``."""
+    if not checkpointing:
+        for stage in stages:
+            x = stage(x)
+        return x
+    from torch.utils.checkpoint import checkpoint
+
+    for stage in stages:
+        x = checkpoint(
+            stage, x, use_reentrant=False,
+            context_fn=lambda stage=stage: (contextlib.nullcontext(), _batchnorm_kept(stage)),
+        )  # fmt: skip
+    return x
+
+
+def _slices(trunk: nn.Sequential, ends: Sequence[int]) -> list[nn.Module]:
+    starts = [0, *ends[:-1]]
+    return [trunk[a:b] for a, b in zip(starts, ends, strict=True)]
 
 
 class EmbeddingModel(nn.Module):
@@ -69,6 +149,49 @@ class EmbeddingModel(nn.Module):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ fine-tuning
+    def stage_modules(self) -> list[nn.Module]:
+        """The trunk's stages in forward order (what ``freeze: N`` counts; the stem, if any, first)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def trunk_modules(self) -> list[nn.Module]:
+        """Every direct submodule but the projection: what ``freeze: trunk`` and ``weights`` cover."""
+        return [m for name, m in self.named_children() if name != "projection"]
+
+    def freeze(self, spec: str | int) -> None:
+        """Stop training part of the trunk: ``"none"``, ``"trunk"`` (all but the projection) or
+        ``N`` (the first ``N`` of :meth:`stage_modules`).
+
+        Frozen parameters get ``requires_grad=False`` (the optimiser leaves them out) and frozen
+        modules stay in eval mode when the model trains, so their batch-norm statistics are kept
+        too (:func:`is_frozen` tells; precise-BN recalibration skips them).
+        """
+        modules = frozen_modules(self, spec)
+        for module in modules:
+            for sub in module.modules():
+                sub._marginkit_frozen = True
+                for p in sub.parameters(recurse=False):
+                    p.requires_grad_(False)
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> EmbeddingModel:
+        super().train(mode)
+        if mode:
+            for m in self.modules():
+                if is_frozen(m):
+                    m.eval()
+        return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each stage's activations in the backward pass instead of storing them
+        (``torch.utils.checkpoint``, non-reentrant): less memory, one more forward per step.
+        The gradients are those of the plain forward; batch-norm running statistics are updated
+        once per step, as without it (the recomputation restores them)."""
+        self.grad_checkpointing = bool(enable)
+
+    def _checkpointing(self) -> bool:
+        return getattr(self, "grad_checkpointing", False) and self.training and torch.is_grad_enabled()
 
     def check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -121,16 +244,24 @@ class MLPEmbedding(EmbeddingModel):
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(self.input_shape)
+        self._ends: list[int] = []
         for h in hidden:
             layers += [nn.Linear(width, h), _norm1d(norm, h), nn.GELU()]
             if dropout:
                 layers.append(nn.Dropout(dropout))
+            self._ends.append(len(layers))
             width = h
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(width, embedding_dim)
         self.config = {"hidden": list(hidden), "dropout": dropout, "norm": norm}
 
+    def stage_modules(self) -> list[nn.Module]:
+        """One stage per hidden layer."""
+        return _slices(self.trunk, self._ends)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        if self._checkpointing():
+            return run_stages(self.stage_modules(), x, True)
         return self.trunk(x)
 
 
@@ -172,8 +303,10 @@ class CNN1d(EmbeddingModel):
             raise ValueError(f"kernel_size must be odd (same padding), got {kernel_size}")
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = []
+        self._ends: list[int] = []
         for i, out_ch in enumerate(channels):
             layers += _conv_stage(1, in_ch, out_ch, kernel_size, 1 if i == 0 else 2, convs_per_stage, norm)
+            self._ends.append(len(layers))
             in_ch = out_ch
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(2 * in_ch, embedding_dim)
@@ -182,10 +315,14 @@ class CNN1d(EmbeddingModel):
             "norm": norm,
         }  # fmt: skip
 
+    def stage_modules(self) -> list[nn.Module]:
+        """One stage per entry of ``channels``."""
+        return _slices(self.trunk, self._ends)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             x = x.unsqueeze(1)
-        h = self.trunk(x)
+        h = run_stages(self.stage_modules(), x, True) if self._checkpointing() else self.trunk(x)
         return torch.cat([h.mean(dim=2), h.amax(dim=2)], dim=1)
 
 
@@ -258,19 +395,26 @@ class CNN2d(EmbeddingModel):
         convs_per_stage = positive_int(convs_per_stage, "convs_per_stage")
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = []
+        self._ends: list[int] = []
         for out_ch in channels:
             layers += _conv_stage(2, in_ch, out_ch, 3, 1, convs_per_stage, norm)
             in_ch = out_ch
             if min(h, w) >= 4:
                 layers.append(nn.MaxPool2d(2))
                 h, w = h // 2, w // 2
+            self._ends.append(len(layers))
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(in_ch, embedding_dim)
         self.config = {"channels": list(channels), "convs_per_stage": convs_per_stage, "norm": norm}
         _channels_last(self)
 
+    def stage_modules(self) -> list[nn.Module]:
+        """One stage per entry of ``channels`` (its convolutions and pooling)."""
+        return _slices(self.trunk, self._ends)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.trunk(x).mean(dim=(2, 3))
+        h = run_stages(self.stage_modules(), x, True) if self._checkpointing() else self.trunk(x)
+        return h.mean(dim=(2, 3))
 
 
 class BasicBlock(nn.Module):
@@ -332,18 +476,26 @@ class SmallResNet(EmbeddingModel):
             nn.ReLU(),
         )
         stages: list[nn.Module] = []
+        self._ends: list[int] = []
         ch = width
         for i, n in enumerate(blocks):
             out_ch = width * 2**i
             for j in range(n):
                 stages.append(BasicBlock(ch, out_ch, 2 if (i > 0 and j == 0) else 1, norm))
                 ch = out_ch
+            self._ends.append(len(stages))
         self.stages = nn.Sequential(*stages)
         self.projection = nn.Linear(ch, embedding_dim)
         self.config = {"width": width, "blocks": list(blocks), "stem_stride": stem_stride, "norm": norm}
         _channels_last(self)
 
+    def stage_modules(self) -> list[nn.Module]:
+        """The stem, then one stage per entry of ``blocks``."""
+        return [self.stem, *_slices(self.stages, self._ends)]
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        if self._checkpointing():
+            return run_stages(self.stage_modules(), x, True).mean(dim=(2, 3))
         return self.stages(self.stem(x)).mean(dim=(2, 3))
 
 
@@ -357,6 +509,10 @@ _BUILDERS: dict[str, Callable[..., EmbeddingModel]] = {
 
 def model_options(name: str) -> tuple[str, ...]:
     """Backbone-specific ``**options`` of :func:`build_model` for ``name``."""
+    from marginkit.models.external import is_external
+
+    if is_external(name):
+        return ("image_size",)
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
     params = inspect.signature(_BUILDERS[name]).parameters.values()
@@ -374,7 +530,9 @@ def build_model(
 
     Args:
         name: ``"mlp"`` (any input), ``"cnn1d"`` (sequences ``(L,)`` / ``(C, L)``, e.g. mnist1d),
-            ``"cnn2d"`` (images ``(C, H, W)``, 4 px and up), ``"resnet"`` (images, meant for 28–64 px).
+            ``"cnn2d"`` (images ``(C, H, W)``, 4 px and up), ``"resnet"`` (images, meant for 28–64 px),
+            or an image model of timm / torchvision, ``"timm:NAME"`` / ``"torchvision:NAME"``
+            (:mod:`marginkit.models.external`; option ``image_size``).
         input_shape: per-sample input shape, e.g. ``DatasetSplits.input_shape``.
         embedding_dim: output size.
         normalize: L2-normalise the outputs (unit rows).
@@ -392,10 +550,20 @@ def build_model(
         >>> model(torch.zeros(5, 40)).shape
         torch.Size([5, 32])
     """
+    from marginkit.models.external import is_external
+
+    if is_external(name):
+        return _build(name, input_shape, embedding_dim, normalize, options)
     if not isinstance(name, str) or name not in _BUILDERS:
         guess = difflib.get_close_matches(str(name), MODELS, n=1)
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         raise ValueError(f"unknown model {name!r}{hint}; valid: {', '.join(MODELS)}")
+    return _build(name, input_shape, embedding_dim, normalize, options)
+
+
+def _build(
+    name: str, input_shape: Sequence[int], embedding_dim: int, normalize: bool, options: dict[str, Any]
+) -> EmbeddingModel:
     if isinstance(input_shape, torch.Size):
         input_shape = tuple(input_shape)
     if not isinstance(input_shape, Sequence) or isinstance(input_shape, str) or len(input_shape) == 0:
@@ -406,15 +574,20 @@ def build_model(
     embedding_dim = positive_int(embedding_dim, "embedding_dim")
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    allowed = model_options(name)
-    for key in options:
-        if key not in allowed:
-            guess = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
-            raise ValueError(
-                f"unknown option {key!r} for model {name!r}{hint}; valid options: {', '.join(allowed)}"
-            )
-    model = _BUILDERS[name](shape, embedding_dim, normalize, **options)
+    from marginkit.models.external import build_external, is_external
+
+    if is_external(name):
+        model: EmbeddingModel = build_external(name, shape, embedding_dim, normalize, **options)
+    else:
+        allowed = model_options(name)
+        for key in options:
+            if key not in allowed:
+                guess = difflib.get_close_matches(key, allowed, n=1)
+                hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+                raise ValueError(
+                    f"unknown option {key!r} for model {name!r}{hint}; valid options: {', '.join(allowed)}"
+                )
+        model = _BUILDERS[name](shape, embedding_dim, normalize, **options)
     model.config = {
         "name": name, "input_shape": list(shape), "embedding_dim": embedding_dim, "normalize": normalize,
         **model.config,

@@ -127,6 +127,12 @@ def build_components(
         head_size = facts["num_classes"] * config.embedding_dim if spec.kind == "class" else 0
         _check_model_fits(config, model_name, skeleton, head_size, device)
         model = build_model(model_name, input_shape, **options).to(device)
+        if config.freeze != "none":
+            model.freeze(config.freeze)
+        if config.grad_checkpointing:
+            model.set_grad_checkpointing(True)
+    except ImportError as exc:
+        raise ConfigError(f"cannot build model {model_name!r}: {exc}") from None
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -178,12 +184,31 @@ def _check_model_fits(
         )
 
 
-def _param_groups(config: TrainConfig, model: nn.Module, head: nn.Module | None) -> list[dict[str, Any]]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": config.weight_decay}]
+def _decay_groups(params: list[nn.Parameter], weight_decay: float, **extra: Any) -> list[dict[str, Any]]:
+    """Weight matrices and kernels with ``weight_decay``, then (if any) biases and norms without."""
+    decay = [p for p in params if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in params if p.requires_grad and p.ndim <= 1]
+    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay, **extra}]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, **extra})
+    return groups
+
+
+def _param_groups(config: TrainConfig, model: nn.Module, head: nn.Module | None) -> list[dict[str, Any]]:
+    projection = getattr(model, "projection", None)
+    if config.backbone_lr_mult == 1.0 or projection is None:
+        groups = _decay_groups(list(model.parameters()), config.weight_decay)
+    else:  # the trunk at lr · backbone_lr_mult, the projection at lr
+        own = {id(p) for p in projection.parameters()}
+        trunk = [p for p in model.parameters() if id(p) not in own]
+        groups = [
+            g
+            for g in (
+                *_decay_groups(trunk, config.weight_decay, lr=config.lr * config.backbone_lr_mult),
+                *_decay_groups(list(projection.parameters()), config.weight_decay),
+            )
+            if g["params"]  # a frozen trunk has none
+        ]
     if head is not None:
         groups.append(
             {"params": list(head.parameters()), "weight_decay": 0.0, "lr": config.head_lr or config.lr}
