@@ -12,7 +12,7 @@
    pretrained embedding without any training on 5-9 (K-NN over the 10 per class).
 
 Printed: test K-NN accuracy (k=5, cosine) per seed and method, the mean, and the paired
-difference to scratch with its 95 % t-interval over seeds (and the paired bootstrap's).
+difference to scratch with its 95 % t-interval over seeds.
 
     python benchmarks/bench_transfer.py [--seeds 10] [--pretrain-epochs 8] [--epochs 30] [--quick]
 """
