@@ -46,8 +46,18 @@ OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
     ("--warmup-epochs", "warmup_epochs", float, "linear warm-up length in epochs"),
     ("--weight-decay", "weight_decay", float, "weight decay of the backbone"),
     ("--grad-clip", "grad_clip", float, "clip the global gradient norm (default: off)"),
-    ("--weights", "weights", str, "start the trunk from a state dict .pt, a .safetensors file or a run dir"),
-    ("--init-from", "init_from", str, "start trunk and projection from this run (a new head; its backbone)"),
+    (
+        "--weights",
+        "weights",
+        str,
+        "start the trunk from a state dict .pt, .safetensors file or run dir (default: random)",
+    ),
+    (
+        "--init-from",
+        "init_from",
+        str,
+        "start trunk and projection from this run, with its backbone and a new head (default: none)",
+    ),
     ("--freeze", "freeze", str, "keep fixed: none, trunk, or N (the first N stages)"),
     ("--backbone-lr-mult", "backbone_lr_mult", float, "the trunk's learning rate is lr times this"),
     ("--device", "device", str, "cpu, cuda, cuda:N or auto"),
@@ -158,14 +168,14 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         action="store_const",
         const=True,
         help="start a timm / torchvision model from the library's pretrained weights (its download "
-        "and cache; see docs/finetune.md)",
+        "and cache; see docs/finetune.md; default: off)",
     )
     g.add_argument(
         "--grad-checkpointing",
         dest="opt_grad_checkpointing",
         action="store_const",
         const=True,
-        help="recompute activations in the backward pass (less memory, one more forward)",
+        help="recompute activations in the backward pass (less memory, one more forward; default: off)",
     )
     g.add_argument(
         "--tensorboard",
@@ -173,7 +183,7 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         nargs="?",
         const=True,
         metavar="DIR",
-        help="write TensorBoard event files (default DIR: RUN_DIR/tensorboard)",
+        help="write TensorBoard event files (default: off; DIR defaults to RUN_DIR/tensorboard)",
     )
     g.add_argument(
         "--mlflow",
@@ -181,8 +191,8 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         nargs="?",
         const=True,
         metavar="URI",
-        help="log an MLflow run (default URI: a local store, sqlite:///RUN_DIR/mlflow.db; "
-        "compare: OUT/mlflow.db)",
+        help="log an MLflow run (default: off; URI defaults to a local store, "
+        "sqlite:///RUN_DIR/mlflow.db, for compare OUT/mlflow.db)",
     )
     g.add_argument(
         "--set",
