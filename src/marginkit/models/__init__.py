@@ -10,7 +10,7 @@ __getattr__, __dir__, __all__ = attach(
         "EmbeddingModel": "backbones",
         "MODELS": "backbones",
         "ExternalBackbone": "external",
-        "frozen_modules": "backbones",
-        "is_frozen": "backbones",
+        "frozen_modules": "base",
+        "is_frozen": "base",
     },
 )

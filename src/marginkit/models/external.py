@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from marginkit.models.backbones import EmbeddingModel
+from marginkit.models.base import EmbeddingModel
 
 __all__ = ["LIBRARIES", "ExternalBackbone", "import_library", "is_external", "split_name"]
 

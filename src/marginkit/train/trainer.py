@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from marginkit.models.backbones import is_frozen
+from marginkit.models.base import is_frozen
 from marginkit.train import _ddp
 from marginkit.train import runtime as _runtime
 from marginkit.train.components import (
