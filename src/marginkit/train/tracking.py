@@ -160,37 +160,31 @@ class Tracker:
             json.dumps({"mlflow_run_id": self.run_id, "tracking_uri": settings["mlflow"]}), record
         )
 
-    def log_epoch(self, row: Mapping[str, Any]) -> None:
-        """One epoch's row (``metrics.jsonl``) at step = epoch."""
-        step = int(row["epoch"])
-        values = {k: v for k, v in flat_numbers(row).items() if k != "epoch"}
+    def _scalars(self, values: Mapping[str, float], step: int, *, tensorboard: str, mlflow: str) -> None:
+        """``values`` at ``step``: TensorBoard tags ``tensorboard/KEY``, MLflow keys ``mlflowKEY``
+        (``/`` as ``.``), in batches of MLflow's limit."""
         if self.writer is not None:
             for key, value in values.items():
-                self.writer.add_scalar(f"train/{key}", value, step)
+                self.writer.add_scalar(f"{tensorboard}/{key}", value, step)
             self.writer.flush()
         if self.client is not None:
             from mlflow.entities import Metric
 
             stamp = _now_ms()
-            metrics = [Metric(k.replace("/", "."), v, stamp, step) for k, v in sorted(values.items())]
-            self.client.log_batch(self.run_id, metrics=metrics)
+            items = [Metric(mlflow + k.replace("/", "."), v, stamp, step) for k, v in sorted(values.items())]
+            for i in range(0, len(items), 500):
+                self.client.log_batch(self.run_id, metrics=items[i : i + 500])
+
+    def log_epoch(self, row: Mapping[str, Any]) -> None:
+        """One epoch's row (``metrics.jsonl``) at step = epoch."""
+        values = {k: v for k, v in flat_numbers(row).items() if k != "epoch"}
+        self._scalars(values, int(row["epoch"]), tensorboard="train", mlflow="")
 
     def finish(self, metrics: Mapping[str, Any], epoch: int) -> None:
         """The test metrics at the last epoch, and (MLflow) the report's files as artefacts."""
         values = flat_numbers({k: v for k, v in metrics.items() if k not in ("epoch", "best_epoch")})
-        if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(f"test/{key}", value, epoch)
-            self.writer.flush()
+        self._scalars(values, epoch, tensorboard="test", mlflow="test.")
         if self.client is not None:
-            from mlflow.entities import Metric
-
-            stamp = _now_ms()
-            items = [
-                Metric(f"test.{k.replace('/', '.')}", v, stamp, epoch) for k, v in sorted(values.items())
-            ]
-            for i in range(0, len(items), 500):
-                self.client.log_batch(self.run_id, metrics=items[i : i + 500])
             for name in ("report.html", "metrics.json", "config.yaml"):
                 if (self.run_dir / name).is_file():
                     self.client.log_artifact(self.run_id, str(self.run_dir / name))
