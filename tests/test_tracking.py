@@ -112,7 +112,9 @@ def test_trackers_are_imported_only_when_asked(tmp_path):
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorboard') "
         "or m == 'torch.utils.tensorboard'))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
     assert done.stdout.strip() == "[]"
 
 
@@ -130,3 +132,12 @@ def test_a_missing_tracker_package_says_what_to_install(tmp_path, monkeypatch):
     for key in ("mlflow", "tensorboard"):
         with pytest.raises(ConfigError, match=rf"tracking.{key} needs .*marginkit\[tracking\]"):
             train(config(tracking={key: True}), tmp_path / key, quiet=True, report=False)
+
+
+def test_unusable_stores_and_directories_fail_before_training(tmp_path):
+    pytest.importorskip("mlflow")
+    with pytest.raises(ConfigError, match="tracking.mlflow 'file:.*not a usable MLflow store"):
+        train(config(tracking={"mlflow": f"file:{tmp_path / 'mlruns'}"}), tmp_path / "a", quiet=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="tracking .*tensorboard"):
+        train(config(tracking={"tensorboard": str(tmp_path / "file" / "tb")}), tmp_path / "b", quiet=True)

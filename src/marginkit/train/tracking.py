@@ -85,7 +85,10 @@ def _mlflow_client(uri: str) -> Any:
     import logging
 
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # its table-creation notes
-    return MlflowClient(tracking_uri=uri)
+    try:
+        return MlflowClient(tracking_uri=uri)
+    except Exception as exc:
+        raise _store_error(uri, exc) from None
 
 
 def _artifact_root(uri: str) -> str | None:
@@ -100,7 +103,10 @@ def prepare_mlflow(uri: str, experiment: str) -> str:
     """The id of ``experiment`` in the store at ``uri``, created if needed (concurrent runs of a
     comparison call this first, once, so they never race to create it)."""
     client = _mlflow_client(uri)
-    found = client.get_experiment_by_name(experiment)
+    try:
+        found = client.get_experiment_by_name(experiment)
+    except Exception as exc:
+        raise _store_error(uri, exc) from None
     if found is not None:
         return str(found.experiment_id)
     try:
@@ -211,4 +217,17 @@ def open_tracker(config: Any, run_dir: Path, *, start_epoch: int) -> Tracker | N
     settings = resolve_tracking(config.tracking, run_dir)
     if not settings:
         return None
-    return Tracker(settings, run_dir, config, start_epoch=start_epoch)
+    try:
+        return Tracker(settings, run_dir, config, start_epoch=start_epoch)
+    except ConfigError:
+        raise
+    except Exception as exc:  # an unusable store or directory: before any epoch is trained
+        raise ConfigError(f"tracking {settings}: {_first_line(exc)}") from None
+
+
+def _store_error(uri: str, exc: BaseException) -> ConfigError:
+    return ConfigError(f"tracking.mlflow {uri!r}: not a usable MLflow store ({_first_line(exc)})")
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0][:300]
