@@ -148,6 +148,11 @@ def test_weight_shapes_and_sizes_are_checked(tmp_path, data_spec, monkeypatch, s
     monkeypatch.setattr(starting, "_SIZE_FACTOR", 0)
     with pytest.raises(ConfigError, match="MiB, more than"):
         train(config(data_spec, weights=str(path)), tmp_path / "run2", quiet=True)
+    # a run's checkpoint holds head and optimiser state too: memory-mapped, never refused for its size
+    train(config(data_spec, weights=str(source_run)), tmp_path / "run3", quiet=True, stop_after=0)
+    assert torch.equal(
+        model_state(tmp_path / "run3")["trunk.1.weight"], model_state(source_run, "best.pt")["trunk.1.weight"]
+    )
 
 
 @pytest.mark.parametrize(

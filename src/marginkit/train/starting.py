@@ -71,7 +71,9 @@ def _unwrap(obj: Any, where: str) -> dict[str, torch.Tensor]:
 
 def read_state_dict(path: str | os.PathLike[str], *, max_bytes: int) -> tuple[dict[str, torch.Tensor], str]:
     """The tensors of a weight file or run directory, and what it was (``"run"``, ``"safetensors"``
-    or ``"state dict"``). Refuses files over ``max_bytes`` before reading them."""
+    or ``"state dict"``). Refuses files over ``max_bytes`` before reading them, except a run's
+    checkpoint (it also holds the head and optimiser state, whatever their size): that one is
+    memory-mapped, so only the tensors copied into the model are read."""
     p = Path(path).expanduser()
     kind = "state dict"
     if p.is_dir():
@@ -79,7 +81,7 @@ def read_state_dict(path: str | os.PathLike[str], *, max_bytes: int) -> tuple[di
     if not p.is_file():
         raise ConfigError(f"weights file {str(path)!r} does not exist")
     size = p.stat().st_size
-    if size > max_bytes:
+    if size > max_bytes and kind != "run":
         raise ConfigError(
             f"weights file {str(p)!r} is {size / 2**20:.0f} MiB, more than the {max_bytes / 2**20:.0f} MiB "
             "a state dict of this model can be; is it the right file?"
@@ -98,7 +100,7 @@ def read_state_dict(path: str | os.PathLike[str], *, max_bytes: int) -> tuple[di
         except (SafetensorError, OSError, ValueError) as exc:
             raise ConfigError(f"{where} is not a valid .safetensors file ({exc})") from None
     try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=kind == "run")
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise ConfigError(
