@@ -280,10 +280,11 @@ def test_grad_checkpointing_gives_the_same_gradients_and_statistics(name, gen):
 
 
 # ---------------------------------------------------------------------- resume with everything
-def test_resume_is_bit_identical_with_every_fine_tuning_option(tmp_path, data_spec, source_run):
+@pytest.mark.parametrize("start", ["weights", "init_from"])
+def test_resume_is_bit_identical_with_every_fine_tuning_option(tmp_path, data_spec, source_run, start):
     cfg = config(
-        data_spec, weights=str(source_run), freeze="1", backbone_lr_mult=0.3, warmup_epochs=0.5,
-        grad_checkpointing=True, epochs=3, large_margin={"margin": 0.4, "epochs": 2, "ramp_epochs": 1},
+        data_spec, freeze="1", backbone_lr_mult=0.3, warmup_epochs=0.5, grad_checkpointing=True, epochs=3,
+        large_margin={"margin": 0.4, "epochs": 2, "ramp_epochs": 1}, **{start: str(source_run)},
     )  # fmt: skip
     whole = train(cfg, tmp_path / "whole", quiet=True, report=False)
     train(cfg, tmp_path / "cut", quiet=True, report=False, stop_after=1)
