@@ -20,7 +20,13 @@ __all__ = ["build_parser", "main"]
 
 # flag -> config key, type for argparse, help
 OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
-    ("--model", "model", str, "backbone: auto (by the data's shape), mlp, cnn1d, cnn2d, resnet"),
+    (
+        "--model",
+        "model",
+        str,
+        "backbone: auto (by the data's shape), mlp, cnn1d, cnn2d, resnet, timm:NAME, torchvision:NAME",
+    ),
+    ("--backbone", "model", str, "the same as --model (default: auto)"),
     (
         "--epochs",
         "epochs",
@@ -40,6 +46,20 @@ OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
     ("--warmup-epochs", "warmup_epochs", float, "linear warm-up length in epochs"),
     ("--weight-decay", "weight_decay", float, "weight decay of the backbone"),
     ("--grad-clip", "grad_clip", float, "clip the global gradient norm (default: off)"),
+    (
+        "--weights",
+        "weights",
+        str,
+        "start the trunk from a state dict .pt, .safetensors file or run dir (default: random)",
+    ),
+    (
+        "--init-from",
+        "init_from",
+        str,
+        "start trunk and projection from this run, with its backbone and a new head (default: none)",
+    ),
+    ("--freeze", "freeze", str, "keep fixed: none, trunk, or N (the first N stages)"),
+    ("--backbone-lr-mult", "backbone_lr_mult", float, "the trunk's learning rate is lr times this"),
     ("--device", "device", str, "cpu, cuda, cuda:N, mps or auto"),
     # --num-threads: its help depends on the command (_threads_help)
 )
@@ -158,6 +178,38 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         metavar="NAMES",
         help="opt-in training augmentation, comma-separated: flip, crop, rotate, brightness, contrast "
         "(images), crop, time_mask (sequences); never at evaluation (default: none)",
+    )
+    g.add_argument(
+        "--pretrained",
+        dest="opt_pretrained",
+        action="store_const",
+        const=True,
+        help="start a timm / torchvision model from the library's pretrained weights (its download "
+        "and cache; see docs/finetune.md; default: off)",
+    )
+    g.add_argument(
+        "--grad-checkpointing",
+        dest="opt_grad_checkpointing",
+        action="store_const",
+        const=True,
+        help="recompute activations in the backward pass (less memory, one more forward; default: off)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        dest="opt_tracking.tensorboard",
+        nargs="?",
+        const=True,
+        metavar="DIR",
+        help="write TensorBoard event files (default: off; DIR defaults to RUN_DIR/tensorboard)",
+    )
+    g.add_argument(
+        "--mlflow",
+        dest="opt_tracking.mlflow",
+        nargs="?",
+        const=True,
+        metavar="URI",
+        help="log an MLflow run (default: off; URI defaults to a local store, "
+        "sqlite:///RUN_DIR/mlflow.db, for compare OUT/mlflow.db)",
     )
     g.add_argument(
         "--set",

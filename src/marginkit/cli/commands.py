@@ -25,6 +25,7 @@ __all__ = [
     "cmd_report",
     "cmd_train",
     "format_metrics",
+    "init_from_pairs",
 ]
 
 
@@ -59,7 +60,23 @@ def build_config(args: argparse.Namespace, *, loss: str | None = None, base: Any
         if getattr(args, "config", None):
             pairs.extend(load_config(args.config).items())
         pairs.extend(_cli_overrides(args, loss=loss))
+        if base is None:  # (a resumed run has its stored config)
+            pairs = [*init_from_pairs(pairs), *pairs]
         return apply_overrides(base if base is not None else TrainConfig(), pairs)
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+
+
+def init_from_pairs(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """With ``init_from`` among ``pairs``: the backbone of that run (model, embedding size,
+    normalisation, model options) as pairs to put before ``pairs``, which may still override them."""
+    from marginkit.train.starting import init_base
+
+    runs = [value for key, value in pairs if str(key).replace("-", "_") == "init_from" and value]
+    if not runs:
+        return []
+    try:
+        return list(init_base(str(runs[-1])).items())
     except _config_errors() as exc:
         raise UserError(str(exc)) from exc
 
@@ -598,6 +615,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from marginkit.cli.compare import base_config
 
     file_pairs, cli_pairs = list(from_file.items()), _cli_overrides(args)
+    file_pairs = [*init_from_pairs([*file_pairs, *cli_pairs]), *file_pairs]
     base = base_config(losses, [*file_pairs, *cli_pairs])
     if protocol is not None:  # before any training
         _check_protocol_data(protocol, _load_splits(base, cache=True))

@@ -443,6 +443,27 @@ def run_configs(
     return configs
 
 
+def _tracked(
+    configs: dict[tuple[str, int], Any], tracking: dict[str, Any], out: Path, *, seed0: int
+) -> dict[tuple[str, int], Any]:
+    """Tracking of a comparison: TensorBoard in each run's directory (point TensorBoard at OUT),
+    one MLflow run per loss and seed, named ``LOSS-seedS``, in one experiment (OUT's name) of one
+    store (``OUT/mlflow.db`` unless a URI is given), created here before any run starts."""
+    settings = dict(tracking)
+    if settings.get("mlflow"):
+        from marginkit.train.tracking import prepare_mlflow
+
+        if settings["mlflow"] is True:
+            settings["mlflow"] = f"sqlite:///{out.resolve() / 'mlflow.db'}"
+        settings.setdefault("experiment", out.resolve().name)
+        with user_errors():
+            prepare_mlflow(settings["mlflow"], settings["experiment"])
+    return {
+        (loss, s): dataclasses.replace(cfg, tracking={**settings, "run_name": f"{loss}-seed{seed0 + s}"})
+        for (loss, s), cfg in configs.items()
+    }
+
+
 def _compare_into(
     base: Any,
     losses: Sequence[str],
@@ -468,6 +489,8 @@ def _compare_into(
 
     jobs = max(1, min(jobs, seeds * len(losses)))
     configs = run_configs(base, losses, seeds=seeds, pairs=pairs, per_loss=per_loss, jobs=jobs)
+    if base.tracking:
+        configs = _tracked(configs, base.tracking, out, seed0=base.seed)
     for key in sorted(configs, key=lambda k: k[1]):  # seed-major: each seed's data is loaded once
         cfg = configs[key]
         if cfg.epochs is None:  # null: from the data's size (the progress bar counts epochs)

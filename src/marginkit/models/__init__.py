@@ -1,4 +1,4 @@
-"""Embedding backbones (``mlp``, ``cnn1d``, ``cnn2d``, ``resnet``)."""
+"""Embedding backbones: ``mlp``, ``cnn1d``, ``cnn2d``, ``resnet``, ``timm:NAME``, ``torchvision:NAME``."""
 
 from marginkit._lazy import attach
 
@@ -9,5 +9,8 @@ __getattr__, __dir__, __all__ = attach(
         "model_options": "backbones",
         "EmbeddingModel": "backbones",
         "MODELS": "backbones",
+        "ExternalBackbone": "external",
+        "frozen_modules": "base",
+        "is_frozen": "base",
     },
 )

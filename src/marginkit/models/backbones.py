@@ -9,6 +9,11 @@ All are sized for CPUs and small data: the default ``cnn1d`` on mnist1d has 68 k
 (one plain softmax run: ~97 % test accuracy after 10 epochs, ~5 s of single-thread CPU
 time), the default ``resnet`` ~1.2 M. No augmentation, dropout off by default. Batch norm is the
 default normalisation (``norm="none"`` removes it), so training batches need >= 2 samples.
+
+``timm:NAME`` and ``torchvision:NAME`` wrap those libraries' image models the same way
+(:mod:`marginkit.models.external`). For fine-tuning every backbone can freeze its trunk or its
+first stages (:meth:`EmbeddingModel.freeze`) and recompute activations in the backward pass
+(:meth:`EmbeddingModel.set_grad_checkpointing`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from marginkit._validation import choice, positive_float, positive_int
+from marginkit.models.base import EmbeddingModel, frozen_modules, is_frozen, run_stages
 
-__all__ = ["MODELS", "CNN1d", "CNN2d", "EmbeddingModel", "MLPEmbedding", "SmallResNet", "build_model"]
+__all__ = [
+    "MODELS",
+    "CNN1d",
+    "CNN2d",
+    "EmbeddingModel",
+    "MLPEmbedding",
+    "SmallResNet",
+    "build_model",
+    "frozen_modules",
+    "is_frozen",
+    "run_stages",
+]
 
 #: Backbone names accepted by :func:`build_model`.
 MODELS: tuple[str, ...] = ("mlp", "cnn1d", "cnn2d", "resnet")
@@ -47,52 +64,9 @@ def _norm1d(kind: str, channels: int) -> nn.Module:
     return nn.BatchNorm1d(channels)
 
 
-class EmbeddingModel(nn.Module):
-    """Base class: shape check, trunk features, linear projection, optional L2 normalisation.
-
-    Attributes:
-        name: backbone name (a key of :data:`MODELS`).
-        input_shape: the per-sample input shape the model was built for.
-        embedding_dim: output size.
-        normalize: whether outputs are L2-normalised.
-        config: keyword arguments that rebuild the same architecture with :func:`build_model`.
-    """
-
-    name = ""
-
-    def __init__(self, input_shape: tuple[int, ...], embedding_dim: int, normalize: bool) -> None:
-        super().__init__()
-        self.input_shape = tuple(input_shape)
-        self.embedding_dim = embedding_dim
-        self.normalize = normalize
-        self.config: dict[str, Any] = {}
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def check_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if not torch.is_floating_point(x):
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        if tuple(x.shape[1:]) != self.input_shape or x.dim() != len(self.input_shape) + 1:
-            raise ValueError(
-                f"{self.name} model expects x of shape [B, {', '.join(map(str, self.input_shape))}], "
-                f"got {list(x.shape)}"
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, *input_shape]`` -> ``[B, embedding_dim]`` (unit rows when ``normalize``)."""
-        self.check_input(x)
-        z = self.projection(self.features(x))
-        if self.normalize:
-            z = F.normalize(z.float() if z.dtype in (torch.float16, torch.bfloat16) else z, dim=1).to(z.dtype)
-        return z
-
-    def extra_repr(self) -> str:
-        return (
-            f"input_shape={self.input_shape}, embedding_dim={self.embedding_dim}, normalize={self.normalize}"
-        )
+def _slices(trunk: nn.Sequential, ends: Sequence[int]) -> list[nn.Module]:
+    starts = [0, *ends[:-1]]
+    return [trunk[a:b] for a, b in zip(starts, ends, strict=True)]
 
 
 class MLPEmbedding(EmbeddingModel):
@@ -121,16 +95,24 @@ class MLPEmbedding(EmbeddingModel):
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(self.input_shape)
+        self._ends: list[int] = []
         for h in hidden:
             layers += [nn.Linear(width, h), _norm1d(norm, h), nn.GELU()]
             if dropout:
                 layers.append(nn.Dropout(dropout))
+            self._ends.append(len(layers))
             width = h
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(width, embedding_dim)
         self.config = {"hidden": list(hidden), "dropout": dropout, "norm": norm}
 
+    def stage_modules(self) -> list[nn.Module]:
+        """One stage per hidden layer."""
+        return _slices(self.trunk, self._ends)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        if self._checkpointing():
+            return run_stages(self.stage_modules(), x, True)
         return self.trunk(x)
 
 
@@ -172,8 +154,10 @@ class CNN1d(EmbeddingModel):
             raise ValueError(f"kernel_size must be odd (same padding), got {kernel_size}")
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = []
+        self._ends: list[int] = []
         for i, out_ch in enumerate(channels):
             layers += _conv_stage(1, in_ch, out_ch, kernel_size, 1 if i == 0 else 2, convs_per_stage, norm)
+            self._ends.append(len(layers))
             in_ch = out_ch
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(2 * in_ch, embedding_dim)
@@ -182,10 +166,14 @@ class CNN1d(EmbeddingModel):
             "norm": norm,
         }  # fmt: skip
 
+    def stage_modules(self) -> list[nn.Module]:
+        """One stage per entry of ``channels``."""
+        return _slices(self.trunk, self._ends)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             x = x.unsqueeze(1)
-        h = self.trunk(x)
+        h = run_stages(self.stage_modules(), x, True) if self._checkpointing() else self.trunk(x)
         return torch.cat([h.mean(dim=2), h.amax(dim=2)], dim=1)
 
 
@@ -258,19 +246,26 @@ class CNN2d(EmbeddingModel):
         convs_per_stage = positive_int(convs_per_stage, "convs_per_stage")
         norm = choice(norm, "norm", _NORMS)
         layers: list[nn.Module] = []
+        self._ends: list[int] = []
         for out_ch in channels:
             layers += _conv_stage(2, in_ch, out_ch, 3, 1, convs_per_stage, norm)
             in_ch = out_ch
             if min(h, w) >= 4:
                 layers.append(nn.MaxPool2d(2))
                 h, w = h // 2, w // 2
+            self._ends.append(len(layers))
         self.trunk = nn.Sequential(*layers)
         self.projection = nn.Linear(in_ch, embedding_dim)
         self.config = {"channels": list(channels), "convs_per_stage": convs_per_stage, "norm": norm}
         _channels_last(self)
 
+    def stage_modules(self) -> list[nn.Module]:
+        """One stage per entry of ``channels`` (its convolutions and pooling)."""
+        return _slices(self.trunk, self._ends)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.trunk(x).mean(dim=(2, 3))
+        h = run_stages(self.stage_modules(), x, True) if self._checkpointing() else self.trunk(x)
+        return h.mean(dim=(2, 3))
 
 
 class BasicBlock(nn.Module):
@@ -332,18 +327,26 @@ class SmallResNet(EmbeddingModel):
             nn.ReLU(),
         )
         stages: list[nn.Module] = []
+        self._ends: list[int] = []
         ch = width
         for i, n in enumerate(blocks):
             out_ch = width * 2**i
             for j in range(n):
                 stages.append(BasicBlock(ch, out_ch, 2 if (i > 0 and j == 0) else 1, norm))
                 ch = out_ch
+            self._ends.append(len(stages))
         self.stages = nn.Sequential(*stages)
         self.projection = nn.Linear(ch, embedding_dim)
         self.config = {"width": width, "blocks": list(blocks), "stem_stride": stem_stride, "norm": norm}
         _channels_last(self)
 
+    def stage_modules(self) -> list[nn.Module]:
+        """The stem, then one stage per entry of ``blocks``."""
+        return [self.stem, *_slices(self.stages, self._ends)]
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        if self._checkpointing():
+            return run_stages(self.stage_modules(), x, True).mean(dim=(2, 3))
         return self.stages(self.stem(x)).mean(dim=(2, 3))
 
 
@@ -357,6 +360,10 @@ _BUILDERS: dict[str, Callable[..., EmbeddingModel]] = {
 
 def model_options(name: str) -> tuple[str, ...]:
     """Backbone-specific ``**options`` of :func:`build_model` for ``name``."""
+    from marginkit.models.external import is_external
+
+    if is_external(name):
+        return ("image_size",)
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
     params = inspect.signature(_BUILDERS[name]).parameters.values()
@@ -374,7 +381,9 @@ def build_model(
 
     Args:
         name: ``"mlp"`` (any input), ``"cnn1d"`` (sequences ``(L,)`` / ``(C, L)``, e.g. mnist1d),
-            ``"cnn2d"`` (images ``(C, H, W)``, 4 px and up), ``"resnet"`` (images, meant for 28–64 px).
+            ``"cnn2d"`` (images ``(C, H, W)``, 4 px and up), ``"resnet"`` (images, meant for 28–64 px),
+            or an image model of timm / torchvision, ``"timm:NAME"`` / ``"torchvision:NAME"``
+            (:mod:`marginkit.models.external`; option ``image_size``).
         input_shape: per-sample input shape, e.g. ``DatasetSplits.input_shape``.
         embedding_dim: output size.
         normalize: L2-normalise the outputs (unit rows).
@@ -392,10 +401,20 @@ def build_model(
         >>> model(torch.zeros(5, 40)).shape
         torch.Size([5, 32])
     """
+    from marginkit.models.external import is_external
+
+    if is_external(name):
+        return _build(name, input_shape, embedding_dim, normalize, options)
     if not isinstance(name, str) or name not in _BUILDERS:
         guess = difflib.get_close_matches(str(name), MODELS, n=1)
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         raise ValueError(f"unknown model {name!r}{hint}; valid: {', '.join(MODELS)}")
+    return _build(name, input_shape, embedding_dim, normalize, options)
+
+
+def _build(
+    name: str, input_shape: Sequence[int], embedding_dim: int, normalize: bool, options: dict[str, Any]
+) -> EmbeddingModel:
     if isinstance(input_shape, torch.Size):
         input_shape = tuple(input_shape)
     if not isinstance(input_shape, Sequence) or isinstance(input_shape, str) or len(input_shape) == 0:
@@ -406,15 +425,20 @@ def build_model(
     embedding_dim = positive_int(embedding_dim, "embedding_dim")
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    allowed = model_options(name)
-    for key in options:
-        if key not in allowed:
-            guess = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
-            raise ValueError(
-                f"unknown option {key!r} for model {name!r}{hint}; valid options: {', '.join(allowed)}"
-            )
-    model = _BUILDERS[name](shape, embedding_dim, normalize, **options)
+    from marginkit.models.external import build_external, is_external
+
+    if is_external(name):
+        model: EmbeddingModel = build_external(name, shape, embedding_dim, normalize, **options)
+    else:
+        allowed = model_options(name)
+        for key in options:
+            if key not in allowed:
+                guess = difflib.get_close_matches(key, allowed, n=1)
+                hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+                raise ValueError(
+                    f"unknown option {key!r} for model {name!r}{hint}; valid options: {', '.join(allowed)}"
+                )
+        model = _BUILDERS[name](shape, embedding_dim, normalize, **options)
     model.config = {
         "name": name, "input_shape": list(shape), "embedding_dim": embedding_dim, "normalize": normalize,
         **model.config,

@@ -488,8 +488,12 @@ def _legacy(defaults: Any) -> Any:
 
 #: TrainConfig keys added after results were stored, at the values that compute what the runs
 #: did before them: no augmentation; ``selection: auto`` is the K-NN accuracy (closed set) or
-#: leave-one-out precision@1 (disjoint validation) that selected checkpoints before.
-_ADDED_KEYS = {"augment": {}, "selection": "auto"}
+#: leave-one-out precision@1 (disjoint validation) that selected checkpoints before; random
+#: starting weights, nothing frozen, one learning rate, no large-margin phase, no checkpointing.
+_ADDED_KEYS = {
+    "augment": {}, "selection": "auto", "weights": None, "pretrained": False, "init_from": None,
+    "freeze": "none", "backbone_lr_mult": 1.0, "large_margin": {}, "grad_checkpointing": False,
+}  # fmt: skip
 
 
 def _wired(result: Any) -> bool:

@@ -182,9 +182,18 @@ def build_components(
     model_name = resolve_model_name(config, input_shape, facts.get("name", ""))
     options = dict(embedding_dim=config.embedding_dim, normalize=config.normalize, **config.model_options)
     if config.model == CUSTOM_MODEL or model is not None:
+        if config.freeze != "none" or config.grad_checkpointing:
+            raise ConfigError(
+                "freeze and grad_checkpointing act on marginkit's backbones (their stages); for your own "
+                "module, set requires_grad / checkpointing on it before train(..., model=module)"
+            )
         model = _own_model(config, model).to(device)
     else:
         model = _built_model(config, model_name, input_shape, options, facts, device)
+        if config.freeze != "none":
+            model.freeze(config.freeze)
+        if config.grad_checkpointing:
+            model.set_grad_checkpointing(True)
     loss = build_loss(config.loss, config.loss_options, k=config.k).to(device)
     head = None
     if spec.kind == "class":
@@ -208,6 +217,8 @@ def _built_model(
         head_size = facts["num_classes"] * config.embedding_dim if LOSSES[config.loss].kind == "class" else 0
         _check_model_fits(config, name, skeleton, head_size, device)
         return build_model(name, input_shape, **options).to(device)
+    except ImportError as exc:  # timm / torchvision not installed (or not importable beside this torch)
+        raise ConfigError(f"cannot build model {name!r}: {exc}") from None
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -249,12 +260,31 @@ def _check_model_fits(
         )
 
 
-def _param_groups(config: TrainConfig, model: nn.Module, head: nn.Module | None) -> list[dict[str, Any]]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": config.weight_decay}]
+def _decay_groups(params: list[nn.Parameter], weight_decay: float, **extra: Any) -> list[dict[str, Any]]:
+    """Weight matrices and kernels with ``weight_decay``, then (if any) biases and norms without."""
+    decay = [p for p in params if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in params if p.requires_grad and p.ndim <= 1]
+    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay, **extra}]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, **extra})
+    return groups
+
+
+def _param_groups(config: TrainConfig, model: nn.Module, head: nn.Module | None) -> list[dict[str, Any]]:
+    projection = getattr(model, "projection", None)
+    if config.backbone_lr_mult == 1.0 or projection is None:
+        groups = _decay_groups(list(model.parameters()), config.weight_decay)
+    else:  # the trunk at lr · backbone_lr_mult, the projection at lr
+        own = {id(p) for p in projection.parameters()}
+        trunk = [p for p in model.parameters() if id(p) not in own]
+        groups = [
+            g
+            for g in (
+                *_decay_groups(trunk, config.weight_decay, lr=config.lr * config.backbone_lr_mult),
+                *_decay_groups(list(projection.parameters()), config.weight_decay),
+            )
+            if g["params"]  # a frozen trunk has none
+        ]
     if head is not None:
         groups.append(
             {"params": list(head.parameters()), "weight_decay": 0.0, "lr": config.head_lr or config.lr}

@@ -61,7 +61,7 @@ KNN_WEIGHTS = ("uniform", "distance")
 SELECTIONS = ("auto", "knn_accuracy", "precision_at_1", "eer")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
 RUNTIME_KEYS = frozenset(
-    {"device", "num_threads", "eval_batch_size", "collective_timeout", "checkpoint_every"}
+    {"device", "num_threads", "eval_batch_size", "collective_timeout", "checkpoint_every", "tracking"}
 )
 
 
@@ -80,9 +80,19 @@ class TrainConfig:
         :mod:`marginkit.data.augment`), never applied at evaluation.
     Model
         ``model`` — backbone name (``auto`` picks ``cnn1d`` for mnist1d, ``cnn2d`` for
-        images, ``mlp`` otherwise; ``custom``: your own module, ``train(..., model=module)``);
-        ``embedding_dim``; ``normalize`` — L2-normalised output; ``model_options`` — extra
-        keyword arguments for the backbone.
+        images, ``mlp`` otherwise; ``custom``: your own module, ``train(..., model=module)``;
+        ``timm:NAME`` / ``torchvision:NAME`` for those libraries' image models); ``embedding_dim``;
+        ``normalize`` — L2-normalised output; ``model_options`` — extra keyword arguments for the
+        backbone.
+    Fine-tuning (:mod:`marginkit.train.starting`, ``docs/finetune.md``)
+        ``weights`` — starting weights of the trunk: a state dict ``.pt``, a ``.safetensors``
+        file or a marginkit run directory; ``pretrained`` — the library's own pretrained weights
+        (timm / torchvision); ``init_from`` — a run directory whose trunk *and* projection start
+        this run (a new head for this run's classes); ``freeze`` — ``none``, ``trunk`` or the
+        number of leading stages kept fixed; ``backbone_lr_mult`` — the trunk's learning rate is
+        ``lr`` times this; ``large_margin`` — raise the loss's margin in a last short phase
+        (``{margin: 0.5, epochs: 2, ramp_epochs: 0}``, wespeaker's large-margin fine-tuning);
+        ``grad_checkpointing`` — recompute activations in the backward pass.
     Loss
         ``loss`` — a name from :data:`marginkit.train.registry.LOSSES`; ``loss_options`` —
         keyword arguments overriding the registry's defaults (``scale``, ``margin``, ...).
@@ -117,7 +127,9 @@ class TrainConfig:
         must exceed the longest validation or evaluation, which rank 0 runs alone);
         ``checkpoint_every`` — commit ``last.pt`` (and ``metrics.jsonl``) every N epochs: the
         last epoch, a ``stop_after`` epoch and every epoch that improved ``best.pt`` are always
-        committed, so ``--resume`` repeats at most N − 1 epochs, bit-identically.
+        committed, so ``--resume`` repeats at most N − 1 epochs, bit-identically;
+        ``tracking`` — opt-in experiment tracking (``{tensorboard: true, mlflow: true}``:
+        :mod:`marginkit.train.tracking`).
     """
 
     data: str = "mnist1d"
@@ -131,6 +143,13 @@ class TrainConfig:
     embedding_dim: int = 64
     normalize: bool = True
     model_options: dict[str, Any] = field(default_factory=dict)
+    weights: str | None = None
+    pretrained: bool = False
+    init_from: str | None = None
+    freeze: str = "none"
+    backbone_lr_mult: float = 1.0
+    large_margin: dict[str, Any] = field(default_factory=dict)
+    grad_checkpointing: bool = False
     loss_options: dict[str, Any] = field(default_factory=dict)
     epochs: int | None = None
     batch_size: int = 128
@@ -160,6 +179,7 @@ class TrainConfig:
     eval_batch_size: int = 1024
     collective_timeout: float = 600.0
     checkpoint_every: int = 1
+    tracking: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers
     @classmethod
@@ -213,6 +233,9 @@ class TrainConfig:
         from marginkit.train.registry import LOSSES, check_loss_options
 
         for name, choices in {**_CHOICES, "loss": tuple(LOSSES)}.items():
+            if name == "model" and self.model.split(":", 1)[0] in ("timm", "torchvision"):
+                _external_name(self.model)
+                continue
             _choice(getattr(self, name), name, choices)
         for name, spec in FIELD_RANGES.items():
             if getattr(self, name) is not None:
@@ -226,6 +249,11 @@ class TrainConfig:
         check_loss_options(self.loss, self.loss_options)
         _ranged_options(self.loss_options, loss_option_ranges(self.loss), "loss_options")
         _ranged_options(self.model_options, MODEL_OPTION_RANGES, "model_options")
+        from marginkit.train.finetune import check_finetune, check_tracking
+
+        self.freeze = check_finetune(self)
+        self.large_margin = _large_margin(self)
+        self.tracking = check_tracking(self.tracking)
         _build_loss_once(self)
         return self
 
@@ -266,6 +294,24 @@ def _ranged_options(options: Mapping[str, Any], ranges: Mapping[str, Any], prefi
     for key, value in options.items():
         if key in ranges:
             _in_range(value, ranges[key], f"{prefix}.{key}")
+
+
+def _external_name(name: str) -> None:
+    from marginkit.models.external import split_name
+
+    try:
+        split_name(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _large_margin(config: TrainConfig) -> dict[str, Any]:
+    from marginkit.train.finetune import check_large_margin
+
+    try:
+        return check_large_margin(config.large_margin, config.loss, config.loss_options, config.epochs)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _build_loss_once(config: TrainConfig) -> None:
@@ -421,7 +467,7 @@ def _unknown_key(key: str, valid: Iterable[str], where: str = "config key") -> C
 
 
 # ---------------------------------------------------------------------- building
-_DICT_KEYS = ("data_options", "model_options", "loss_options", "augment")
+_DICT_KEYS = ("data_options", "model_options", "loss_options", "augment", "large_margin", "tracking")
 _DICT_ALIASES = {"data": "data_options", "model": "model_options", "loss": "loss_options"}  # loss.scale=30
 
 

@@ -136,6 +136,7 @@ FIELD_RANGES: dict[str, Spec] = {
     "num_threads": _int(1, 1024),
     "eval_batch_size": _int(1, 10**7),
     "collective_timeout": _real(0, 7 * 86_400, open_lo=True, unit="seconds"),  # a stalled peer ends the run
+    "backbone_lr_mult": _real(0, 100),  # 0: the trunk does not move (as freeze: trunk, but in the optimiser)
 }
 
 #: ``cpu``, ``auto``, ``mps``, ``cuda`` or ``cuda:N`` (availability is checked when the run starts).
@@ -150,6 +151,7 @@ MODEL_OPTION_RANGES: dict[str, Spec] = {
     "kernel_size": _int(1, 1025),
     "convs_per_stage": _int(1, 64),
     "dropout": _real(0, 1, open_hi=True),
+    "image_size": IntList(_int(8, 1024), 2),  # timm / torchvision: the size images are resized to
 }
 
 _COSINE_MARGIN = _real(0, 1)  # subtracted from a cosine (CosFace, Q-Margin) or Circle's relaxation

@@ -82,7 +82,7 @@ LOCK = ".lock"
 #: Files of a run (``--overwrite`` removes them).
 RUN_FILES = (
     "last.pt", "best.pt", "metrics.jsonl", "config.yaml", "metrics.json", "knn_index.npz", "eval.npz",
-    "report.html", "summary.json",
+    "report.html", "summary.json", "tracking.json",
 )  # fmt: skip
 #: ``data_options`` that name a place to write: never taken from a file read from a run.
 WRITE_PATH_OPTIONS = ("cache_dir",)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from marginkit.models.base import is_frozen
 from marginkit.train import _ddp
 from marginkit.train import runtime as _runtime
 from marginkit.train.components import (
@@ -154,10 +155,13 @@ def recalibrate_batchnorm(
     "Precise BN": the running mean / variance become the average of the per-batch
     statistics of up to ``max_samples`` training samples (a fixed seeded subset, batches of
     ``batch_size``), instead of an exponential average that lags the weights. Only the
-    batch-norm layers run in training mode (dropout stays off), so no RNG is consumed.
+    batch-norm layers run in training mode (dropout stays off), so no RNG is consumed. Layers
+    of a frozen part of the model (``freeze``) keep their statistics.
     """
     bns = [
-        m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and not is_frozen(m)
     ]
     if not bns or max_samples <= 0:
         return
@@ -209,6 +213,8 @@ class _Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     scaler: Any = None  # fp16's torch.amp.GradScaler (built at the first epoch of this process)
     augment: Any = None  # marginkit.data.augment.BatchAugment of the training batches, or None
+    margin: Any = None  # large_margin's HyperparameterScheduler of the loss's margin, or None
+    tracker: Any = None  # marginkit.train.tracking.Tracker (rank 0, opt-in), or None
 
     @property
     def spec_norms(self) -> bool:
@@ -317,6 +323,7 @@ def _train(
         splits = splits if splits is not None else load_splits(config)
         config = for_own_model(config, model, splits.train.x)  # a module that fails, before writing
     rundir = RunDir.for_training(run_dir, resume=resume, overwrite=overwrite) if ctx.is_main else None
+    tracker = None
     try:
         ctx.barrier()
         ckpt = None
@@ -336,13 +343,25 @@ def _train(
         log(f"{run_dir}: {threads} torch thread(s) per process ({how})")
         with runtime(threads, deterministic=config.deterministic):
             run = _restore(ctx, config, splits, ckpt, rundir, run_dir, log, model)
+            if rundir is not None and config.tracking:
+                from marginkit.train.tracking import open_tracker
+
+                run.tracker = tracker = open_tracker(config, run_dir, start_epoch=run.epoch)
             end_epoch = config.epochs if stop_after is None else min(config.epochs, stop_after)
             _epochs(run, end_epoch, quiet=quiet)
             result = RunResult(run_dir, config, end_epoch, end_epoch >= config.epochs, history=run.history)
             if result.finished:
                 result.metrics = _final_evaluation(run, report=report)
+                if run.tracker is not None:
+                    run.tracker.finish(result.metrics, run.epoch)
             else:
                 log(f"stopped after epoch {end_epoch}/{config.epochs}; continue with --resume")
+            if run.tracker is not None:
+                run.tracker.close()
+    except BaseException:
+        if tracker is not None:
+            tracker.close(failed=True)
+        raise
     finally:
         if rundir is not None:
             rundir.close()
@@ -389,6 +408,12 @@ def _restore(
     log(data_note(splits))
     log(selection_note(config, splits))
     model, head, loss_fn = build_components(config, facts, device, own_model)
+    if ckpt is None:  # a fresh run: its starting weights (a resumed one has them in last.pt)
+        from marginkit.train.starting import apply_starting_weights
+
+        note = apply_starting_weights(config, model)
+        if note:
+            log(f"starting weights: {note}")
     par, head = _ddp.parallelize(ctx, model, head, loss_fn, device)
     optimizer = build_optimizer(config, model, head)
     if splits.train.y.numel() == 0:
@@ -404,6 +429,15 @@ def _restore(
     scheduler = lr_scheduler(config, optimizer, len(batches))
     run = _Run(ctx, config, splits, facts, device, model, head, par, optimizer, scheduler, batches, rundir,
                run_dir, log)  # fmt: skip
+    from marginkit.train.finetune import large_margin_scheduler
+
+    run.margin = large_margin_scheduler(config, loss_fn, len(batches))
+    if run.margin is not None:
+        lm = config.large_margin
+        log(
+            f"large-margin phase: margin {run.margin.values()['margin']:g} -> {lm['margin']:g} over the "
+            f"last {lm['epochs']} epoch(s) (ramp {lm['ramp_epochs']})"
+        )
     run.augment = _augmenter(config, splits)
     if run.augment is not None:
         shown = ", ".join(f"{k} {v:g}" for k, v in run.augment.options.items())
@@ -430,6 +464,8 @@ def _restore(
         _, run.scaler = mixed_precision(config.amp, device, sharded=par.sharded)
         run.scaler.load_state_dict(state)
     run.epoch, run.global_step = int(ckpt["epoch"]), int(ckpt["global_step"])
+    if run.margin is not None:  # the margin of the step the run stopped at
+        run.margin.load_state_dict({"step": run.global_step, "names": ["margin"]})
     run.best_metric, run.best_epoch = float(ckpt["best_metric"]), int(ckpt["best_epoch"])
     run.history = [r for r in ckpt["history"] if r.get("epoch", 0) <= run.epoch]
     if rundir is not None:
@@ -473,6 +509,8 @@ def _epochs(run: _Run, end_epoch: int, *, quiet: bool) -> None:
             bar.close(clear=True)  # the epoch's log line replaces its bar
         row = _end_epoch(run, stats, end_epoch)
         run.log(_epoch_line(row, run.config.epochs))
+        if run.tracker is not None:
+            run.tracker.log_epoch(row)
 
 
 def mixed_precision(
@@ -523,6 +561,7 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
     others = [p for p in params if not any(p is q for q in shards)]
     t0 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the rate of the epoch's first step
+    margin = {"margin": run.margin.values()["margin"]} if run.margin is not None else {}
     loss_sum = torch.zeros((), dtype=torch.float64)
     n_steps, n_samples = 0, 0
     for idx in run.batches:
@@ -569,6 +608,8 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
             with warnings.catch_warnings():  # the schedule counts iterations, skipped fp16 steps too
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
                 run.scheduler.step()
+        if run.margin is not None:
+            run.margin.step()
         run.global_step += 1
         n_steps += 1
         n_samples += batch_samples
@@ -576,7 +617,10 @@ def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
         loss_sum += value
         bar.update(samples=batch_samples, loss=value, prefix=f"epoch {epoch + 1}/{config.epochs}")
     seconds = time.perf_counter() - t0
-    return {"loss_sum": float(loss_sum), "steps": n_steps, "samples": n_samples, "lr": lr, "seconds": seconds}
+    return {
+        "loss_sum": float(loss_sum), "steps": n_steps, "samples": n_samples, "lr": lr, "seconds": seconds,
+        **margin,
+    }  # fmt: skip
 
 
 def _end_epoch(run: _Run, stats: dict[str, Any], end_epoch: int) -> dict[str, Any]:
@@ -601,6 +645,7 @@ def _end_epoch(run: _Run, stats: dict[str, Any], end_epoch: int) -> dict[str, An
         "epoch": epoch,
         "train_loss": stats["loss_sum"] / max(1, stats["steps"]),
         "lr": stats["lr"],
+        **({"margin": stats["margin"]} if "margin" in stats else {}),
         **val,
         "epoch_seconds": round(seconds, 4),
         "samples_per_second": round(stats["samples"] / max(seconds, 1e-9), 1),
