@@ -51,6 +51,18 @@ class UnknownIdentityError(LookupError):
         self.identity = identity
 
 
+#: The storages other than SQLite, by name: (module, class), imported when a path asks for one. The
+#: subclass imports this module, so naming it here (not importing it) keeps the layers acyclic.
+_STORAGES = {"milvus": ("marginkit.gallery.milvus", "MilvusGallery")}
+
+
+def _storage(name: str) -> type[Gallery]:
+    import importlib
+
+    module, cls = _STORAGES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
 def is_milvus(path: Any) -> bool:
     """Whether ``path`` names a Milvus gallery: ``milvus://host:port[/collection]``, an
     ``http(s)://`` URI of a Milvus server, or a local milvus-lite file ``*.milvus.db``."""
@@ -175,9 +187,7 @@ class Gallery:
 
     def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Gallery:
         if cls is Gallery and is_milvus(path):
-            from marginkit.gallery.milvus import MilvusGallery
-
-            return super().__new__(MilvusGallery)
+            return super().__new__(_storage("milvus"))
         return super().__new__(cls)
 
     #: Template searches this storage offers (``backend=``).
