@@ -36,6 +36,7 @@ from torch import nn
 
 from marginkit.gallery.results import Candidate, Classification, Enrollment, Identification, Verification
 from marginkit.gallery.store import GalleryError, Store
+from marginkit.knn._search import prepare
 
 __all__ = ["Gallery", "UnknownIdentityError"]
 
@@ -277,10 +278,7 @@ class Gallery:
             raise ValueError(f"{name} holds no sample")
         if not bool(torch.isfinite(emb).all()):
             raise ValueError(f"{name} contains NaN or infinite values")
-        norms = torch.linalg.vector_norm(emb, dim=1, keepdim=True)
-        if bool((norms == 0).any()):
-            raise ValueError(f"{name} has an all-zero embedding: its cosine is undefined")
-        return emb / norms, single
+        return prepare(emb, "cosine", name, torch.float32), single
 
     def _require_threshold(self) -> float:
         if self.threshold is None:
