@@ -434,9 +434,13 @@ class Gallery:
             # incrementally, so its k is set here rather than at fit time).
             self._knn.k = min(self.k, len(self._owner))
             proba = self._knn.predict_proba(emb)
+            owner_of_column = self._knn.classes_  # identities with templates, by dense index
             names = self._names
         share, winner = proba.max(dim=1)
-        out = [Classification(names[int(w)], float(s)) for w, s in zip(winner, share, strict=True)]
+        out = [
+            Classification(names[int(owner_of_column[w])], float(s))
+            for w, s in zip(winner.tolist(), share, strict=True)
+        ]
         return out[0] if single else out
 
     # ------------------------------------------------------------------ facts

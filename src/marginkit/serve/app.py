@@ -264,15 +264,17 @@ def create_app(
         if fields.index == "gallery":
             found = gallery.classify(emb, kind="embeddings")
             return {"results": [{"label": None, "name": c.identity, "share": c.share} for c in found]}
-        share, label = bundle.knn().predict_proba(emb).max(dim=1)
+        knn = bundle.knn()
+        share, column = knn.predict_proba(emb).max(dim=1)
+        labels = knn.classes_[column.numpy()].tolist()  # the columns are the sorted labels (classes_)
         names = bundle.class_names
         results = [
             {
-                "label": int(c),
-                "name": names[int(c)] if int(c) < len(names) else str(int(c)),
+                "label": c if isinstance(c, int) else None,
+                "name": names[c] if isinstance(c, int) and 0 <= c < len(names) else str(c),
                 "share": float(v),
             }
-            for c, v in zip(label, share, strict=True)
+            for c, v in zip(labels, share, strict=True)
         ]
         return {"results": results}
 
