@@ -31,6 +31,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _has_data(x: torch.Tensor, name: str) -> None:
+    """Refuse a tensor on the ``meta`` device: it has a shape but no values to check or compute with."""
+    if x.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device (a shape without data), so its values cannot be checked or "
+            "used; create it on a real device (a module built on 'meta' needs .to_empty(device=...) "
+            "and its weights loaded)"
+        )
+
+
 def float_tensor(
     x: Any,
     name: str,
@@ -48,6 +58,7 @@ def float_tensor(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _has_data(x, name)
     if not torch.is_floating_point(x):
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() < min_dim:
@@ -75,6 +86,7 @@ def label_tensor(
         raise TypeError(f"{name} must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
     if labels.dtype == torch.bool or torch.is_floating_point(labels) or torch.is_complex(labels):
         raise TypeError(f"{name} must be an integer tensor, got dtype {labels.dtype}")
+    _has_data(labels, name)
     if shape is not None:
         shape = tuple(shape)
         if tuple(labels.shape) != shape:
@@ -226,6 +238,7 @@ def mask_tensor(
     if not ok:
         expected = "a bool tensor or integer multiplicities" if counts else "a bool tensor"
         raise TypeError(f"{name} must be {expected}, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    _has_data(mask, name)
     try:
         torch.broadcast_shapes(mask.shape, target.shape)
     except RuntimeError as err:

@@ -115,8 +115,15 @@ def _check_metadata(meta: Any, names: set[str]) -> dict[str, Any]:
         _int(meta["hnsw"], "entry_point", 0, n - 1)
         _int(meta["hnsw"], "max_level", 0)
     if names != expected:
+        missing, extra = sorted(expected - names), sorted(names - expected)
+        problem = "; ".join(
+            [f"lacks {', '.join(map(repr, missing))}"] * bool(missing)
+            + [f"has unexpected {', '.join(map(repr, extra))}"] * bool(extra)
+        )
+        graph = " (the HNSW graph)" if set(missing) & set(_GRAPH) else ""
         raise ValueError(
-            f"holds arrays {sorted(names)}, but a {meta['backend']!r} index has exactly {sorted(expected)}"
+            f"holds arrays {sorted(names)}, but a version-{meta['version']} {meta['backend']!r} index has "
+            f"exactly {sorted(expected)}: {problem}{graph}"
         )
     return meta
 
