@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from marginkit.knn._search import prepare
 from marginkit.serve.inputs import BadInput, Limits, Payload, parse_form, parse_json
 from marginkit.serve.limits import BodyLimit, Recorder, RequestStats
 
@@ -179,13 +180,15 @@ def create_app(
             if array.ndim != 2 or array.shape[1] != d:
                 raise BadInput(f"embeddings must have shape [B, {d}], got {list(data.array.shape)}")
             _check_batch(array.shape[0])
-            emb = torch.from_numpy(array.astype(np.float32))
+            with np.errstate(over="ignore"):
+                emb = torch.from_numpy(array.astype(np.float32))
+            if not bool(torch.isfinite(emb).all()):
+                raise BadInput("embeddings exceed float32's range (|value| above 3.4e38)")
         else:
             emb = embed_inputs(array)
-        norms = torch.linalg.vector_norm(emb, dim=1, keepdim=True)
-        if bool((norms == 0).any()):
+        if bool((emb == 0).all(dim=1).any()):
             raise BadInput("an embedding is all zeros: its cosine is undefined")
-        return emb / norms
+        return prepare(emb, "cosine", "embeddings", torch.float32)  # (any scale: no overflow)
 
     def embed_inputs(array: np.ndarray) -> torch.Tensor:
         """Raw samples (a batch; one vector sample may come unbatched) -> embeddings."""

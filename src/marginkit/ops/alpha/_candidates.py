@@ -274,7 +274,12 @@ _F64_MAX_EXPONENT = 700.0
 
 
 def _widened_for_measure(
-    cdt: torch.dtype, x2d: Tensor, lq2d: Tensor | None, beta: Tensor, blocks: _Blocks
+    cdt: torch.dtype,
+    x2d: Tensor,
+    lq2d: Tensor | None,
+    beta: Tensor,
+    blocks: _Blocks,
+    lq_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, _Blocks, Tensor | None]:
     r"""The op's inputs with a general measure normalised per row, in float64 if float32 would overflow.
 
@@ -288,6 +293,8 @@ def _widened_for_measure(
     :math:`1 + \beta(\theta_j - \tau)`).
     ``c`` is a constant of the identity (no gradient needed through it). Returns
     ``(x, log q̃, β, blocks, log c)``; ``log c`` is ``None`` when every row's largest ``q`` is 1.
+    ``log q̃`` is in float64 when the solve is widened, else rounded once to ``lq_dtype`` (default:
+    its own dtype), after the normalisation.
     """
     if lq2d is None:
         return x2d, lq2d, beta, blocks, None
@@ -303,7 +310,18 @@ def _widened_for_measure(
         )
     if not bool((log_c != 0).any()):
         log_c = None
-    wide = growth > _F32_MAX_OFFSET_EXPONENT or _offset_overflows(
+    reach = 0.0  # log of the largest rescaled logit |c^β·θ|: it decides the working precision too
+    if log_c is not None:
+        low, high = torch.aminmax(x2d.detach(), dim=-1)
+        top = torch.maximum(high.abs(), low.abs()).to(log_c.dtype).clamp_min(torch.finfo(log_c.dtype).tiny)
+        reach = float((beta.detach().to(log_c.dtype) * log_c + top.log()).max())
+    if reach > _F64_MAX_EXPONENT:
+        raise ValueError(
+            f"the logits are too large for this q and alpha: |logits| * max(q)^(alpha - 1) reaches "
+            f"e^{reach:.4g}, beyond float64's range (alpha_softargmax(θ, α, c·q) is computed as "
+            "alpha_softargmax(c^(α-1)·θ, α, q)): divide q by a constant, or scale the logits down"
+        )
+    wide = max(growth, reach) > _F32_MAX_OFFSET_EXPONENT or _offset_overflows(
         cdt,
         float(beta.detach().max()),
         float(lq2d.detach().min()) - (0.0 if log_c is None else float(log_c.max())),
@@ -315,6 +333,8 @@ def _widened_for_measure(
         dt = x2d.dtype if x2d.dtype == torch.float64 else cdt
         x2d = x2d.to(dt) * torch.exp(beta * log_c).unsqueeze(1).to(dt)
         lq2d = lq2d - log_c.unsqueeze(1).to(lq2d.dtype)
+    if not wide and lq_dtype is not None:
+        lq2d = lq2d.to(lq_dtype)
     if wide or log_c is not None:
         blocks = _Blocks(x2d.detach() if x2d.requires_grad else x2d)
     return x2d, lq2d, beta, blocks, log_c
