@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from marginkit._validation import choice, compute_dtype, positive_float, positive_int
+from marginkit._validation import choice, compute_dtype, data_tensor, positive_float, positive_int, to_caller
 from marginkit.knn._backends import ExactIndex, FaissFlatIndex, HNSWIndex, Index, import_faiss
 from marginkit.knn._search import check_embeddings, check_metric, exact_search, prepare
 from marginkit.knn.fingerprint import model_fingerprint as fingerprint_of
@@ -208,7 +208,7 @@ class KNNClassifier:
     ) -> tuple[torch.Tensor, torch.Tensor, Classes, torch.Tensor | None]:
         """Checked embeddings, the labels' codes in the classes ``classes`` grows to, and the
         map of the old codes to the new ones (``None``: unchanged)."""
-        check_embeddings(embeddings, "embeddings")
+        embeddings = check_embeddings(data_tensor(embeddings, "embeddings"), "embeddings")
         values = check_label_values(labels, "labels", embeddings.shape[0], "embeddings")
         if dim is not None and embeddings.shape[1] != dim:
             raise ValueError(
@@ -279,7 +279,7 @@ class KNNClassifier:
     # ------------------------------------------------------------------ queries
     def _check_queries(self, x: Any, k: int | None) -> tuple[torch.Tensor, int]:
         index, _ = self._require_fitted()
-        check_embeddings(x, "x")
+        x = check_embeddings(data_tensor(x, "x"), "x")
         if x.shape[1] != self._dim:
             raise ValueError(
                 f"x has dimension {x.shape[1]}, but the index holds {self._dim}-dimensional embeddings"
@@ -292,16 +292,22 @@ class KNNClassifier:
     def kneighbors(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` nearest references of each row of ``x`` ``[Q, D]``.
 
-        Returns ``(values, indices)``, both ``[Q, k]`` on ``x``'s device: cosine similarities
-        in decreasing order (``metric="cosine"``) or Euclidean distances in increasing order
-        (``"l2"``), and reference indices; equal values are ordered by increasing index.
+        Returns ``(values, indices)``, both ``[Q, k]`` on ``x``'s device (numpy arrays for a
+        numpy ``x``): cosine similarities in decreasing order (``metric="cosine"``) or Euclidean
+        distances in increasing order (``"l2"``), and reference indices; equal values are
+        ordered by increasing index.
         """
+        as_numpy = not isinstance(x, torch.Tensor)
         x, k = self._check_queries(x, k)
         values, indices = self._require_fitted()[0].search(x.detach(), k)
-        return values.to(x.device), indices.to(x.device)
+        return to_caller((values.to(x.device), indices.to(x.device)), as_numpy)
 
     def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
-        """Vote shares ``[Q, C]`` (rows sum to 1), a column per entry of ``classes_`` (:func:`vote_proba`)."""
+        """Vote shares ``[Q, C]`` (rows sum to 1), a column per entry of ``classes_`` (:func:`vote_proba`).
+
+        A numpy array for a numpy ``x``.
+        """
+        as_numpy = not isinstance(x, torch.Tensor)
         x, k = self._check_queries(x, None)
         index, codes = self._require_fitted()
         values, indices = index.search(x.detach(), k)
@@ -312,20 +318,23 @@ class KNNClassifier:
             weights=self.weights,
             num_classes=int(self.num_classes),  # type: ignore[arg-type]
         )
-        return proba.to(x.device)
+        return to_caller(proba.to(x.device), as_numpy)
 
     def predict(self, x: torch.Tensor) -> Labels:
         """Predicted labels ``[Q]``: the largest vote, ties to the smallest label.
 
-        An int64 tensor on ``x``'s device for integer labels, a numpy ``str`` array for strings.
+        An int64 tensor on ``x``'s device for integer labels, a numpy ``str`` array for strings;
+        a numpy array whenever ``x`` is one (scikit-learn's convention).
         """
+        as_numpy = not isinstance(x, torch.Tensor)
+        x = data_tensor(x, "x")
         proba = self.predict_proba(x)
         assert self._classes is not None
-        return self._classes.decode(proba.argmax(dim=1), as_numpy=False)
+        return self._classes.decode(proba.argmax(dim=1), as_numpy=as_numpy)
 
     def score(self, x: torch.Tensor, y: Any) -> float:
         """Accuracy of :meth:`predict` on ``(x, y)`` (a label outside ``classes_`` counts as an error)."""
-        check_embeddings(x, "x")
+        x = check_embeddings(data_tensor(x, "x"), "x")
         values = check_label_values(y, "y", x.shape[0], "x")
         proba = self.predict_proba(x)
         assert self._classes is not None

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from marginkit._validation import label_tensor, positive_float, positive_int
+from marginkit._validation import accepts_arrays, label_tensor, positive_float, positive_int
 from marginkit.knn._search import check_embeddings, check_metric, exact_search, prepare
 from marginkit.knn.classifier import KNNClassifier, vote_proba
 from marginkit.knn.labels import Classes, check_label_values
 
 
+@accepts_arrays(pred="int", target="int")
 def per_class_recall(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:
     r"""Recall of each class, ``#{pred = c, target = c} / #{target = c}`` (float64 ``[C]``).
 
@@ -33,6 +34,7 @@ def per_class_recall(pred: torch.Tensor, target: torch.Tensor, num_classes: int)
     return torch.where(support > 0, correct / support.clamp_min(1), torch.nan)
 
 
+@accepts_arrays(query="float", query_labels="labels", reference="float", reference_labels="labels")
 def knn_accuracy(
     query: torch.Tensor,
     query_labels: torch.Tensor,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from marginkit._validation import accepts_arrays
 from marginkit.knn._search import check_embeddings, check_labels, prepare
 
 
+@accepts_arrays(emb="float", template_ids="int", media_ids="int")
 def template_features(
     emb: torch.Tensor, template_ids: torch.Tensor, media_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
