@@ -97,25 +97,26 @@ def _idx_dir_decompressing_to_4_gib(root):
         (root / f"{name}-ubyte").write_bytes(head + bytes(int(np.prod(shape))))
 
 
+def _error_in_subprocess(setup: str, call: str) -> str:
+    """Run ``setup`` then ``call`` in a fresh Python; the ``ValueError`` it raised, as printed."""
+    handler = "except ValueError as exc:\n    print('ValueError:', exc)\n"
+    code = f"{textwrap.dedent(setup)}\ntry:\n    {call}\n{handler}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def test_idx_gz_of_4_gib_under_a_3_gib_address_space_limit_is_refused_from_its_header(tmp_path):
     root = tmp_path / "mnist"
     _idx_dir_decompressing_to_4_gib(root)
-    code = textwrap.dedent(
-        f"""
+    setup = """
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.RLIM_INFINITY))
         from marginkit._files import input_limit_bytes
         from marginkit.data.loaders import read_mnist_idx
         assert input_limit_bytes() < 3 << 30  # below the address-space limit, not the 4096 MB default
-        try:
-            read_mnist_idx({str(root)!r})
-        except ValueError as exc:
-            print("ValueError:", exc)
         """
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+    out = _error_in_subprocess(setup, f"read_mnist_idx({str(root)!r})")
     assert "ValueError:" in out and "IDX array [65536, 256, 256]) needs 4,096.0 MB" in out, out
     assert "above the input memory limit" in out and "RLIMIT_AS of 3,072.0 MB" in out, out
 
@@ -123,21 +124,11 @@ def test_idx_gz_of_4_gib_under_a_3_gib_address_space_limit_is_refused_from_its_h
 def test_npz_reader_shares_the_address_space_cap(tmp_path):
     path = tmp_path / "big.npz"
     np.savez(path, x=np.zeros((1 << 20,), np.uint8))  # 1 MB
-    code = textwrap.dedent(
-        f"""
-        import resource
-        from marginkit._files import address_space_left, read_npz_arrays
-        left, _ = address_space_left() or (None, None)
-        assert left is None  # no limit set: the configured one applies
-        import os
+    setup = """
+        import os, resource
+        from marginkit._files import read_npz_arrays
         vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 20), resource.RLIM_INFINITY))  # 1 MB left
-        try:
-            read_npz_arrays({str(path)!r})
-        except ValueError as exc:
-            print("ValueError:", exc)
         """
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ValueError:" in proc.stdout and "RLIMIT_AS" in proc.stdout, proc.stdout
+    out = _error_in_subprocess(setup, f"read_npz_arrays({str(path)!r})")
+    assert "ValueError:" in out and "RLIMIT_AS" in out, out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -361,23 +361,7 @@ def _solve_in_frame(
     return _solve_dense(*rows, bounds=bounds, axis=axis, theta_y=theta_y)
 
 
-def _solve(
-    x: Tensor,
-    blocks: _Blocks | None,
-    *,
-    scale: float,
-    beta: Tensor,
-    beta_scalar: float | None,
-    logq: Tensor | None = None,
-    label: Tensor | None = None,
-    logq_label: Tensor | None = None,
-    k: int | None = None,
-    candidates: bool = True,
-    bounds: tuple[Tensor, Tensor | None] | None = None,
-    axis: ClassAxis = ONE_PROCESS,
-    theta_y: Tensor | None = None,
-    shift: Tensor | None = None,
-) -> _Solution:
+def _solve(x: Tensor, blocks: _Blocks | None, **kw: Any) -> _Solution:
     """Solve every row of ``x`` (``[N, n]``; θ = scale·(x − shift); q from ``logq`` or the label override).
 
     ``shift``: per row, in the units of x (``None``: 0), the solver's frame; the row maximum over
@@ -389,15 +373,30 @@ def _solve(
     With a general measure ``logq`` (normalised to a row maximum of 0) the rows whose frame
     cannot resolve τ (``_frame``) are solved again in the frame of the logit of their most
     weighted possibly active entry; the solution's ``shift`` is the frame of every row. A row
-    still unresolved after ``_MAX_FRAMES`` frames is refused with a clear error.
+    still unresolved after ``_MAX_FRAMES`` frames is refused with a clear error. The keyword
+    arguments are :func:`_solve_in_frame`'s.
     """
-    sol = _solve_in_frame(
-        x, blocks, scale=scale, beta=beta, beta_scalar=beta_scalar, logq=logq, label=label,
-        logq_label=logq_label, k=k, candidates=candidates, bounds=bounds, axis=axis, theta_y=theta_y,
-        shift=shift,
-    )  # fmt: skip
-    if logq is None or axis.partitioned or x.shape[0] == 0:
-        return sol._replace(shift=shift)
+    sol = _solve_in_frame(x, blocks, **kw)
+    if kw.get("logq") is None or kw.get("axis", ONE_PROCESS).partitioned or x.shape[0] == 0:
+        return sol._replace(shift=kw.get("shift"))
+    return _reframed(sol, x, blocks, **kw)
+
+
+def _reframed(
+    sol: _Solution,
+    x: Tensor,
+    blocks: _Blocks | None,
+    *,
+    scale: float,
+    beta: Tensor,
+    beta_scalar: float | None,
+    logq: Tensor,
+    shift: Tensor | None = None,
+    k: int | None = None,
+    candidates: bool = True,
+    **_: Any,
+) -> _Solution:
+    """Move the rows whose frame cannot resolve τ to a better one and solve them again (``_frame``)."""
     frame = x.new_zeros(x.shape[0]) if shift is None else shift.to(x.dtype)
     todo: Tensor | None = None  # the rows being moved (None: every row, at the first check)
     sub = sol
