@@ -108,13 +108,13 @@ def _alpha_batch(alpha: Any, logits: Tensor, dim: int) -> Any:
     return alpha
 
 
-def _log_reference(q: Any, logits: Tensor) -> tuple[Tensor, torch.dtype]:
-    r"""Validated ``log q`` broadcast to ``logits``' shape (a view where possible), and its working dtype.
+def _log_reference(q: Any, logits: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    r"""Validated ``log q`` broadcast to ``logits``' shape (a view where possible).
 
-    The logarithm is taken in float64 whatever the dtypes: the loss is as sensitive to
-    :math:`\log q_y` as :math:`q_y^{-\beta}/\alpha` (a float32 ``log`` of an exact ``q = 2^{-40}`` put a
-    relative error of 1e-6 into a float64 loss); :func:`_widened_for_measure` rounds it once to the
-    working dtype (``compute_dtype`` of ``q``'s and the logits' dtypes) unless the solve needs float64.
+    In ``dtype`` (default: ``compute_dtype`` of ``q``'s and the logits' dtypes). When the solve
+    is widened to float64, :func:`_widened_for_measure` takes it again in float64: the loss is as
+    sensitive to :math:`\log q_y` as :math:`q_y^{-\beta}/\alpha` (a float32 ``log`` of an exact
+    ``q = 2^{-40}`` put a relative error of 1e-6 into a float64 loss).
     """
     float_tensor(q, "q", min_dim=0, allow_empty=True)
     if q.numel() and not bool((q > 0).all()):
@@ -127,8 +127,8 @@ def _log_reference(q: Any, logits: Tensor) -> tuple[Tensor, torch.dtype]:
         raise ValueError(
             f"q must be broadcastable to the logits shape {tuple(logits.shape)}, got shape {tuple(q.shape)}"
         )
-    logq = q.to(torch.float64).log()
-    return logq.expand(logits.shape), compute_dtype(torch.promote_types(q.dtype, logits.dtype))
+    dtype = dtype or compute_dtype(torch.promote_types(q.dtype, logits.dtype))
+    return q.to(dtype).log().expand(logits.shape)
 
 
 def _topk_count(topk: Any, n: int) -> int | None:
@@ -213,7 +213,7 @@ def alpha_softargmax(
     if not -logits.dim() <= dim < logits.dim():
         raise ValueError(f"dim must index a dimension of logits (ndim {logits.dim()}), got {dim}")
     dim = dim % logits.dim()
-    logq, qdt = (None, None) if q is None else _log_reference(q, logits)
+    logq = None if q is None else _log_reference(q, logits)
     x = logits.movedim(dim, -1)
     batch_shape, n = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, n).contiguous()
@@ -223,12 +223,16 @@ def alpha_softargmax(
     blocks = _checked_blocks(x2d, "logits")
     lq2d = None if logq is None else logq.movedim(dim, -1).reshape(-1, n)
     if scalar_alpha == 1.0:
-        z = x2d.to(cdt) if lq2d is None else x2d.to(cdt) + lq2d.to(qdt)
+        z = x2d.to(cdt) if lq2d is None else x2d.to(cdt) + lq2d
         p2d = torch.softmax(z, dim=-1).to(logits.dtype)
     elif x2d.shape[0] == 0:
         p2d = x2d.clone()
     else:
-        x2d, lq2d, beta, blocks, _ = _widened_for_measure(cdt, x2d, lq2d, beta, blocks, qdt)
+
+        def relog() -> Tensor:
+            return _log_reference(q, logits, torch.float64).movedim(dim, -1).reshape(-1, n)
+
+        x2d, lq2d, beta, blocks, _ = _widened_for_measure(cdt, x2d, lq2d, beta, blocks, relog)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         p2d = _SoftargmaxFunction.apply(x2d, lq2d, blocks, beta, beta_scalar, k, bool(candidates))
     return p2d.reshape(x.shape).movedim(-1, dim).to(logits.dtype)
@@ -290,7 +294,7 @@ def alpha_divergence_loss(
     block = class_block(logits, labels, name="logits", batch_dims=True)
     x2d, y = block.scores.contiguous(), block.labels
     n = x2d.shape[1]
-    logq, qdt = (None, None) if q is None else _log_reference(q, logits)
+    logq = None if q is None else _log_reference(q, logits)
     k = _topk_count(topk, n)
     cdt = compute_dtype(logits.dtype)
     beta, scalar_alpha = _alpha_rows(alpha, logits.shape[:-1], cdt, logits.device)
@@ -299,12 +303,16 @@ def alpha_divergence_loss(
         raise ValueError("logits must be finite at the labels (a label points at a class masked with -inf)")
     lq2d = None if logq is None else logq.reshape(-1, n)
     if scalar_alpha == 1.0:
-        z = x2d.to(cdt) if lq2d is None else x2d.to(cdt) + lq2d.to(qdt)
+        z = x2d.to(cdt) if lq2d is None else x2d.to(cdt) + lq2d
         loss = F.cross_entropy(z, y, reduction="none")
     elif x2d.shape[0] == 0:
         loss = x2d.to(cdt).sum(-1)  # empty, but connected to the graph
     else:
-        x2d, lq2d, beta, blocks, log_c = _widened_for_measure(cdt, x2d, lq2d, beta, blocks, qdt)
+
+        def relog_loss() -> Tensor:
+            return _log_reference(q, logits, torch.float64).reshape(-1, n)
+
+        x2d, lq2d, beta, blocks, log_c = _widened_for_measure(cdt, x2d, lq2d, beta, blocks, relog_loss)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
         if log_c is not None:  # ℓ(θ; c·q̃) = c^{−β} ℓ(c^β θ; q̃)

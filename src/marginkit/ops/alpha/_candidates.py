@@ -10,6 +10,7 @@ problem's entries (padded rows or a flat row-sorted list).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -279,7 +280,7 @@ def _widened_for_measure(
     lq2d: Tensor | None,
     beta: Tensor,
     blocks: _Blocks,
-    lq_dtype: torch.dtype | None = None,
+    relog: Callable[[], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, _Blocks, Tensor | None]:
     r"""The op's inputs with a general measure normalised per row, in float64 if float32 would overflow.
 
@@ -293,8 +294,8 @@ def _widened_for_measure(
     :math:`1 + \beta(\theta_j - \tau)`).
     ``c`` is a constant of the identity (no gradient needed through it). Returns
     ``(x, log q̃, β, blocks, log c)``; ``log c`` is ``None`` when every row's largest ``q`` is 1.
-    ``log q̃`` is in float64 when the solve is widened, else rounded once to ``lq_dtype`` (default:
-    its own dtype), after the normalisation.
+    ``relog``: ``log q`` again in float64, taken when the solve is widened to float64 (a float32
+    logarithm would carry its rounding into a float64 solve).
     """
     if lq2d is None:
         return x2d, lq2d, beta, blocks, None
@@ -327,14 +328,14 @@ def _widened_for_measure(
         float(lq2d.detach().min()) - (0.0 if log_c is None else float(log_c.max())),
     )
     if wide and cdt == torch.float32:
-        x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()
-        log_c = None if log_c is None else log_c.double()
+        x2d, beta = x2d.double(), beta.double()
+        lq2d = relog() if relog is not None and lq2d.dtype != torch.float64 else lq2d.double()
+        if log_c is not None:  # (the row maxima of the float64 log q)
+            log_c = lq2d.detach().amax(-1)
     if log_c is not None:  # (in the compute dtype: c^β·θ can overflow a half-precision type)
         dt = x2d.dtype if x2d.dtype == torch.float64 else cdt
         x2d = x2d.to(dt) * torch.exp(beta * log_c).unsqueeze(1).to(dt)
         lq2d = lq2d - log_c.unsqueeze(1).to(lq2d.dtype)
-    if not wide and lq_dtype is not None:
-        lq2d = lq2d.to(lq_dtype)
     if wide or log_c is not None:
         blocks = _Blocks(x2d.detach() if x2d.requires_grad else x2d)
     return x2d, lq2d, beta, blocks, log_c
