@@ -276,7 +276,7 @@ def alpha_divergence_loss(
         Loss per example, shape ``logits.shape[:-1]``, float32 (float64 for float64 logits, and
         when :math:`(\alpha-1)\log(1/q_{min}) > 80`: the divergence terms then overflow float32, or
         when the logits rescaled by :math:`(\max q)^{\alpha-1}` pass :math:`e^{80}`; beyond float64's
-        range an error names them). ``log q`` is taken in float64 whatever the dtypes.
+        range an error names them; ``log q`` is then taken in float64 too).
 
     Example:
         >>> import torch
