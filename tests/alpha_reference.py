@@ -59,3 +59,72 @@ def rounding_tolerance(
     du = b * ulps * np.finfo(np.float64).eps * (1.0 + np.abs(theta).max(-1, keepdims=True) + 1.0 / b)
     spread = q * (np.maximum(u + du, 0.0) ** (1.0 / b) - np.maximum(u - du, 0.0) ** (1.0 / b))
     return spread + expected * spread.sum(-1, keepdims=True)
+
+
+def _mp_solution(theta, alpha: float, q) -> tuple[list, list, object, int]:
+    """(p, q, β, digits) of one row in mpmath, by bisection on τ to the working precision (no analytic frame).
+
+    The precision grows with the measure's range: an entry with weight q has ``u ≤ q^{−β}``, so τ
+    needs ``β·log10(q_max/q_min)`` more digits than the logits' own.
+    """
+    import mpmath as mp
+
+    theta = [float(t) for t in theta]
+    q = [float(v) for v in q]
+    digits = 90 + int((alpha - 1) * max(0.0, np.log10(max(q) / min(q))))
+    with mp.workdps(digits):
+        b = mp.mpf(alpha) - 1
+        rows = [(mp.mpf(t), mp.mpf(v)) for t, v in zip(theta, q, strict=True)]
+        live = [(t, v) for t, v in rows if t != -mp.inf]
+
+        def mass(tau):
+            return mp.fsum(v * max(1 + b * (t - tau), 0) ** (1 / b) for t, v in live)
+
+        lo = max(t - (v ** (-b) - 1) / b for t, v in live)
+        hi = max(t for t, _ in live) + 1 / b
+        while True:
+            mid = (lo + hi) / 2
+            if mid in (lo, hi):
+                break
+            lo, hi = (mid, hi) if mass(mid) >= 1 else (lo, mid)
+        ps = [v * max(1 + b * (t - lo), 0) ** (1 / b) if t != -mp.inf else mp.mpf(0) for t, v in rows]
+        total = mp.fsum(ps)
+        return [p / total for p in ps], [v for _, v in rows], b, digits
+
+
+def mp_softargmax(theta: np.ndarray, alpha: float, q: np.ndarray) -> np.ndarray:
+    """The alpha softargmax of every row (α > 1) in arbitrary precision (mpmath), rounded to float64."""
+    theta = np.atleast_2d(np.asarray(theta, dtype=np.float64))
+    q = np.broadcast_to(np.asarray(q, dtype=np.float64), theta.shape)
+    rows = [_mp_solution(t, alpha, qi)[0] for t, qi in zip(theta, q, strict=True)]
+    return np.array([[float(p) for p in row] for row in rows])
+
+
+def mp_jacobian(theta: np.ndarray, alpha: float, q: np.ndarray) -> np.ndarray:
+    """``dp/dθ`` of one row from the optimality conditions, ``diag(w) − w wᵀ/Σw`` with ``w = q^β p^{1−β}``."""
+    import mpmath as mp
+
+    p, qs, b, digits = _mp_solution(theta, alpha, q)
+    with mp.workdps(digits):
+        w = [v**b * x ** (1 - b) if x > 0 else mp.mpf(0) for x, v in zip(p, qs, strict=True)]
+        sw = mp.fsum(w)
+        jac = [[(w[i] if i == j else 0) - w[i] * w[j] / sw for j in range(len(p))] for i in range(len(p))]
+        return np.array([[float(v) for v in row] for row in jac])
+
+
+def mp_fenchel_young(theta: np.ndarray, label: int, alpha: float, q: np.ndarray) -> float:
+    """``⟨p, θ⟩ − D_f(p, q) + D_f(e_y, q) − θ_y`` of one row, straight from the definitions (mpmath)."""
+    import mpmath as mp
+
+    p, qs, b, digits = _mp_solution(theta, alpha, q)
+    with mp.workdps(digits):
+        a = b + 1
+        th = [mp.mpf(float(t)) for t in theta]
+
+        def divergence(v):
+            ratios = [(x / w, w) for x, w in zip(v, qs, strict=True)]
+            return mp.fsum(w * (t**a - 1 - a * (t - 1)) / (a * b) for t, w in ratios)
+
+        e = [mp.mpf(int(j == label)) for j in range(len(p))]
+        inner = mp.fsum(x * t for x, t in zip(p, th, strict=True))
+        return float(inner - divergence(p) + divergence(e) - th[label])

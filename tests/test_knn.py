@@ -311,7 +311,9 @@ def test_add_equals_fit_on_everything(gen, backend):
     grown = KNNClassifier(5, backend=backend, hnsw_ef_search=400).fit(ref[:300], lab[:300])
     assert grown.num_classes == 5
     grown.add(ref[300:], lab[300:])
-    assert grown.num_classes == 8 and grown.num_references == 400
+    # labels are identifiers (issue 28): the classes are the distinct labels, not 0 .. max(label)
+    assert grown.classes_.tolist() == [0, 1, 2, 3, 4, 7] and grown.num_references == 400
+    assert grown.num_classes == 6 and torch.equal(grown.predict_proba(q), full.predict_proba(q))
     if backend != "hnsw":  # the HNSW graph depends on insertion batches; compare outcomes only
         assert torch.equal(full.kneighbors(q)[1], grown.kneighbors(q)[1])
     assert torch.equal(full.predict(q), grown.predict(q))
@@ -477,9 +479,12 @@ def test_load_refuses_a_damaged_hnsw_graph(gen, tmp_path):
             KNNClassifier.load(bad)
 
 
-def test_version_1_exact_files_still_load(gen, tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_version_1_exact_files_still_load(gen, tmp_path, version):
     path, meta, arrays = _saved(gen, tmp_path, metric="l2")
-    old = _rewrite(tmp_path / "v1.npz", {**meta, "version": 1}, arrays)
+    # versions 1 and 2 stored the class ids themselves, and no 'classes' (labels 0..4: codes = ids)
+    legacy = {name: a for name, a in arrays.items() if name != "classes"}
+    old = _rewrite(tmp_path / f"v{version}.npz", {**meta, "version": version}, legacy)
     q = _data(gen, n=60, dtype=torch.float32)[2]
     assert torch.equal(KNNClassifier.load(old).predict(q), KNNClassifier.load(path).predict(q))
 
@@ -611,8 +616,8 @@ def test_bad_input_errors(gen):
         clf.fit(torch.where(ref > 2, math.nan, ref), lab)
     with pytest.raises(ValueError, match="all-zero row"):
         clf.fit(torch.cat([ref, torch.zeros(1, 12)]), torch.cat([lab, lab[:1]]))
-    with pytest.raises(ValueError, match="labels must be class ids >= 0"):
-        clf.fit(ref, lab - 1)
+    # negative integers are identifiers like any other (issue 28); floats are refused by name
+    assert clf.fit(ref, lab - 1).classes_.tolist() == sorted(set((lab - 1).tolist()))
     with pytest.raises(TypeError, match="labels must be an integer"):
         clf.fit(ref, lab.float())
     with pytest.raises(TypeError, match="model_fingerprint must be a str or an nn.Module"):

@@ -8,7 +8,10 @@ silent NaN. Each check returns the (converted) value, so a call site reads
   ``> 0`` / ``>= 0`` case), :func:`positive_int`, :func:`choice`;
 - tensors: :func:`float_tensor` (type, dims, optionally finite values), :func:`label_tensor`
   (integer ids: dtype, shape, range), :func:`same_batch`, :func:`cosine_tensor` /
-  :func:`cosine_range` (cosines in ``[-1, 1]`` from a full pass or from extremes at hand).
+  :func:`cosine_range` (cosines in ``[-1, 1]`` from a full pass or from extremes at hand);
+- arrays of data (metrics, K-NN): :func:`data_tensor` turns numpy arrays (and anything
+  ``numpy.asarray`` takes) into tensors, :func:`accepts_arrays` does it for a public function's
+  array arguments and returns numpy for numpy, scikit-learn style (:func:`to_caller`).
 
 Numerics run in float32 or better whatever the input dtype: :func:`compute_dtype` gives the
 working precision.
@@ -16,10 +19,14 @@ working precision.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 Reduction = str  # "mean" | "sum" | "none"
@@ -29,6 +36,16 @@ REDUCTIONS = ("mean", "sum", "none")
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Working precision for an input dtype: float64 stays, everything else is float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _has_data(x: torch.Tensor, name: str) -> None:
+    """Refuse a tensor on the ``meta`` device: it has a shape but no values to check or compute with."""
+    if x.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device (a shape without data), so its values cannot be checked or "
+            "used; create it on a real device (a module built on 'meta' needs .to_empty(device=...) "
+            "and its weights loaded)"
+        )
 
 
 def float_tensor(
@@ -48,6 +65,7 @@ def float_tensor(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _has_data(x, name)
     if not torch.is_floating_point(x):
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() < min_dim:
@@ -75,6 +93,7 @@ def label_tensor(
         raise TypeError(f"{name} must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
     if labels.dtype == torch.bool or torch.is_floating_point(labels) or torch.is_complex(labels):
         raise TypeError(f"{name} must be an integer tensor, got dtype {labels.dtype}")
+    _has_data(labels, name)
     if shape is not None:
         shape = tuple(shape)
         if tuple(labels.shape) != shape:
@@ -226,6 +245,7 @@ def mask_tensor(
     if not ok:
         expected = "a bool tensor or integer multiplicities" if counts else "a bool tensor"
         raise TypeError(f"{name} must be {expected}, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    _has_data(mask, name)
     try:
         torch.broadcast_shapes(mask.shape, target.shape)
     except RuntimeError as err:
@@ -245,3 +265,91 @@ def same_batch(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> No
             f"got {a_name} batch {a.shape[0] if a.dim() else '()'} and {b_name} batch "
             f"{b.shape[0] if b.dim() else '()'}"
         )
+
+
+# ------------------------------------------------------------------ arrays of data (numpy in)
+_DATA_KINDS = {"float": "fiu", "int": "iu", "bool": "biu"}
+
+
+def data_tensor(x: Any, name: str, kind: str = "float") -> torch.Tensor:
+    """``x`` as a tensor: a ``torch.Tensor`` as it is, anything ``numpy.asarray`` takes converted.
+
+    ``kind`` says what the argument holds: ``"float"`` (numbers; integers become float64, as
+    scikit-learn takes integer features), ``"int"`` (integer ids) or ``"bool"`` (flags, or 0/1
+    integers). A numpy array is shared, not copied, when it is contiguous and writable. Anything
+    else (strings, objects, complex numbers, ragged lists) is a ``TypeError`` naming ``name``.
+    """
+    if isinstance(x, torch.Tensor):
+        return x
+    expected = {"float": "numbers", "int": "integers", "bool": "bools or 0/1 integers"}[kind]
+    try:
+        array = np.asarray(x)
+    except (ValueError, TypeError) as exc:  # ragged nested lists, unconvertible objects
+        raise TypeError(f"{name} must be a tensor or an array of {expected}, got {type(x).__name__}") from exc
+    if array.dtype.kind not in _DATA_KINDS[kind]:
+        raise TypeError(f"{name} must be a tensor or an array of {expected}, got dtype {array.dtype}")
+    if array.dtype.kind == "u" and array.dtype.itemsize == 8 and array.size and int(array.max()) >= 2**63:
+        raise ValueError(f"{name} must fit in 64-bit integers, got values up to {int(array.max())}")
+    if kind == "float" and array.dtype.kind in "iu":
+        array = array.astype(np.float64)
+    elif array.dtype.kind == "u" and array.dtype != np.uint8:
+        array = array.astype(np.int64)  # (torch has no uint16/32/64 arithmetic to speak of)
+    if not array.flags.writeable:  # (torch warns on read-only memory; a copy is C-contiguous)
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def to_caller(result: Any, as_numpy: bool) -> Any:
+    """``result`` with its tensors (also inside a tuple or list) as numpy arrays when ``as_numpy``.
+
+    The convention of the array-taking public functions: numpy in, numpy out (scikit-learn's);
+    tensors in, tensors out. Tensors that are values of a returned dict are converted too; other
+    values (floats, figures, result objects such as a ``GallerySearch``) are unchanged.
+    """
+    if not as_numpy:
+        return result
+    if isinstance(result, torch.Tensor):
+        return result.detach().cpu().numpy()
+    if isinstance(result, (tuple, list)) and not hasattr(result, "_fields"):
+        return type(result)(to_caller(r, True) for r in result)
+    if isinstance(result, dict):  # (e.g. a curve's arrays)
+        return {k: to_caller(v, True) if isinstance(v, torch.Tensor) else v for k, v in result.items()}
+    return result
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def accepts_arrays(**kinds: str) -> Callable[[_F], _F]:
+    """Decorator: the named array arguments of a public function take numpy arrays too.
+
+    ``kinds`` maps argument names to :func:`data_tensor` kinds (``"labels"``: passed as they are,
+    the function reads them itself). Arguments given as something other than a tensor (or a
+    result object, a dataclass) are converted; when the first named argument was, the function's
+    tensors come back as numpy arrays (:func:`to_caller`).
+    """
+
+    def wrap(fn: _F) -> _F:
+        signature = inspect.signature(fn)
+        primary = next(iter(kinds))
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            values = bound.arguments
+            as_numpy = (
+                primary in values
+                and values[primary] is not None
+                and not isinstance(values[primary], torch.Tensor)
+            )
+            for name, kind in kinds.items():
+                value = values.get(name)
+                if value is None or kind == "labels" or isinstance(value, torch.Tensor):
+                    continue
+                if not dataclasses.is_dataclass(value):  # (a result object: the function reads it)
+                    values[name] = data_tensor(value, name, kind)
+            return to_caller(fn(*bound.args, **bound.kwargs), as_numpy)
+
+        return wrapper  # type: ignore[return-value]
+
+    return wrap

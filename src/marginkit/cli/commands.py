@@ -495,13 +495,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     with user_errors():
         knn = KNNClassifier.load(index, expected_fingerprint=run["fingerprint"])
     emb = embed(run["model"], x, batch_size=run["config"].eval_batch_size, device=args.device)
-    pred = knn.predict(emb).cpu().numpy()
+    pred = knn.predict(emb)
+    pred = pred.cpu().numpy() if isinstance(pred, torch.Tensor) else pred
     names = facts.get("class_names") or []
-    label_of = (lambda c: names[c]) if names else (lambda c: str(c))
-    counts = np.bincount(pred, minlength=max(1, facts["num_classes"]))
+
+    def label_of(c: Any) -> str:
+        return names[c] if isinstance(c, int) and 0 <= c < len(names) else str(c)
+
+    # the labels are identifiers (any integers or strings): counted by value, never by np.bincount
+    values, counts = np.unique(pred, return_counts=True)
     print(f"{len(pred)} predictions (K-NN over {args.run_dir}/knn_index.npz)")
     top = np.argsort(-counts, kind="stable")[:10]
-    print("most predicted: " + ", ".join(f"{label_of(int(c))} ({counts[c]})" for c in top if counts[c]))
+    print("most predicted: " + ", ".join(f"{label_of(values[i].item())} ({counts[i]})" for i in top))
     if y is not None:
         from marginkit.data.loaders import labels_array
 
@@ -522,7 +527,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             _write_output(out, lambda fh: fh.write(text.getvalue().encode("utf-8")))
         print(f"wrote {out}")
     else:
-        head = ", ".join(label_of(int(c)) for c in pred[:20])
+        head = ", ".join(label_of(c) for c in pred[:20].tolist())
         print(f"first predictions: {head}{' ...' if len(pred) > 20 else ''}")
     return 0
 

@@ -200,11 +200,19 @@ def _idx_size_error(where: str, shape: tuple[int, ...], expected: int, held: str
     )
 
 
+# Bytes decompressed per read into the IDX array (the only temporary besides the array itself).
+_IDX_CHUNK = 1 << 22
+
+
 def read_idx(path: Path, budget: InputBudget) -> np.ndarray:
     """Read one IDX file, gzipped or not, charging its declared size to ``budget`` before reading.
 
-    Gzip is decompressed as a stream: the header comes first, and no more than the declared
-    data (plus one byte, to detect trailing data) is ever decompressed, so a gzip bomb costs
+    The size decompressed is bounded before decompressing: the header comes first and declares
+    the data's size, which is charged to the input limit (:class:`~marginkit._files.InputBudget`,
+    the limit of the ``.npz`` reader, below ``RLIMIT_AS`` when the process has one); then the
+    gzip stream is decompressed in chunks into the one array of that size, and a single byte more
+    tells trailing data. Gzip's own size field (ISIZE, the length modulo 2**32, unchecked by
+    anything) is never trusted. A gzip bomb, or a header claiming more than the limit, costs
     nothing.
     """
     where, gzipped = str(path), False
@@ -219,12 +227,22 @@ def read_idx(path: Path, budget: InputBudget) -> np.ndarray:
             if not gzipped and path.stat().st_size - 4 - 4 * ndim != expected:
                 raise _idx_size_error(where, shape, expected, str(path.stat().st_size - 4 - 4 * ndim))
             budget.take(expected, f"{path.name} (IDX array {list(shape)})")
-            data = stream.read(expected + 1)
+            out = np.empty(expected, dtype=np.uint8)
+            view, filled = memoryview(out), 0
+            while filled < expected:
+                n = stream.readinto(view[filled : filled + _IDX_CHUNK])
+                if not n:
+                    break
+                filled += n
+            trailing = stream.read(1)
     except (OSError, EOFError, zlib.error) as exc:
         raise ValueError(f"{where}: {'corrupt gzip data' if gzipped else 'cannot read'} ({exc})") from exc
-    if len(data) != expected:
-        raise _idx_size_error(where, shape, expected, str(len(data)) if len(data) < expected else "more")
-    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    if filled != expected or trailing:
+        raise _idx_size_error(where, shape, expected, str(filled) if filled < expected else "more")
+    array = out.view(dtype).reshape(shape)
+    if dtype.itemsize > 1 and not dtype.isnative:  # in place: no second copy of the data
+        array = array.byteswap(inplace=True).view(dtype.newbyteorder("="))
+    return array
 
 
 def _find_idx(root: Path, prefix: str, what: str, rank: int) -> Path:

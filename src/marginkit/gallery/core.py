@@ -36,6 +36,7 @@ from torch import nn
 
 from marginkit.gallery.results import Candidate, Classification, Enrollment, Identification, Verification
 from marginkit.gallery.store import GalleryError, Store
+from marginkit.knn._search import prepare
 
 __all__ = ["Gallery", "UnknownIdentityError", "is_milvus"]
 
@@ -312,10 +313,7 @@ class Gallery:
             raise ValueError(f"{name} holds no sample")
         if not bool(torch.isfinite(emb).all()):
             raise ValueError(f"{name} contains NaN or infinite values")
-        norms = torch.linalg.vector_norm(emb, dim=1, keepdim=True)
-        if bool((norms == 0).any()):
-            raise ValueError(f"{name} has an all-zero embedding: its cosine is undefined")
-        return emb / norms, single
+        return prepare(emb, "cosine", name, torch.float32), single
 
     def _require_threshold(self) -> float:
         if self.threshold is None:
@@ -494,9 +492,13 @@ class Gallery:
         # incrementally, so its k is set here rather than at fit time).
         self._knn.k = min(self.k, len(self._owner))
         proba = self._knn.predict_proba(emb)
+        owner_of_column = self._knn.classes_  # identities with templates, by dense index
         names = self._names
         share, winner = proba.max(dim=1)
-        return [(names[w], float(s)) for w, s in zip(winner.tolist(), share.tolist(), strict=True)]
+        return [
+            (names[int(owner_of_column[w])], float(s))
+            for w, s in zip(winner.tolist(), share.tolist(), strict=True)
+        ]
 
     # ------------------------------------------------------------------ facts
     def __len__(self) -> int:

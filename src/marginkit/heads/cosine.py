@@ -35,7 +35,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from marginkit._validation import compute_dtype, float_tensor, positive_int, real
 from marginkit.ops.classes import ClassBlock, class_block
-from marginkit.ops.norms import robust_norm
+from marginkit.ops.norms import robust_norm, row_norms
 from marginkit.ops.subcenters import subcenter_cosines
 
 __all__ = [
@@ -66,7 +66,7 @@ class _CosineFn(torch.autograd.Function):
         e_norm = robust_norm(e)
         e_inv = e_norm.clamp_min(eps).reciprocal()
         e_hat = e * e_inv
-        w_norm = torch.linalg.vector_norm(w, dim=-1)
+        w_norm = row_norms(w)  # (vector_norm: inf for centres beyond 1.8e19 in float32)
         w_inv = w_norm.clamp_min(eps).reciprocal()
         cos = torch.matmul(e_hat, w.t()).mul_(w_inv)  # [..., C]; no normalised [C, D] copy
         ctx.save_for_backward(e_hat, e_inv, e_norm > eps, w, w_inv, w_norm > eps, cos)

@@ -410,7 +410,7 @@ class ShardedCosineHead(nn.Module):
 
 
 # ------------------------------------------------------------------------------- the output
-_LABEL_OK, _LABEL_NOT_TENSOR, _LABEL_NOT_INT, _LABEL_SHAPE = 0, 1, 2, 3
+_LABEL_OK, _LABEL_NOT_TENSOR, _LABEL_NOT_INT, _LABEL_SHAPE, _LABEL_META = 0, 1, 2, 3, 4
 Sampler = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
@@ -509,6 +509,8 @@ class ShardedCosines:
             status, shape = _LABEL_NOT_INT, tuple(labels.shape)
         elif tuple(labels.shape) != (n_local,):
             status, shape = _LABEL_SHAPE, tuple(labels.shape)
+        elif labels.device.type == "meta":
+            status = _LABEL_META
         if self.world_size == 1:
             _raise_label_status([(status, shape)], [n_local], labels)
             y = labels.to(device=device, dtype=torch.long)
@@ -591,6 +593,11 @@ def _raise_label_status(statuses: list[tuple[int, tuple[Any, ...]]], sizes: list
             raise ValueError(
                 f"labels{where} must have shape ({sizes[r]},) (one label per local embedding), "
                 f"got shape {shape}"
+            )
+        if status == _LABEL_META:
+            raise ValueError(
+                f"labels{where} is on the meta device (a shape without data), so its values cannot be "
+                "checked or used; create it on a real device"
             )
 
 

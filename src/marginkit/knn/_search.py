@@ -82,17 +82,25 @@ def check_metric(metric: object) -> str:
 def prepare(x: torch.Tensor, metric: str, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Cast to the working precision and L2-normalise rows for ``metric="cosine"``.
 
-    A zero row has no direction, so its cosine similarity is undefined: it is an error.
+    The one place where K-NN, the metrics and the gallery normalise rows for cosine similarity.
+    Each row is divided by its largest magnitude before its norm is taken: the squares of a row
+    of 1e30 overflow float32 (norm ``inf``, every cosine 0) and those of a row of 1e-30
+    underflow (norm 0), while cosine similarity does not depend on the scale. A zero row has no
+    direction, so its cosine similarity is undefined: it is an error.
     """
     x = x.to(dtype=dtype or compute_dtype(x.dtype))
     if metric == "cosine":
-        norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-        zero = norms == 0
+        if x.numel() == 0:
+            return x.contiguous()
+        low, high = torch.aminmax(x, dim=1, keepdim=True)
+        top = torch.maximum(high, low.neg())
+        zero = top == 0
         if bool(zero.any()):
             raise ValueError(
                 f"{name} has {int(zero.sum())} all-zero row(s): cosine similarity is undefined for them"
             )
-        x = x / norms
+        x = x / top  # (one copy, as the division by the norm was; normalised in place below)
+        x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True))
     return x.contiguous()
 
 

@@ -9,11 +9,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from marginkit._validation import choice, compute_dtype, positive_float, positive_int
+from marginkit._validation import choice, compute_dtype, data_tensor, positive_float, positive_int, to_caller
 from marginkit.knn._backends import ExactIndex, FaissFlatIndex, HNSWIndex, Index, import_faiss
-from marginkit.knn._search import check_embeddings, check_labels, check_metric, exact_search, prepare
+from marginkit.knn._search import check_embeddings, check_metric, exact_search, prepare
 from marginkit.knn.fingerprint import model_fingerprint as fingerprint_of
 from marginkit.knn.index_file import IndexFileError, check_hnsw_graph, fail, read_index, write_index
+from marginkit.knn.labels import Classes, Labels, check_label_values
 
 __all__ = ["BACKENDS", "WEIGHTS", "IndexFileError", "KNNClassifier", "vote_proba"]
 
@@ -25,6 +26,9 @@ def vote_proba(
     values: torch.Tensor, neighbour_labels: torch.Tensor, *, metric: str, weights: str, num_classes: int
 ) -> torch.Tensor:
     r"""Class votes of the ``k`` neighbours, normalised per row (``[N, k] -> [N, C]``).
+
+    ``neighbour_labels`` are codes ``0 .. num_classes - 1`` (a classifier's positions in its
+    ``classes_``, see :mod:`marginkit.knn.labels`).
 
     .. math::
         p_c(x) = \frac{\sum_{j \le k} w_j\,[y_j = c]}{\sum_{j \le k} w_j},\qquad
@@ -65,17 +69,26 @@ class KNNClassifier:
             :meth:`recall_at_k`). The FAISS backends need ``pip install 'marginkit[faiss]'``.
         memory_limit_mb: bound on the temporary memory of one exact search (the score matrix
             is computed in chunks under it). The FAISS backends use FAISS's own blocking.
-        num_classes: number of classes ``C`` (columns of :meth:`predict_proba`); default
-            ``max(label) + 1`` of the references, growing with :meth:`add`.
+        num_classes: declare the classes up front as ``0 .. num_classes - 1`` (columns of
+            :meth:`predict_proba` even for classes without a reference; other labels are an
+            error). Default ``None``: the classes are the distinct labels of the references,
+            growing with :meth:`add`.
         hnsw_m, hnsw_ef_construction, hnsw_ef_search: HNSW's ``M`` (graph degree),
             ``efConstruction`` (build beam) and ``efSearch`` (query beam, raised to ``k``
             when smaller); ``hnsw_ef_search`` can be changed after fitting.
 
+    Labels are identifiers, with scikit-learn's conventions (``KNeighborsClassifier``): any
+    integers (an id of 10**12 costs nothing) or strings; ``classes_`` holds the distinct labels
+    in sorted order, :meth:`predict_proba` has one column per entry of ``classes_`` in that
+    order, and :meth:`predict` returns the labels themselves. Integer labels come back as an
+    int64 tensor on the queries' device, string labels as a numpy ``str`` array (torch has no
+    strings).
+
     Tie-breaking (deterministic): neighbours are ordered by similarity (distance), and among
     equal computed values by increasing reference index, so of several tied candidates for
     the k-th place the lowest index wins (``exact`` and ``faiss``; ``hnsw`` is approximate and
-    only orders what it returns). A vote tie goes to the smallest class id (as
-    scikit-learn's ``mode``/``weighted_mode``).
+    only orders what it returns). A vote tie goes to the smallest label (the first column
+    of ``classes_``, as scikit-learn's ``mode``/``weighted_mode``).
 
     Precision: the ``exact`` backend works in float32 (float64 when fitted on float64
     embeddings); float16/bfloat16 inputs are upcast. FAISS works in float32.
@@ -87,6 +100,9 @@ class KNNClassifier:
         >>> clf = KNNClassifier(k=3).fit(ref, lab)
         >>> clf.predict(ref[:5]).shape, clf.predict_proba(ref[:5]).shape
         (torch.Size([5]), torch.Size([5, 4]))
+        >>> ids = KNNClassifier(k=1).fit(ref, lab * 10**12 + 7)  # identity ids
+        >>> ids.classes_.tolist(), ids.predict(ref[:2]).tolist()
+        ([7, 1000000000007, 2000000000007, 3000000000007], [7, 1000000000007])
     """
 
     def __init__(
@@ -107,14 +123,15 @@ class KNNClassifier:
         self.weights = choice(weights, "weights", WEIGHTS)
         self.backend = choice(backend, "backend", BACKENDS)
         self.memory_limit_mb = positive_float(memory_limit_mb, "memory_limit_mb")
-        self.num_classes = None if num_classes is None else positive_int(num_classes, "num_classes")
-        self._fixed_classes = num_classes is not None
+        self._classes: Classes | None = (
+            None if num_classes is None else Classes.fixed_range(positive_int(num_classes, "num_classes"))
+        )
         self.hnsw_m = positive_int(hnsw_m, "hnsw_m", minimum=2)
         self.hnsw_ef_construction = positive_int(hnsw_ef_construction, "hnsw_ef_construction")
         self._hnsw_ef_search = positive_int(hnsw_ef_search, "hnsw_ef_search")
         self.model_fingerprint: str | None = None
         self._index: Index | None = None
-        self._labels: torch.Tensor | None = None
+        self._codes: torch.Tensor | None = None  # per reference, its position in classes_
         self._dim: int | None = None
         if self.backend != "exact":
             import_faiss()  # fail at construction, naming the extra
@@ -152,17 +169,32 @@ class KNNClassifier:
             self._index.ef_search = self._hnsw_ef_search
 
     @property
-    def reference_labels(self) -> torch.Tensor:
-        return self._require_fitted()[1].clone()
+    def num_classes(self) -> int | None:
+        """Number of classes (columns of :meth:`predict_proba`); ``None`` before :meth:`fit`."""
+        return None if self._classes is None else len(self._classes)
+
+    @property
+    def classes_(self) -> np.ndarray:
+        """The classes in sorted order (int64 or ``str``), as scikit-learn's ``classes_``."""
+        if self._classes is None:
+            raise RuntimeError("this KNNClassifier is not fitted yet: call fit(embeddings, labels) first")
+        return self._classes.values.copy()
+
+    @property
+    def reference_labels(self) -> Labels:
+        """The references' labels (an int64 tensor, or a numpy ``str`` array)."""
+        _, codes = self._require_fitted()
+        assert self._classes is not None
+        return self._classes.decode(codes, as_numpy=False)
 
     def reference_embeddings(self) -> torch.Tensor:
         """A copy of the stored (prepared: working precision, normalised for cosine) references."""
         return self._require_fitted()[0].vectors().clone()
 
     def _require_fitted(self) -> tuple[Index, torch.Tensor]:
-        if self._index is None or self._labels is None:
+        if self._index is None or self._codes is None:
             raise RuntimeError("this KNNClassifier is not fitted yet: call fit(embeddings, labels) first")
-        return self._index, self._labels
+        return self._index, self._codes
 
     def _new_index(self, dim: int, dtype: torch.dtype, device: torch.device) -> Index:
         if self.backend == "exact":
@@ -171,21 +203,21 @@ class KNNClassifier:
             return FaissFlatIndex(self.metric, dim, self.memory_limit_bytes)
         return HNSWIndex(self.metric, dim, self.hnsw_m, self.hnsw_ef_construction, self._hnsw_ef_search)
 
-    def _check_new(self, embeddings: Any, labels: Any, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        check_embeddings(embeddings, "embeddings")
-        check_labels(labels, "labels", embeddings.shape[0], "embeddings")
+    def _check_new(
+        self, embeddings: Any, labels: Any, dim: int | None, classes: Classes
+    ) -> tuple[torch.Tensor, torch.Tensor, Classes, torch.Tensor | None]:
+        """Checked embeddings, the labels' codes in the classes ``classes`` grows to, and the
+        map of the old codes to the new ones (``None``: unchanged)."""
+        embeddings = check_embeddings(data_tensor(embeddings, "embeddings"), "embeddings")
+        values = check_label_values(labels, "labels", embeddings.shape[0], "embeddings")
         if dim is not None and embeddings.shape[1] != dim:
             raise ValueError(
                 f"embeddings have dimension {embeddings.shape[1]}, but the index holds "
                 f"{dim}-dimensional embeddings"
             )
-        if int(labels.min()) < 0:
-            raise ValueError(f"labels must be class ids >= 0, got minimum {int(labels.min())}")
-        if self._fixed_classes and int(labels.max()) >= self.num_classes:  # type: ignore[operator]
-            raise ValueError(
-                f"labels must lie in [0, num_classes={self.num_classes}), got maximum {int(labels.max())}"
-            )
-        return embeddings, labels.to(torch.long)
+        grown, remap = classes.merged(values, "labels")
+        codes, _ = grown.encode(values, "labels")
+        return embeddings, codes, grown, remap
 
     def _prepare_refs(self, embeddings: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(embeddings.dtype) if self.backend == "exact" else torch.float32
@@ -212,7 +244,8 @@ class KNNClassifier:
             raise TypeError(
                 f"model_fingerprint must be a str or an nn.Module, got {type(model_fingerprint).__name__}"
             )
-        embeddings, labels = self._check_new(embeddings, labels, None)
+        start = self._classes if self._classes is not None and self._classes.fixed else Classes(np.zeros(0))
+        embeddings, codes, classes, _ = self._check_new(embeddings, labels, None, start)
         if self.k > embeddings.shape[0]:
             raise ValueError(
                 f"k={self.k} exceeds the number of references ({embeddings.shape[0]}): lower k or fit on "
@@ -222,26 +255,31 @@ class KNNClassifier:
         index = self._new_index(prepared.shape[1], prepared.dtype, prepared.device)
         index.add(prepared)
         self._index, self._dim = index, prepared.shape[1]
-        self._labels = labels.to(prepared.device if self.backend == "exact" else "cpu")
-        if not self._fixed_classes:
-            self.num_classes = int(labels.max()) + 1
+        self._codes = codes.to(prepared.device if self.backend == "exact" else "cpu")
+        self._classes = classes
         self.model_fingerprint = model_fingerprint
         return self
 
-    def add(self, embeddings: torch.Tensor, labels: torch.Tensor) -> KNNClassifier:
-        """Append references (and possibly new classes) without rebuilding the index."""
+    def add(self, embeddings: torch.Tensor, labels: Any) -> KNNClassifier:
+        """Append references (and possibly new classes) without rebuilding the index.
+
+        New classes take their place in the sorted ``classes_`` (the columns of
+        :meth:`predict_proba` follow).
+        """
         index, old = self._require_fitted()
-        embeddings, labels = self._check_new(embeddings, labels, self._dim)
+        assert self._classes is not None
+        embeddings, codes, classes, remap = self._check_new(embeddings, labels, self._dim, self._classes)
         index.add(self._prepare_refs(embeddings))
-        self._labels = torch.cat([old, labels.to(old.device)])
-        if not self._fixed_classes:
-            self.num_classes = max(int(self.num_classes or 0), int(labels.max()) + 1)
+        if remap is not None:
+            old = remap.to(old.device)[old]
+        self._codes = torch.cat([old, codes.to(old.device)])
+        self._classes = classes
         return self
 
     # ------------------------------------------------------------------ queries
     def _check_queries(self, x: Any, k: int | None) -> tuple[torch.Tensor, int]:
         index, _ = self._require_fitted()
-        check_embeddings(x, "x")
+        x = check_embeddings(data_tensor(x, "x"), "x")
         if x.shape[1] != self._dim:
             raise ValueError(
                 f"x has dimension {x.shape[1]}, but the index holds {self._dim}-dimensional embeddings"
@@ -254,37 +292,55 @@ class KNNClassifier:
     def kneighbors(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` nearest references of each row of ``x`` ``[Q, D]``.
 
-        Returns ``(values, indices)``, both ``[Q, k]`` on ``x``'s device: cosine similarities
-        in decreasing order (``metric="cosine"``) or Euclidean distances in increasing order
-        (``"l2"``), and reference indices; equal values are ordered by increasing index.
+        Returns ``(values, indices)``, both ``[Q, k]`` on ``x``'s device (numpy arrays for a
+        numpy ``x``): cosine similarities in decreasing order (``metric="cosine"``) or Euclidean
+        distances in increasing order (``"l2"``), and reference indices; equal values are
+        ordered by increasing index.
         """
+        as_numpy = not isinstance(x, torch.Tensor)
         x, k = self._check_queries(x, k)
         values, indices = self._require_fitted()[0].search(x.detach(), k)
-        return values.to(x.device), indices.to(x.device)
+        return to_caller((values.to(x.device), indices.to(x.device)), as_numpy)
 
     def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
-        """Vote shares ``[Q, C]`` (rows sum to 1), see :func:`vote_proba`."""
+        """Vote shares ``[Q, C]`` (rows sum to 1), a column per entry of ``classes_`` (:func:`vote_proba`).
+
+        A numpy array for a numpy ``x``.
+        """
+        as_numpy = not isinstance(x, torch.Tensor)
         x, k = self._check_queries(x, None)
-        index, labels = self._require_fitted()
+        index, codes = self._require_fitted()
         values, indices = index.search(x.detach(), k)
         proba = vote_proba(
             values,
-            labels[indices.to(labels.device)].to(values.device),
+            codes[indices.to(codes.device)].to(values.device),
             metric=self.metric,
             weights=self.weights,
             num_classes=int(self.num_classes),  # type: ignore[arg-type]
         )
-        return proba.to(x.device)
+        return to_caller(proba.to(x.device), as_numpy)
 
-    def predict(self, x: torch.Tensor) -> torch.Tensor:
-        """Predicted class ids ``[Q]`` (int64): the largest vote, ties to the smallest class id."""
-        return self.predict_proba(x).argmax(dim=1)
+    def predict(self, x: torch.Tensor) -> Labels:
+        """Predicted labels ``[Q]``: the largest vote, ties to the smallest label.
 
-    def score(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Accuracy of :meth:`predict` on ``(x, y)``."""
-        check_embeddings(x, "x")
-        check_labels(y, "y", x.shape[0], "x")
-        return float((self.predict(x) == y.to(x.device)).to(torch.float64).mean())
+        An int64 tensor on ``x``'s device for integer labels, a numpy ``str`` array for strings;
+        a numpy array whenever ``x`` is one (scikit-learn's convention).
+        """
+        as_numpy = not isinstance(x, torch.Tensor)
+        x = data_tensor(x, "x")
+        proba = self.predict_proba(x)
+        assert self._classes is not None
+        return self._classes.decode(proba.argmax(dim=1), as_numpy=as_numpy)
+
+    def score(self, x: torch.Tensor, y: Any) -> float:
+        """Accuracy of :meth:`predict` on ``(x, y)`` (a label outside ``classes_`` counts as an error)."""
+        x = check_embeddings(data_tensor(x, "x"), "x")
+        values = check_label_values(y, "y", x.shape[0], "x")
+        proba = self.predict_proba(x)
+        assert self._classes is not None
+        codes, known = self._classes.encode(values, "y")
+        hits = known.to(proba.device) & (proba.argmax(dim=1) == codes.to(proba.device))
+        return float(hits.to(torch.float64).mean())
 
     def recall_at_k(self, x: torch.Tensor, k: int | None = None) -> float:
         r"""Recall@k of this backend's neighbours against exact search (for ``hnsw``).
@@ -318,17 +374,20 @@ class KNNClassifier:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the index to ``path`` as one ``.npz`` file, no pickle (:mod:`~marginkit.knn.index_file`).
 
-        Arrays: ``labels``, ``embeddings`` (the prepared references), for ``hnsw`` the graph as
-        plain arrays, and ``metadata``, a JSON string: format version, hyper-parameters,
-        dimension, metric, normalisation, number of references and the model fingerprint.
+        Arrays: ``classes`` (sorted int64 or unicode labels), ``labels`` (each reference's code,
+        its position in ``classes``), ``embeddings`` (the prepared references), for ``hnsw`` the
+        graph as plain arrays, and ``metadata``, a JSON string: format version,
+        hyper-parameters, dimension, metric, normalisation, number of references and the model
+        fingerprint.
         """
-        index, labels = self._require_fitted()
+        index, codes = self._require_fitted()
+        assert self._classes is not None
         hnsw: dict[str, Any] = {
             "m": self.hnsw_m,
             "ef_construction": self.hnsw_ef_construction,
             "ef_search": self._hnsw_ef_search,
         }
-        arrays = {"labels": labels.cpu().numpy(), **index.state()}
+        arrays = {"labels": codes.cpu().numpy(), "classes": self._classes.values, **index.state()}
         if isinstance(index, HNSWIndex):
             hnsw.update(index.graph()[1])
         meta = {
@@ -339,7 +398,7 @@ class KNNClassifier:
             "backend": self.backend,
             "memory_limit_mb": self.memory_limit_mb,
             "num_classes": self.num_classes,
-            "fixed_num_classes": self._fixed_classes,
+            "fixed_num_classes": self._classes.fixed,
             "hnsw": hnsw,
             "dimension": self._dim,
             "dtype": str(index.dtype).removeprefix("torch."),
@@ -361,7 +420,9 @@ class KNNClassifier:
         Every array header is checked against the file before anything is read (bounded by
         ``$MARGINKIT_MAX_INPUT_MB``), then every metadata value and array (dtypes, shapes,
         finite and — for ``cosine`` — unit-norm references, labels within ``num_classes``,
-        the HNSW graph's node ids): any problem raises :class:`IndexFileError` naming the
+        the HNSW graph's node ids; an index saved before labels were identifiers has
+        ``classes_`` = its distinct labels, or ``0 .. num_classes - 1`` when those were fixed):
+        any problem raises :class:`IndexFileError` naming the
         file. With ``expected_fingerprint`` (a string or the embedding model itself) loading
         fails unless the index was saved with the same model fingerprint: embeddings from
         another model version live in another space, and mixing them silently degrades
@@ -396,8 +457,10 @@ class KNNClassifier:
             index.set_graph(vectors, arrays, hnsw["entry_point"], hnsw["max_level"])
         else:
             index.add(torch.from_numpy(vectors))
-        labels = torch.from_numpy(arrays["labels"].astype(np.int64))
-        clf._index, clf._dim, clf.num_classes = index, dim, meta["num_classes"]
-        clf._labels = labels.to(device or "cpu") if clf.backend == "exact" else labels
+        classes = arrays["classes"]
+        codes = torch.from_numpy(arrays["labels"].astype(np.int64))  # (read_index: codes in every version)
+        clf._index, clf._dim = index, dim
+        clf._classes = Classes(classes, fixed=meta["fixed_num_classes"])
+        clf._codes = codes.to(device or "cpu") if clf.backend == "exact" else codes
         clf.model_fingerprint = stored
         return clf

@@ -4,7 +4,8 @@ One ``.npz`` (no pickle) with arrays
 
 - ``metadata`` — a JSON object: format and version, hyper-parameters, dimension, dtype,
   number of references, model fingerprint (and, for ``hnsw``, the graph's entry point);
-- ``labels`` — ``[N]`` integer class ids;
+- ``classes`` — ``[C]`` the sorted distinct labels (int64, or unicode strings);
+- ``labels`` — ``[N]`` each reference's code, its position in ``classes``;
 - ``embeddings`` — ``[N, D]`` prepared references (L2-normalised for ``cosine``);
 - ``hnsw_levels``, ``hnsw_offsets``, ``hnsw_neighbors`` — the HNSW graph as plain arrays
   (``hnsw`` backend only), so that it is checked here instead of deserialised by FAISS.
@@ -14,6 +15,10 @@ memory limit before reading it (:func:`marginkit._files.read_npz_arrays`), then 
 of the metadata and every array against what :meth:`KNNClassifier.fit` would have stored.
 Each problem raises :class:`IndexFileError` naming the file; nothing damaged reaches FAISS
 or a prediction.
+
+Versions: 3 stores ``classes`` and codes; 1 and 2 stored the labels themselves (integer class
+ids); :func:`read_index` returns every version in version 3's terms, with ``classes`` the
+distinct labels (``0 .. num_classes - 1`` when those were fixed).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from marginkit._files import read_npz_arrays
 __all__ = ["FORMAT", "VERSION", "IndexFileError", "check_hnsw_graph", "fail", "read_index", "write_index"]
 
 FORMAT = "marginkit.knn.KNNClassifier"
-VERSION = 2  # 2: the HNSW graph as arrays (1 stored a FAISS blob)
+VERSION = 3  # 3: classes + codes (labels as identifiers); 2: the HNSW graph as arrays (1: a FAISS blob)
 _METADATA_MAX_CHARS = 1 << 20
 _GRAPH = ("hnsw_levels", "hnsw_offsets", "hnsw_neighbors")
 
@@ -63,10 +68,10 @@ def _check_metadata(meta: Any, names: set[str]) -> dict[str, Any]:
     """Types and ranges of every metadata value (the classifier then checks them as on fit)."""
     if not isinstance(meta, dict):
         raise ValueError(f"metadata must be a JSON object, got {type(meta).__name__}")
-    if meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, 2, VERSION):
         raise ValueError(
             f"has format {meta.get('format')!r} version {meta.get('version')!r}; "
-            f"expected {FORMAT!r} version {VERSION} (or 1)"
+            f"expected {FORMAT!r} version {VERSION} (or 1, 2)"
         )
     required = {
         "k", "metric", "normalization", "weights", "backend", "memory_limit_mb", "num_classes",
@@ -99,7 +104,7 @@ def _check_metadata(meta: Any, names: set[str]) -> dict[str, Any]:
         raise ValueError(f"metadata 'hnsw' must be an object, got {meta['hnsw']!r}")
     for key in ("m", "ef_construction", "ef_search"):
         _int(meta["hnsw"], key, 1)
-    expected = {"labels", "embeddings"}
+    expected = {"labels", "embeddings"} | ({"classes"} if meta["version"] >= 3 else set())
     if meta["backend"] == "hnsw":
         if meta["version"] == 1:
             raise ValueError(
@@ -110,22 +115,53 @@ def _check_metadata(meta: Any, names: set[str]) -> dict[str, Any]:
         _int(meta["hnsw"], "entry_point", 0, n - 1)
         _int(meta["hnsw"], "max_level", 0)
     if names != expected:
+        missing, extra = sorted(expected - names), sorted(names - expected)
+        problem = "; ".join(
+            [f"lacks {', '.join(map(repr, missing))}"] * bool(missing)
+            + [f"has unexpected {', '.join(map(repr, extra))}"] * bool(extra)
+        )
+        graph = " (the HNSW graph)" if set(missing) & set(_GRAPH) else ""
         raise ValueError(
-            f"holds arrays {sorted(names)}, but a {meta['backend']!r} index has exactly {sorted(expected)}"
+            f"holds arrays {sorted(names)}, but a version-{meta['version']} {meta['backend']!r} index has "
+            f"exactly {sorted(expected)}: {problem}{graph}"
         )
     return meta
+
+
+def _check_classes(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Version 3's ``classes`` (sorted distinct labels) and codes; older versions converted to them."""
+    labels, num_classes = arrays["labels"], meta["num_classes"]
+    if meta["version"] < 3:  # the labels were class ids 0 .. num_classes - 1
+        classes = np.arange(num_classes, dtype=np.int64) if meta["fixed_num_classes"] else np.unique(labels)
+        arrays["classes"] = classes.astype(np.int64)
+        arrays["labels"] = np.searchsorted(arrays["classes"], labels).astype(np.int64)
+        return
+    classes = arrays["classes"]
+    if classes.dtype.kind not in "iU" or classes.shape != (num_classes,):
+        raise ValueError(
+            f"'classes' must be {num_classes} integers or strings, got {classes.dtype} {list(classes.shape)}"
+        )
+    if classes.dtype.kind == "i":
+        arrays["classes"] = classes = classes.astype(np.int64)
+    if num_classes > 1 and not bool((classes[1:] > classes[:-1]).all()):
+        raise ValueError("'classes' must be sorted and distinct")
+    used = np.unique(labels).size
+    if not meta["fixed_num_classes"] and used != num_classes:
+        raise ValueError(f"'classes' holds {num_classes} classes, but the references use {used}")
 
 
 def _check_arrays(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
     n, dim, num_classes = meta["num_references"], meta["dimension"], meta["num_classes"]
     labels = arrays["labels"]
+    what = "" if meta["version"] < 3 else " (positions in 'classes')"
     if labels.dtype.kind not in "iu" or labels.shape != (n,):
-        raise ValueError(f"'labels' must be {n} integers, got {labels.dtype} {list(labels.shape)}")
+        raise ValueError(f"'labels' must be {n} integers{what}, got {labels.dtype} {list(labels.shape)}")
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= num_classes:
         raise ValueError(f"'labels' must lie in [0, num_classes={num_classes}), got values in [{lo}, {hi}]")
     if not meta["fixed_num_classes"] and num_classes != hi + 1:
         raise ValueError(f"'num_classes' is {num_classes} but the largest label is {hi}")
+    _check_classes(meta, arrays)
     x = arrays["embeddings"]
     _expect("embeddings", x, np.dtype(meta["dtype"]).type, (n, dim))
     with np.errstate(over="ignore", invalid="ignore"):

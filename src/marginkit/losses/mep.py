@@ -41,7 +41,8 @@ class MEPLoss(nn.Module):
         - target: integer labels ``(B,)`` (one positive per row) or a bool mask ``(B, C)``
           (multi-label; any number of positives per row).
         - output: scalar, or ``(B,)`` with ``reduction="none"``; float32 (float64 for
-          float64 scores) whatever the input precision.
+          float64 scores) whatever the input precision. A value beyond that range (scores of
+          1e19 in float32) is refused with a ``ValueError``, never returned as ``inf``.
 
     Example:
         >>> import torch
@@ -74,6 +75,13 @@ class MEPLoss(nn.Module):
             # the target in the working precision (float16 inputs are not rounded twice)
             projected = project(x.detach(), target, self.margin, self.norm, positives_name="target")
         per_row = (x - projected).square().sum(-1)
+        if per_row.numel() and not bool(torch.isfinite(per_row.detach()).all()):
+            top = float(x.detach().abs().max())
+            raise ValueError(
+                f"MEPLoss overflows {str(x.dtype).removeprefix('torch.')}: the squared distance of the "
+                f"scores (|value| up to {top:.3g}) to their projection exceeds its range; scale the "
+                "scores and the margin down, or pass float64 scores"
+            )
         return reduce(per_row, self.reduction)
 
     def extra_repr(self) -> str:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from marginkit._validation import REDUCTIONS, choice
 from marginkit.losses.pair_loss import PairLoss
 from marginkit.losses.triplet import _sq_dist
+from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import (
     COLLAPSE_TOL,
     PairBatch,
@@ -30,6 +30,8 @@ from marginkit.ops.pairs import (
     pair_masks_from_indices,
     read_flags,
     report_checks,
+    too_small_error,
+    underflow_flag,
 )
 
 
@@ -91,9 +93,10 @@ class PairMatrixLoss(PairLoss):
             matrix = cosine_similarity_matrix(x, y)
             scale: torch.Tensor | float = 1.0
         else:
-            if normalize:
-                x = F.normalize(x, dim=-1)
-                y = x if batch.self_ref else F.normalize(y, dim=-1)
+            if normalize:  # (unit_rows: F.normalize overflows at 1e20 in float32, and its eps
+                # leaves rows of norm below 1e-12 unnormalised)
+                x = unit_rows(x)
+                y = x if batch.self_ref else unit_rows(y)
             matrix = distance_matrix(x, y, distance)
             scale = 1.0 if (normalize or distance == "cosine") else max_sq_norm(x, y)
         if indices is None:
@@ -107,15 +110,20 @@ class PairMatrixLoss(PairLoss):
             m = matrix.detach()
             extreme = m.amin() if distance is None else m.amax()
             widest = 2.0 - 2.0 * extreme if distance is None else _sq_dist(extreme, distance)
+            raw = distance is not None and distance != "cosine" and not normalize
             checks = [
                 ~torch.isfinite(extreme),
                 (widest <= COLLAPSE_TOL**2 * scale) & (m.numel() > 1 or not batch.self_ref),
+                underflow_flag(x, y) if raw else torch.zeros((), dtype=torch.bool, device=m.device),
             ]
             if indices is None:
                 checks.append(pos.count_nonzero() == 0)
             else:
                 checks += [*flags, ((pos != 0) & (neg != 0)).any()]
-            nonfinite, collapsed, *rest = torch.stack(checks).tolist()
+            nonfinite, collapsed, small, *rest = torch.stack(checks).tolist()
+            if small and not nonfinite:
+                assert distance is not None
+                raise too_small_error(x, y, distance)
             if nonfinite:  # the error path may synchronise again, to say which
                 if read_flags(nonfinite_flag(batch.x, batch.y))[0]:
                     raise ValueError("embeddings (or ref_embeddings) contain NaN or infinite values")

@@ -38,6 +38,8 @@ from marginkit.ops.pairs import (
     read_flags,
     report_checks,
     rowwise_distance,
+    too_small_error,
+    underflow_flag,
 )
 
 MINING = ("batch_hard", "batch_all", "semi_hard")
@@ -163,6 +165,12 @@ class _TripletBase(PairLoss):
     def _scale(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
         return 1.0 if (self.normalize or self.distance == "cosine") else max_sq_norm(x, y)
 
+    def _underflow(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Raw Euclidean distances of embeddings too small for their squares (:func:`underflow_flag`)."""
+        if self.normalize or self.distance == "cosine":
+            return torch.zeros((), dtype=torch.bool, device=x.device)
+        return underflow_flag(x, y)
+
     def _finish(
         self,
         per_unit: torch.Tensor,
@@ -197,7 +205,11 @@ class _TripletBase(PairLoss):
                     _sq_dist(d_ap.detach(), self.distance), _sq_dist(d_an.detach(), self.distance)
                 )
                 collapsed = collapsed_flag(sq[None], self._scale(x, y), False)
-            nonfinite, bad, collapsed_ = read_flags(nonfinite_flag(batch.x, batch.y), out_of_range, collapsed)
+            nonfinite, bad, collapsed_, small = read_flags(
+                nonfinite_flag(batch.x, batch.y), out_of_range, collapsed, self._underflow(x, y)
+            )
+            if small and not nonfinite:
+                raise too_small_error(x, y, self.distance)
             if bad:
                 raise ValueError(
                     f"indices out of range: anchors must lie in [0, {x.shape[0]}) and positives/negatives "
@@ -221,13 +233,16 @@ class _TripletBase(PairLoss):
         """The one host sync of a forward: NaN check, warnings, and ``extra`` integers."""
         if not self.validate:
             return read_flags(*extra) if extra else []
-        nonfinite, overflow, no_pos, collapsed, *rest = read_flags(
+        nonfinite, overflow, small, no_pos, collapsed, *rest = read_flags(
             nonfinite_flag(batch.x, batch.y),
             nonfinite_flag(dist),
+            self._underflow(x, y),
             ~pos.any(),
             collapsed_flag(_sq_dist(dist.detach(), self.distance), self._scale(x, y), batch.self_ref),
             *extra,
         )
+        if small and not nonfinite:
+            raise too_small_error(x, y, self.distance)
         report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed)
         if overflow:  # finite embeddings whose squared distances exceed the dtype (|e| ≳ 1e19 in float32)
             top = float(torch.maximum(batch.x.detach().abs().max(), batch.y.detach().abs().max()))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from marginkit._validation import float_tensor, positive_float
+from marginkit._validation import accepts_arrays, data_tensor, float_tensor, positive_float, to_caller
 from marginkit.metrics._roc import Side, check_pairs, sides, sort_values, threshold_at_rate
 
 _CHUNK = 1 << 20  # scores per pass of the Newton sums (bounds the float64 temporaries)
@@ -74,9 +74,11 @@ class Calibration:
     impostor_scores: torch.Tensor = field(repr=False)  # sorted ascending
 
     def llr(self, scores: torch.Tensor) -> torch.Tensor:
-        """``slope * scores + offset`` in float64."""
+        """``slope * scores + offset`` in float64 (a numpy array for numpy ``scores``)."""
+        as_numpy = not isinstance(scores, torch.Tensor)
+        scores = data_tensor(scores, "scores")
         float_tensor(scores, "scores", min_dim=0)
-        return scores.detach().to(torch.float64) * self.slope + self.offset
+        return to_caller(scores.detach().to(torch.float64) * self.slope + self.offset, as_numpy)
 
     def score_at_llr(self, llr: float) -> float:
         """The raw score mapped to ``llr`` (e.g. to :func:`bayes_threshold`)."""
@@ -119,6 +121,7 @@ def _newton_sums(
     return loss, (grad if with_grad else None), (hess if with_grad else None)
 
 
+@accepts_arrays(scores="float", is_genuine="bool")
 def calibrate(scores: torch.Tensor, is_genuine: torch.Tensor, *, prior: float = 0.5) -> Calibration:
     r"""Fit ``llr = a s + b`` by prior-weighted logistic regression (see the module docstring).
 
@@ -180,6 +183,7 @@ def _check_llr(llr: object, is_genuine: object) -> tuple[torch.Tensor, torch.Ten
     return llr.detach().to(torch.float64), is_genuine
 
 
+@accepts_arrays(llr="float", is_genuine="bool")
 def cllr(llr: torch.Tensor, is_genuine: torch.Tensor) -> float:
     r"""Log-likelihood-ratio cost :math:`C_\text{llr}` in bits (module docstring); finite llrs.
 
@@ -228,6 +232,7 @@ def _lower_hull(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return hull
 
 
+@accepts_arrays(scores="float", is_genuine="bool")
 def min_cllr(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     r"""Cllr after the optimal monotone transform of ``scores`` (PAV), in bits.
 
@@ -259,6 +264,7 @@ def min_cllr(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     return float((gen_cost.sum() + imp_cost.sum()) / 2)
 
 
+@accepts_arrays(llr="float", is_genuine="bool")
 def actual_dcf(
     llr: torch.Tensor,
     is_genuine: torch.Tensor,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from marginkit._validation import label_tensor, positive_float, positive_int
-from marginkit.knn._search import check_embeddings, check_labels, check_metric, exact_search, prepare
+from marginkit._validation import accepts_arrays, label_tensor, positive_float, positive_int
+from marginkit.knn._search import check_embeddings, check_metric, exact_search, prepare
 from marginkit.knn.classifier import KNNClassifier, vote_proba
+from marginkit.knn.labels import Classes, check_label_values
 
 
+@accepts_arrays(pred="int", target="int")
 def per_class_recall(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:
     r"""Recall of each class, ``#{pred = c, target = c} / #{target = c}`` (float64 ``[C]``).
 
@@ -31,6 +34,7 @@ def per_class_recall(pred: torch.Tensor, target: torch.Tensor, num_classes: int)
     return torch.where(support > 0, correct / support.clamp_min(1), torch.nan)
 
 
+@accepts_arrays(query="float", query_labels="labels", reference="float", reference_labels="labels")
 def knn_accuracy(
     query: torch.Tensor,
     query_labels: torch.Tensor,
@@ -63,20 +67,20 @@ def knn_accuracy(
         return clf.score(query, query_labels)
 
     check_embeddings(query, "query")
-    check_labels(query_labels, "query_labels", query.shape[0], "query")
+    values = check_label_values(query_labels, "query_labels", query.shape[0], "query")
     metric = check_metric(metric)
     KNNClassifier(k, metric, weights, backend)  # validates k, weights and backend
     if backend != "exact":
         raise ValueError("leave-one-out (reference=None) needs backend='exact'")
     if k > query.shape[0] - 1:
         raise ValueError(f"k={k} exceeds the {query.shape[0] - 1} other queries available (leave-one-out)")
-    if int(query_labels.min()) < 0:
-        raise ValueError(f"query_labels must be class ids >= 0, got minimum {int(query_labels.min())}")
     refs = prepare(query.detach(), metric, "query")
     limit = int(positive_float(memory_limit_mb, "memory_limit_mb") * 2**20)
-    values, idx = exact_search(
+    scores, idx = exact_search(
         query.detach(), refs, k, metric=metric, memory_limit_bytes=limit, self_offset=0
     )
-    labels = query_labels.to(refs.device)
-    proba = vote_proba(values, labels[idx], metric=metric, weights=weights, num_classes=int(labels.max()) + 1)
+    # labels are identifiers: votes run on their codes (positions among the distinct labels)
+    classes, _ = Classes(np.zeros(0)).merged(values, "query_labels")
+    labels = classes.encode(values, "query_labels")[0].to(refs.device)
+    proba = vote_proba(scores, labels[idx], metric=metric, weights=weights, num_classes=len(classes))
     return float((proba.argmax(dim=1) == labels).to(torch.float64).mean())

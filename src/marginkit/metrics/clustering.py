@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from marginkit._validation import positive_int
+from marginkit._validation import accepts_arrays, positive_int
 from marginkit.knn._search import check_embeddings, check_labels, check_metric, prepare
 
 __all__ = ["clustering_metrics"]
@@ -31,6 +31,7 @@ def _sklearn() -> Any:
     return sklearn
 
 
+@accepts_arrays(embeddings="float", labels="int")
 def clustering_metrics(
     embeddings: torch.Tensor,
     labels: torch.Tensor,

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import positive_int
+from marginkit._validation import accepts_arrays, positive_int
 from marginkit.metrics._roc import Side, check_pairs, rates_at, sides
 
 
+@accepts_arrays(p="float")
 def normal_deviate(p: torch.Tensor) -> torch.Tensor:
     r"""The standard normal quantile :math:`\Phi^{-1}(p)` in float64 (``-inf`` at 0, ``+inf`` at 1).
 
@@ -59,6 +60,7 @@ def det_points(genuine: Side, impostor: Side, num_points: int | None) -> dict[st
     return {"threshold": t.to(torch.float64), "p_fa": far, "p_miss": frr}
 
 
+@accepts_arrays(scores="float", is_genuine="bool")
 def det_curve(
     scores: torch.Tensor, is_genuine: torch.Tensor, *, num_points: int | None = 200
 ) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from marginkit._validation import compute_dtype, positive_float, positive_int
+from marginkit._validation import accepts_arrays, compute_dtype, positive_float, positive_int
 from marginkit.knn._search import check_embeddings, check_labels, check_metric, prepare
 from marginkit.metrics._roc import Side, rates_at_targets, sort_values
 from marginkit.metrics.curves import det_points
@@ -120,6 +120,7 @@ class GallerySearch:
         }
 
 
+@accepts_arrays(probe_emb="float", probe_labels="int", gallery_emb="float", gallery_labels="int")
 def search_gallery(
     probe_emb: torch.Tensor,
     probe_labels: torch.Tensor,
@@ -192,6 +193,7 @@ def search_gallery(
     return GallerySearch(mated, rank, own, top, n_labels, metric)
 
 
+@accepts_arrays(probe_emb="float", probe_labels="int", gallery_emb="float", gallery_labels="int")
 def identification_metrics(
     probe_emb: torch.Tensor,
     probe_labels: torch.Tensor,

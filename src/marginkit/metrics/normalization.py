@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from marginkit._validation import (
+    accepts_arrays,
     choice,
     compute_dtype,
     float_tensor,
@@ -283,6 +284,7 @@ def _stats_from_scores(scores: object, name: str, top_k: int | None, budget: int
     return CohortStats(mean, std, top_k, c)
 
 
+@accepts_arrays(embeddings="float", cohort="float")
 def cohort_stats(
     embeddings: torch.Tensor,
     cohort: torch.Tensor,
@@ -408,6 +410,7 @@ def _check_trials(trials: object, num: int) -> torch.Tensor:
     return trials
 
 
+@accepts_arrays(scores="float", enroll_cohort="float", test_cohort="float", trials="int")
 def normalize_scores(
     scores: torch.Tensor,
     enroll_cohort: torch.Tensor | CohortStats | None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from marginkit._validation import label_tensor, positive_float, positive_int
+from marginkit._validation import accepts_arrays, label_tensor, positive_float, positive_int
 
 
 def _check(labels: object, seed: object) -> torch.Tensor:
@@ -34,6 +34,7 @@ def _shuffled_within_subjects(
     return subjects, counts, order, subject, position
 
 
+@accepts_arrays(labels="int")
 def open_set_split(
     labels: torch.Tensor, *, enrolled_fraction: float = 0.5, gallery_per_subject: int = 1, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +79,7 @@ def open_set_split(
     return torch.sort(order[in_gallery]).values, torch.sort(order[~in_gallery]).values
 
 
+@accepts_arrays(labels="int")
 def random_templates(labels: torch.Tensor, *, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Group each subject's samples, in a seeded random order, into templates of ``size`` samples.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from marginkit._validation import compute_dtype, label_tensor, positive_float, positive_int
+from marginkit._validation import accepts_arrays, compute_dtype, label_tensor, positive_float, positive_int
 from marginkit.knn._search import (
     check_embeddings,
     check_labels,
@@ -131,6 +131,14 @@ def _unpack(values: list[float], wanted: tuple[str, ...], ks: tuple[int, ...]) -
     return out
 
 
+@accepts_arrays(
+    query="float",
+    query_labels="int",
+    reference="float",
+    reference_labels="int",
+    query_ids="int",
+    reference_ids="int",
+)
 def retrieval_metrics(
     query: torch.Tensor,
     query_labels: torch.Tensor,

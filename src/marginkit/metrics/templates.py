@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from marginkit._validation import accepts_arrays
 from marginkit.knn._search import check_embeddings, check_labels, prepare
 
 
+@accepts_arrays(emb="float", template_ids="int", media_ids="int")
 def template_features(
     emb: torch.Tensor, template_ids: torch.Tensor, media_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +57,10 @@ def template_features(
         medium_mean = medium_sum / counts[:, None].to(x.dtype)
         medium_template = codes // num_media
     pooled = x.new_zeros(ids.numel(), x.shape[1]).index_add_(0, medium_template, medium_mean)
-    norms = torch.linalg.vector_norm(pooled, dim=1, keepdim=True)
-    zero = (norms[:, 0] == 0).nonzero()
+    zero = (pooled == 0).all(dim=1).nonzero()
     if zero.numel():
         raise ValueError(
             f"template {int(ids[zero[0, 0]])}: its media features cancel out (zero sum), so it has no "
             "direction; check template_ids / media_ids"
         )
-    return ids, pooled / norms
+    return ids, prepare(pooled, "cosine", "templates", pooled.dtype)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from marginkit._validation import compute_dtype, positive_float, positive_int
+from marginkit._validation import accepts_arrays, compute_dtype, positive_float, positive_int
 from marginkit.knn._search import check_embeddings, check_labels, prepare
 from marginkit.metrics import _roc
 from marginkit.metrics._roc import check_pairs
@@ -23,6 +23,7 @@ def _check_dcf(p_target: float, c_miss: float, c_fa: float) -> tuple[float, floa
     return p_target, positive_float(c_miss, "c_miss"), positive_float(c_fa, "c_fa")
 
 
+@accepts_arrays(scores="float", is_genuine="bool")
 def eer(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     r"""Equal error rate of pair scores (accept iff score > t).
 
@@ -37,6 +38,7 @@ def eer(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     return _roc.eer(*_roc.sides(*check_pairs(scores, is_genuine)))
 
 
+@accepts_arrays(scores="float", is_genuine="bool")
 def min_dcf(
     scores: torch.Tensor,
     is_genuine: torch.Tensor,
@@ -65,6 +67,7 @@ def min_dcf(
     return _roc.min_dcf(*_roc.sides(scores, is_genuine), p_target, c_miss, c_fa)
 
 
+@accepts_arrays(scores="float", is_genuine="bool", groups="int")
 def verification_metrics(
     scores: torch.Tensor,
     is_genuine: torch.Tensor,
@@ -169,6 +172,7 @@ def verification_metrics(
     return out
 
 
+@accepts_arrays(embeddings="float", labels="int")
 def pair_scores(
     embeddings: torch.Tensor,
     labels: torch.Tensor,

@@ -14,9 +14,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from marginkit._validation import choice, float_tensor, positive_float, positive_int
+from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import DISTANCES, distance_matrix, label_masks, prepare_pairs
 
 Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -95,9 +95,9 @@ def _prepare(
     if not batch.self_ref and batch.y.shape[0]:
         float_tensor(batch.y, "ref_embeddings")
     x, y = batch.x, batch.y
-    if normalize:
-        x = F.normalize(x, dim=-1)
-        y = x if batch.self_ref else F.normalize(y, dim=-1)
+    if normalize:  # (unit_rows: F.normalize overflows or leaves tiny rows unnormalised)
+        x = unit_rows(x)
+        y = x if batch.self_ref else unit_rows(y)
     pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
     return distance_matrix(x, y, distance), pos, neg
 

@@ -4,8 +4,9 @@ Each function maps the ``[B]`` label cosines ``c_y`` (and, for AdaFace, per-row 
 unscaled target value ``f(c_y)`` that :func:`marginkit.ops.softmax.class_cross_entropy` puts in
 the label's column (scaled by ``s``). They are differentiable by autograd, finite everywhere on
 ``[-1, 1]`` (no ``arccos``, whose derivative is infinite at ``c = ±1``: ``sin θ`` is
-``sqrt((1 − c)(1 + c))`` with its radicand clamped at the input dtype's machine epsilon) and
-evaluated in float64 (B values only; not on MPS), rounded to the input dtype.
+``sqrt((1 − c)(1 + c))``, whose derivative is taken with the radicand clamped at the input dtype's
+machine epsilon, the value being exact) and evaluated in float64 (B values only; not on MPS),
+rounded to the input dtype.
 
 - :func:`arcface_target`: ``cos(θ + m)`` (Deng et al., CVPR 2019), extended past ``θ = π − m``.
 - :func:`combined_margin_target`: ``cos(m₁·θ + m₂) − m₃`` (InsightFace's combined margin; SphereFace,
@@ -31,21 +32,27 @@ def _wide(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def _sin_theta(x: Tensor, eps: float) -> Tensor:
-    """``sin(arccos x) = sqrt((1 − x)(1 + x))``, radicand clamped at ``eps`` (finite derivative)."""
-    return ((1 - x) * (1 + x)).clamp_min(eps).sqrt()
+    """``sin(arccos x) = sqrt((1 − x)(1 + x))``, exact; its derivative with the radicand clamped at ``eps``.
+
+    The clamp keeps the derivative finite at ``x = ±1``; applied to the value as well, it moved
+    ``cos(θ + m)`` by up to ``sqrt(eps)·sin(m)`` (1.7e-4 in float32) at ``c = ±1``, so that the
+    float32 and float64 losses disagreed there. The value carries no clamp.
+    """
+    radicand = (1 - x) * (1 + x)
+    clamped = radicand.clamp_min(eps).sqrt()
+    return clamped + (radicand.clamp_min(0.0).sqrt() - clamped).detach()
 
 
 def arcface_target(c: Tensor, margin: float) -> Tensor:
     """``cos(θ + m)`` while ``c > cos(π - m)`` (``θ = arccos c``), else ``c - m·sin(m)``.
 
     ``cos(θ + m) = c·cos(m) - sin(θ)·sin(m)`` with ``sin(θ) = sqrt((1 - c)(1 + c))``: no
-    ``arccos`` (whose derivative is infinite at ``c = ±1``). The radicand is clamped at the
-    INPUT dtype's machine epsilon, i.e. ``c = ±1`` is treated, inside the sqrt only, as its
+    ``arccos`` (whose derivative is infinite at ``c = ±1``). For the derivative only, the
+    radicand is clamped at the INPUT dtype's machine epsilon, i.e. ``c = ±1`` is treated as its
     nearest representable neighbour: the derivative ``cos(m) + c·sin(m)/sin(θ)`` stays finite
-    everywhere (at most ``≈ 1 + sin(m)/sqrt(eps)``, 1.4e3 in float32 at m = 0.5), the value
-    error is at most ``sqrt(eps)·sin(m)`` (1.7e-4 in float32, where one ulp of ``c`` below 1
-    already moves ``θ`` by 3.5e-4). Both branches are finite everywhere, so the unselected
-    branch of ``torch.where`` never leaks a NaN into the gradient.
+    everywhere (at most ``≈ 1 + sin(m)/sqrt(eps)``, 1.4e3 in float32 at m = 0.5); the value is
+    exact. Both branches are finite everywhere, so the unselected branch of ``torch.where``
+    never leaks a NaN into the gradient.
 
     Evaluated in float64 (B values only) and rounded to the input dtype: rounding is monotone,
     so the float32 target logit is monotone too; a float32 evaluation is not, by an ulp or

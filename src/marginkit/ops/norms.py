@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["robust_norm", "unit_rows"]
+__all__ = ["robust_norm", "row_norms", "unit_rows"]
 
 
 def _row_scale(x: Tensor) -> Tensor:
@@ -24,6 +24,22 @@ def robust_norm(x: Tensor) -> Tensor:
     """``‖x‖`` over the last dimension (keepdim), computed on the rows divided by their largest entry."""
     top = _row_scale(x)
     return torch.linalg.vector_norm(x / top, dim=-1, keepdim=True).mul_(top)
+
+
+def row_norms(x: Tensor) -> Tensor:
+    """``‖x‖`` over the last dimension (no keepdim) for a large matrix: no temporary of ``x``'s size.
+
+    ``torch.linalg.vector_norm`` (one pass, no copy); the rows whose squares overflow (entries
+    beyond about 1.8e19 in float32: norm ``inf``) are recomputed divided by their largest entry
+    (:func:`robust_norm`), found with one host sync. Squares that underflow matter only for
+    norms far below the ``eps`` floors of the cosine heads.
+    """
+    norm = torch.linalg.vector_norm(x, dim=-1)
+    over = torch.isinf(norm)
+    if bool(over.any()):
+        rows = over.nonzero(as_tuple=True)
+        norm = norm.index_put(rows, robust_norm(x[rows]).squeeze(-1))
+    return norm
 
 
 def unit_rows(x: Tensor, eps: float = 1e-12) -> Tensor:

@@ -20,6 +20,7 @@ small tensor and read with a single ``.tolist()`` per forward (:func:`read_flags
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -219,6 +220,32 @@ def collapsed_flag(sq_dist: torch.Tensor, scale: torch.Tensor | float, self_ref:
     if self_ref and sq_dist.shape[0] * sq_dist.shape[1] <= 1:
         return torch.zeros((), dtype=torch.bool, device=sq_dist.device)
     return sq_dist.detach().amax() <= COLLAPSE_TOL**2 * scale
+
+
+def underflow_flag(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: the raw embeddings are so small that their squared distances lose digits.
+
+    Squares of entries below ``sqrt(tiny / eps)`` (3e-16 in float32) fall within ``1/eps`` of the
+    subnormal numbers, where they keep fewer digits and then vanish: a raw Euclidean distance of
+    embeddings of 1e-21 comes out a few 1e-4 off, of 1e-23 as 0. True when the largest entry is
+    below that but not 0 (all-zero embeddings are the "collapsed" warning's case). No sync.
+    """
+    info = torch.finfo(x.dtype)
+    ends = [torch.stack(torch.aminmax(t.detach())).abs() for t in (x, y) if t.numel()]
+    top = torch.cat(ends).amax()
+    return (top > 0) & (top < math.sqrt(info.tiny / info.eps))
+
+
+def too_small_error(x: torch.Tensor, y: torch.Tensor, distance: str) -> ValueError:
+    """The error for :func:`underflow_flag` (names the largest entry and the bound)."""
+    info = torch.finfo(x.dtype)
+    top = float(torch.maximum(x.detach().abs().max(), y.detach().abs().max()))
+    dtype = str(x.dtype).removeprefix("torch.")
+    return ValueError(
+        f"embeddings are too small: their {distance} distances underflow {dtype} "
+        f"(largest |entry| {top:.3g}, below {math.sqrt(info.tiny / info.eps):.2g}, where squares lose their "
+        "digits); scale them up or set normalize=True"
+    )
 
 
 def max_sq_norm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from marginkit.ops.norms import robust_norm
+from marginkit.ops.norms import robust_norm, row_norms
 
 __all__ = ["subcenter_cosines"]
 
@@ -54,7 +54,7 @@ class _SubCenterCosines(torch.autograd.Function):
         e_norm = robust_norm(e)
         e_inv = e_norm.clamp_min(eps).reciprocal()
         e_hat = e * e_inv
-        w_norm = torch.linalg.vector_norm(w, dim=-1)  # [C, K]
+        w_norm = row_norms(w)  # [C, K]
         w_inv = w_norm.clamp_min(eps).reciprocal()
         best = torch.matmul(e_hat, w[:, 0].t()).mul_(w_inv[:, 0])
         arg = torch.zeros(best.shape, dtype=_index_dtype(w.shape[1]), device=best.device)
@@ -97,7 +97,9 @@ class _SubCenterCosines(torch.autograd.Function):
 def subcenter_cosines(embeddings: Tensor, weight: Tensor, eps: float = 1e-12) -> Tensor:
     """Class cosines ``max_k cos(e, w_jk)`` ``[..., C]`` of embeddings ``[..., D]``, centres ``[C, K, D]``.
 
-    Norms are floored at ``eps`` (zero vectors give cosine 0); the gradient goes to the winning
+    Norms are computed without overflow at any scale and floored at ``eps`` (as
+    ``F.normalize``: a vector of norm below ``eps`` is divided by ``eps``, zero vectors give
+    cosine 0); the gradient goes to the winning
     sub-centre (the lowest ``k`` on ties). Both inputs must share one floating dtype (the caller
     chooses it: :class:`~marginkit.heads.CosineHead` computes in float32 or float64). Memory kept
     for the backward pass: the class cosines and a ``uint8`` index ``[B, C]`` besides the inputs.

@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from marginkit.knn._search import prepare
 from marginkit.serve.inputs import BadInput, Limits, Payload, parse_form, parse_json, parse_npy
 from marginkit.serve.limits import BodyLimit, Recorder, RequestStats
 from marginkit.serve.schemas import (
@@ -220,13 +221,15 @@ def create_app(
             if array.ndim != 2 or array.shape[1] != d:
                 raise BadInput(f"embeddings must have shape [B, {d}], got {list(data.array.shape)}")
             _check_batch(array.shape[0])
-            emb = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            with np.errstate(over="ignore"):
+                emb = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            if not bool(torch.isfinite(emb).all()):
+                raise BadInput("embeddings exceed float32's range (|value| above 3.4e38)")
         else:
             emb = embed_inputs(array)
-        norms = torch.linalg.vector_norm(emb, dim=1, keepdim=True)
-        if bool((norms == 0).any()):
+        if bool((emb == 0).all(dim=1).any()):
             raise BadInput("an embedding is all zeros: its cosine is undefined")
-        return emb / norms
+        return prepare(emb, "cosine", "embeddings", torch.float32)  # (any scale: no overflow)
 
     def embed_inputs(array: np.ndarray) -> torch.Tensor:
         """Raw samples (a batch; one vector sample may come unbatched) -> embeddings."""
@@ -333,15 +336,17 @@ def create_app(
         if fields.index == "gallery":
             found = gallery.classify(emb, kind="embeddings")
             return {"results": [{"label": None, "name": c.identity, "share": c.share} for c in found]}
-        share, label = bundle.knn().predict_proba(emb).max(dim=1)
+        knn = bundle.knn()
+        share, column = knn.predict_proba(emb).max(dim=1)
+        labels = knn.classes_[column.numpy()].tolist()  # the columns are the sorted labels (classes_)
         names = bundle.class_names
         results = [
             {
-                "label": int(c),
-                "name": names[int(c)] if int(c) < len(names) else str(int(c)),
+                "label": c if isinstance(c, int) else None,
+                "name": names[c] if isinstance(c, int) and 0 <= c < len(names) else str(c),
                 "share": float(v),
             }
-            for c, v in zip(label.tolist(), share.tolist(), strict=True)
+            for c, v in zip(labels, share.tolist(), strict=True)
         ]
         return {"results": results}
 

@@ -108,8 +108,14 @@ def _alpha_batch(alpha: Any, logits: Tensor, dim: int) -> Any:
     return alpha
 
 
-def _log_reference(q: Any, logits: Tensor) -> Tensor:
-    """Validated ``log q`` broadcast to ``logits``' shape (a view where possible)."""
+def _log_reference(q: Any, logits: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    r"""Validated ``log q`` broadcast to ``logits``' shape (a view where possible).
+
+    In ``dtype`` (default: ``compute_dtype`` of ``q``'s and the logits' dtypes). When the solve
+    is widened to float64, :func:`_widened_for_measure` takes it again in float64: the loss is as
+    sensitive to :math:`\log q_y` as :math:`q_y^{-\beta}/\alpha` (a float32 ``log`` of an exact
+    ``q = 2^{-40}`` put a relative error of 1e-6 into a float64 loss).
+    """
     float_tensor(q, "q", min_dim=0, allow_empty=True)
     if q.numel() and not bool((q > 0).all()):
         raise ValueError("q must be strictly positive (a reference measure), got values <= 0")
@@ -121,8 +127,8 @@ def _log_reference(q: Any, logits: Tensor) -> Tensor:
         raise ValueError(
             f"q must be broadcastable to the logits shape {tuple(logits.shape)}, got shape {tuple(q.shape)}"
         )
-    logq = q.to(compute_dtype(torch.promote_types(q.dtype, logits.dtype))).log()
-    return logq.expand(logits.shape)
+    dtype = dtype or compute_dtype(torch.promote_types(q.dtype, logits.dtype))
+    return q.to(dtype).log().expand(logits.shape)
 
 
 def _topk_count(topk: Any, n: int) -> int | None:
@@ -222,7 +228,11 @@ def alpha_softargmax(
     elif x2d.shape[0] == 0:
         p2d = x2d.clone()
     else:
-        x2d, lq2d, beta, blocks, _ = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
+
+        def relog() -> Tensor:
+            return _log_reference(q, logits, torch.float64).movedim(dim, -1).reshape(-1, n)
+
+        x2d, lq2d, beta, blocks, _ = _widened_for_measure(cdt, x2d, lq2d, beta, blocks, relog)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         p2d = _SoftargmaxFunction.apply(x2d, lq2d, blocks, beta, beta_scalar, k, bool(candidates))
     return p2d.reshape(x.shape).movedim(-1, dim).to(logits.dtype)
@@ -264,7 +274,9 @@ def alpha_divergence_loss(
 
     Returns:
         Loss per example, shape ``logits.shape[:-1]``, float32 (float64 for float64 logits, and
-        when :math:`(\alpha-1)\log(1/q_{min}) > 80`: the divergence terms then overflow float32).
+        when :math:`(\alpha-1)\log(1/q_{min}) > 80`: the divergence terms then overflow float32, or
+        when the logits rescaled by :math:`(\max q)^{\alpha-1}` pass :math:`e^{80}`; beyond float64's
+        range an error names them; ``log q`` is then taken in float64 too).
 
     Example:
         >>> import torch
@@ -296,7 +308,11 @@ def alpha_divergence_loss(
     elif x2d.shape[0] == 0:
         loss = x2d.to(cdt).sum(-1)  # empty, but connected to the graph
     else:
-        x2d, lq2d, beta, blocks, log_c = _widened_for_measure(cdt, x2d, lq2d, beta, blocks)
+
+        def relog_loss() -> Tensor:
+            return _log_reference(q, logits, torch.float64).reshape(-1, n)
+
+        x2d, lq2d, beta, blocks, log_c = _widened_for_measure(cdt, x2d, lq2d, beta, blocks, relog_loss)
         beta_scalar = None if scalar_alpha is None else max(scalar_alpha - 1.0, _BETA_FLOOR)
         loss, _ = _LossFunction.apply(x2d, lq2d, y, blocks, beta, beta_scalar, 1.0, None, k, bool(candidates))
         if log_c is not None:  # ℓ(θ; c·q̃) = c^{−β} ℓ(c^β θ; q̃)

@@ -8,6 +8,7 @@ With :math:`w_j = q_j^{\beta} p_j^{1-\beta}` on the support, the softargmax's Ja
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +57,20 @@ def _beta_partials(p: Tensor, u: Tensor, theta: Tensor, tau_e: Tensor, beta_e: T
     return torch.where(on, p.to(f64) * _v_plus_log1m(v) / (b * b), 0.0)
 
 
+def _centred(entries: _Entries, w: Tensor, g: Tensor) -> Tensor:
+    r""":math:`g_j - \langle w, g\rangle / \sum w` per entry, without cancellation when one weight dominates.
+
+    Computed relative to the ``g`` of the entry of largest weight ``a`` per row,
+    :math:`(g_j - g_a) - \sum_k w_k (g_k - g_a) / \sum w`: the dominant term drops out of the sum
+    exactly. With a measure spanning many orders of magnitude one weight can exceed the others by
+    1e15 and the direct form would lose :math:`\partial p_a/\partial\theta_a` entirely.
+    """
+    wmax = entries.per_entry(entries.rowmax(w))
+    ref = entries.rowmax(torch.where(w == wmax, g, -math.inf))
+    d = g - entries.per_entry(ref)
+    return d - entries.per_entry(entries.rowsum(w * d) / entries.rowsum(w))
+
+
 class _SoftargmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -84,8 +99,7 @@ class _SoftargmaxFunction(torch.autograd.Function):
         entries = _Entries.restore(ctx.shape[0], ctx.shape[1], tuple(saved))
         on = w > 0
         g = entries.gather(grad).to(p.dtype).masked_fill(~on, 0.0)
-        mean = entries.rowsum(w * g) / entries.rowsum(w)
-        centred = g - entries.per_entry(mean)
+        centred = _centred(entries, w, g)
         x_dtype, q_dtype = ctx.dtypes
         grad_x = grad_logq = None
         if ctx.needs_input_grad[0]:
@@ -117,7 +131,7 @@ class _OnAxis(NamedTuple):
 
 
 def _loss_value(
-    sol: _Solution, theta_y: Tensor, logq_y: Tensor | None, beta: Tensor
+    sol: _Solution, theta_y: Tensor, logq_y: Tensor | None, beta: Tensor, label: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     r"""Fenchel–Young loss and support size per row, from the support only (no inactive terms).
 
@@ -126,7 +140,9 @@ def _loss_value(
     :math:`\ell = (1 - 1/\alpha)\langle p, \theta - \theta_y\rangle + (\tau - \theta_y + E(q_y))/\alpha`.
     Rounding can make an exact zero slightly negative; the value is clamped at 0. The inner
     product and the support size come with the Newton evaluations when those carried them (a
-    partitioned axis), else from the solution's entries.
+    partitioned axis), else from the solution's entries; there, with ``label``, a row whose only
+    active entry is the label has :math:`p = e_y` and its loss is exactly 0 (τ itself is only
+    known to rounding).
     """
     stats = sol.stats
     if stats is not None and stats.inner is not None and stats.support is not None:
@@ -139,6 +155,10 @@ def _loss_value(
     inv_alpha = 1.0 / (1.0 + beta)
     e_y = torch.zeros_like(theta_y) if logq_y is None else _offset(logq_y, beta)
     loss = (1.0 - inv_alpha) * inner + (sol.tau - theta_y + e_y) * inv_alpha
+    if label is not None:
+        at_label = sol.entries.is_column(label) & (sol.p > 0)
+        only_label = (support == 1) & (sol.entries.rowsum(at_label.to(sol.p.dtype)) > 0)
+        loss = loss.masked_fill_(only_label, 0.0)
     return loss.clamp_min_(0.0), support.round().long()
 
 
@@ -214,9 +234,8 @@ class _LossFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         cdt = compute_dtype(x.dtype)
         if on is None:  # the label entries are in x
-            bounds, axis, owned = None, ONE_PROCESS, None
+            bounds, axis, owned, theta_y = None, ONE_PROCESS, None, None
             shift = x.amax(1) if blocks is None else blocks.rowmax
-            theta_y = _logits(x.gather(1, label.unsqueeze(1)).squeeze(1), shift, scale, cdt)
             if logq is not None:
                 logq_y = logq.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt)
             else:
@@ -228,8 +247,10 @@ class _LossFunction(torch.autograd.Function):
             logq_label=logq_label, k=k, candidates=candidates, bounds=bounds, axis=axis, theta_y=theta_y,
             shift=shift,
         )  # fmt: skip
+        if theta_y is None:  # in the frame the solve settled on (per row)
+            theta_y = _logits(x.gather(1, label.unsqueeze(1)).squeeze(1), sol.shift, scale, cdt)
         with _serial(sol.p.numel(), sol.p.device):
-            loss, support = _loss_value(sol, theta_y, logq_y, beta)
+            loss, support = _loss_value(sol, theta_y, logq_y, beta, label if on is None else None)
         ctx.mark_non_differentiable(support)
         ctx.shape, ctx.scale, ctx.sparse_grad = x.shape, scale, sparse_grad
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)

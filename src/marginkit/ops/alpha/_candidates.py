@@ -10,6 +10,7 @@ problem's entries (padded rows or a flat row-sorted list).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -239,6 +240,26 @@ def _offset(logq: Tensor, beta: Tensor | float) -> Tensor:
     return torch.expm1(-beta * logq) / beta
 
 
+# Rounding slack of the bounds of a general measure, in ulps of their parts (see _bound_slack).
+_BOUND_SLACK_ULPS = 16.0
+
+
+def _bound_slack(theta_abs: Tensor, logq: Tensor, beta: Tensor | float) -> Tensor:
+    r"""How far rounding can move a bound term :math:`\theta - E(q)` of a general measure.
+
+    With a measure spanning many orders of magnitude both terms can be huge (1e15 for
+    :math:`q = 10^{-30}`, β = 1/2) while :math:`\tau` must be resolved to :math:`1/\beta`: the
+    computed difference can land on the wrong side of the root. ``E(q)`` carries a relative
+    error of about :math:`(1 + |\beta\log q|)\,\varepsilon` (``expm1`` of a rounded argument),
+    θ one of :math:`\varepsilon`: ``_BOUND_SLACK_ULPS`` times
+    :math:`|\theta| + E(q)(1 + \beta|\log q|)`. A lower bound moves down by it, an upper one
+    up; a bound looser by that costs the solver a Newton step at most. Element-wise.
+    """
+    e = _offset(logq, beta)
+    eps = torch.finfo(e.dtype).eps
+    return (theta_abs + e.abs() * (1.0 + (beta * logq).abs())) * (_BOUND_SLACK_ULPS * eps)
+
+
 # E(q) = (q^{-β} − 1)/β overflows float32 once β·(−log q) passes ~88.7: beyond this exponent the
 # solver computes in float64 (the loss itself can then exceed float32's range).
 _F32_MAX_OFFSET_EXPONENT = 80.0
@@ -254,7 +275,12 @@ _F64_MAX_EXPONENT = 700.0
 
 
 def _widened_for_measure(
-    cdt: torch.dtype, x2d: Tensor, lq2d: Tensor | None, beta: Tensor, blocks: _Blocks
+    cdt: torch.dtype,
+    x2d: Tensor,
+    lq2d: Tensor | None,
+    beta: Tensor,
+    blocks: _Blocks,
+    relog: Callable[[], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, _Blocks, Tensor | None]:
     r"""The op's inputs with a general measure normalised per row, in float64 if float32 would overflow.
 
@@ -268,6 +294,8 @@ def _widened_for_measure(
     :math:`1 + \beta(\theta_j - \tau)`).
     ``c`` is a constant of the identity (no gradient needed through it). Returns
     ``(x, log q̃, β, blocks, log c)``; ``log c`` is ``None`` when every row's largest ``q`` is 1.
+    ``relog``: ``log q`` again in float64, taken when the solve is widened to float64 (a float32
+    logarithm would carry its rounding into a float64 solve).
     """
     if lq2d is None:
         return x2d, lq2d, beta, blocks, None
@@ -283,16 +311,30 @@ def _widened_for_measure(
         )
     if not bool((log_c != 0).any()):
         log_c = None
-    wide = growth > _F32_MAX_OFFSET_EXPONENT or _offset_overflows(
+    reach = 0.0  # log of the largest rescaled logit |c^β·θ|: it decides the working precision too
+    if log_c is not None:
+        low, high = torch.aminmax(x2d.detach(), dim=-1)
+        top = torch.maximum(high.abs(), low.abs()).to(log_c.dtype).clamp_min(torch.finfo(log_c.dtype).tiny)
+        reach = float((beta.detach().to(log_c.dtype) * log_c + top.log()).max())
+    if reach > _F64_MAX_EXPONENT:
+        raise ValueError(
+            f"the logits are too large for this q and alpha: |logits| * max(q)^(alpha - 1) reaches "
+            f"e^{reach:.4g}, beyond float64's range (alpha_softargmax(θ, α, c·q) is computed as "
+            "alpha_softargmax(c^(α-1)·θ, α, q)): divide q by a constant, or scale the logits down"
+        )
+    wide = max(growth, reach) > _F32_MAX_OFFSET_EXPONENT or _offset_overflows(
         cdt,
         float(beta.detach().max()),
         float(lq2d.detach().min()) - (0.0 if log_c is None else float(log_c.max())),
     )
     if wide and cdt == torch.float32:
-        x2d, lq2d, beta = x2d.double(), lq2d.double(), beta.double()
-        log_c = None if log_c is None else log_c.double()
-    if log_c is not None:
-        x2d = x2d * torch.exp(beta * log_c).unsqueeze(1).to(x2d.dtype)
+        x2d, beta = x2d.double(), beta.double()
+        lq2d = relog() if relog is not None and lq2d.dtype != torch.float64 else lq2d.double()
+        if log_c is not None:  # (the row maxima of the float64 log q)
+            log_c = lq2d.detach().amax(-1)
+    if log_c is not None:  # (in the compute dtype: c^β·θ can overflow a half-precision type)
+        dt = x2d.dtype if x2d.dtype == torch.float64 else cdt
+        x2d = x2d.to(dt) * torch.exp(beta * log_c).unsqueeze(1).to(dt)
         lq2d = lq2d - log_c.unsqueeze(1).to(lq2d.dtype)
     if wide or log_c is not None:
         blocks = _Blocks(x2d.detach() if x2d.requires_grad else x2d)
@@ -377,7 +419,12 @@ def _row_bounds(
     """
     if logq is not None:
         theta = _logits(x, None if shift is None else shift.unsqueeze(-1), scale, cdt)
-        return (theta - _offset(logq.to(cdt), beta.unsqueeze(-1))).amax(-1), None
+        lq = logq.to(cdt)
+        lo, at = (theta - _offset(lq, beta.unsqueeze(-1))).max(-1)
+        # a valid floor: the attaining term less its own slack (max_j of (term − slack) is above it)
+        at = at.unsqueeze(-1)
+        slack = _bound_slack(theta.gather(-1, at).abs(), lq.gather(-1, at), beta.unsqueeze(-1))
+        return lo - slack.squeeze(-1), None
     if label is None or logq_label is None:
         top = _logits(blocks.rowmax, shift, scale, cdt)
         log_n = torch.tensor(float(x.shape[1]), dtype=cdt, device=x.device).log()

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from marginkit.ops.alpha._candidates import _Entries, _offset
+from marginkit.ops.alpha._candidates import _bound_slack, _Entries, _offset
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
 
 # Convergence: |Newton step| <= _TOL_ULPS * eps * (1 + |tau|) (or a bracket that narrow).
@@ -189,8 +189,9 @@ class _Problem:
 def _lower_bound(problem: _Problem, axis: ClassAxis = ONE_PROCESS) -> Tensor:
     r"""Per-row :math:`\tau_{lo} = \max_j[\theta_j - E(q_j)]`: every :math:`p_j \le 1`, mass :math:`\ge 1`."""
     bound = problem.theta
-    if problem.logq is not None:
-        bound = bound - _offset(problem.logq, problem.beta_e)
+    if problem.logq is not None:  # (−inf logits: −inf − inf = −inf)
+        slack = _bound_slack(bound.abs(), problem.logq, problem.beta_e)
+        bound = bound - _offset(problem.logq, problem.beta_e) - slack
     (lo,) = axis.max_(problem.entries.rowmax(bound))
     return lo
 
@@ -211,6 +212,8 @@ def _upper_bound(problem: _Problem, axis: ClassAxis = ONE_PROCESS) -> Tensor:
         (top,) = axis.max_(entries.rowmax(logq))
         (total,) = axis.sum_(entries.rowsum((logq - entries.per_entry(top)).exp()))
         log_total = top + total.log()
+        hi = top_theta - _offset(log_total, problem.beta)
+        return hi + _bound_slack(top_theta.abs(), log_total, problem.beta)
     return top_theta - _offset(log_total, problem.beta)
 
 

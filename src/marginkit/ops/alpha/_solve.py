@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from marginkit.ops.alpha._candidates import (
     _row_bounds,
     _threshold,
 )
+from marginkit.ops.alpha._frame import _FRAME_LIMIT, _MAX_FRAMES, _frame_errors
 from marginkit.ops.alpha._memory import _serial
 from marginkit.ops.alpha._newton import _find_tau, _lower_bound, _Problem, _Stats, _upper_bound
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
@@ -43,6 +44,7 @@ class _Solution(NamedTuple):
     theta: Tensor
     entries: _Entries
     stats: _Stats | None = None  # the row sums at τ (over every class of the axis)
+    shift: Tensor | None = None  # the frame of τ and θ per row, in the units of x (set by _solve)
 
     def to_flat(self) -> _Solution:
         """The flat layout; ``-inf`` entries (padding of a padded layout, masked classes) dropped."""
@@ -291,7 +293,7 @@ def _merge_rows(base: _Solution, rows: Tensor, sub: _Solution) -> _Solution:
     return _Solution(tau, *fields, _Entries(b.n_rows, b.n_cols, flat=flat))
 
 
-def _solve(
+def _solve_in_frame(
     x: Tensor,
     blocks: _Blocks | None,
     *,
@@ -308,7 +310,7 @@ def _solve(
     theta_y: Tensor | None = None,
     shift: Tensor | None = None,
 ) -> _Solution:
-    """Solve every row of ``x`` (``[N, n]``; θ = scale·(x − shift); q from ``logq`` or the label override).
+    """Solve every row of ``x`` in the frame ``shift`` (see :func:`_solve`).
 
     ``shift``: per row, in the units of x (``None``: 0); the row maximum over every class of the
     axis keeps the solve accurate for large logits (:func:`_logits`). ``bounds``, ``theta_y`` and
@@ -338,7 +340,7 @@ def _solve(
         bad = (~exact).nonzero().squeeze(1)
         if bad.numel() == 0:
             return sol
-        sub = _solve(
+        sub = _solve_in_frame(
             x[bad],
             None,
             scale=scale,
@@ -357,3 +359,70 @@ def _solve(
         assert sol is not None
         return sol
     return _solve_dense(*rows, bounds=bounds, axis=axis, theta_y=theta_y)
+
+
+def _solve(x: Tensor, blocks: _Blocks | None, **kw: Any) -> _Solution:
+    """Solve every row of ``x`` (``[N, n]``; θ = scale·(x − shift); q from ``logq`` or the label override).
+
+    ``shift``: per row, in the units of x (``None``: 0), the solver's frame; the row maximum over
+    every class of the axis keeps the solve accurate for large logits (:func:`_logits`). ``bounds``,
+    ``theta_y`` and the solution's τ are in its frame. ``bounds``, ``axis``, ``theta_y``: as in
+    :func:`_solve_candidates`. The top-``k`` restriction decides per process which rows to solve
+    again: one process only (``axis`` not partitioned).
+
+    With a general measure ``logq`` (normalised to a row maximum of 0) the rows whose frame
+    cannot resolve τ (``_frame``) are solved again in the frame of the logit of their most
+    weighted possibly active entry; the solution's ``shift`` is the frame of every row. A row
+    still unresolved after ``_MAX_FRAMES`` frames is refused with a clear error. The keyword
+    arguments are :func:`_solve_in_frame`'s.
+    """
+    sol = _solve_in_frame(x, blocks, **kw)
+    if kw.get("logq") is None or kw.get("axis", ONE_PROCESS).partitioned or x.shape[0] == 0:
+        return sol._replace(shift=kw.get("shift"))
+    return _reframed(sol, x, blocks, **kw)
+
+
+def _reframed(
+    sol: _Solution,
+    x: Tensor,
+    blocks: _Blocks | None,
+    *,
+    scale: float,
+    beta: Tensor,
+    beta_scalar: float | None,
+    logq: Tensor,
+    shift: Tensor | None = None,
+    k: int | None = None,
+    candidates: bool = True,
+    **_: Any,
+) -> _Solution:
+    """Move the rows whose frame cannot resolve τ to a better one and solve them again (``_frame``)."""
+    frame = x.new_zeros(x.shape[0]) if shift is None else shift.to(x.dtype)
+    todo: Tensor | None = None  # the rows being moved (None: every row, at the first check)
+    sub = sol
+    for attempt in range(_MAX_FRAMES + 1):
+        if todo is None:
+            rows = (x, _Blocks(x) if blocks is None else blocks, beta, logq, frame)
+        else:
+            xs = x.index_select(0, todo)
+            rows = (xs, _Blocks(xs), *(t.index_select(0, todo) for t in (beta, logq, frame)))
+        error, anchor = _frame_errors(rows[0], rows[1], scale, *rows[2:], sub.tau)
+        bad = (error > _FRAME_LIMIT).nonzero().squeeze(1)
+        if bad.numel() == 0:
+            return sol._replace(shift=frame)
+        if attempt == _MAX_FRAMES:
+            break
+        todo = bad if todo is None else todo.index_select(0, bad)
+        xs = x.index_select(0, todo)
+        moved = xs.gather(1, anchor.index_select(0, bad).unsqueeze(1)).squeeze(1)
+        sub = _solve_in_frame(
+            xs, None, scale=scale, beta=beta.index_select(0, todo), beta_scalar=beta_scalar,
+            logq=logq.index_select(0, todo), k=k, candidates=candidates, shift=moved,
+        )  # fmt: skip
+        sol = _merge_rows(sol, todo, sub)
+        frame = frame.index_put((todo,), moved)
+    raise ValueError(
+        "q spans too many orders of magnitude for the logits' precision: no frame resolves the threshold "
+        f"of {bad.numel()} row(s) of alpha_softargmax (largest frame error "
+        f"{float(error.max()):.3g} eps/(alpha - 1)); compute in float64 or narrow the range of q"
+    )
