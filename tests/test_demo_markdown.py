@@ -42,6 +42,12 @@ def test_markdown_of_a_finished_demo(tmp_path):
     for fact in ("torch ", "Python ", "logical cores", "1 torch thread(s) per run", "Wall time 49 s",
                  "training 4.1–6.5 s per run", "load average at the end"):  # fmt: skip
         assert fact in conditions, fact
+    assert "reused" not in conditions
+    summary[0]["reused_runs"] = 1  # a rerun: its wall time is not what the runs took
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert "Wall time 49 s, 1 of 1 runs reused from an earlier invocation" in demo_markdown(
+        tmp_path, wall_seconds=49.4
+    )
 
 
 def test_readme_table_is_the_markdown_output():

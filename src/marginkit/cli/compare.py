@@ -520,11 +520,13 @@ def _compare_into(
     )  # fmt: skip
 
     reused: list[float] = []  # training seconds of the runs reused from an earlier invocation
+    reused_of: dict[str, int] = dict.fromkeys(losses, 0)
 
     def record(loss: str, s: int, res: dict[str, Any]) -> None:
         per_seed[loss][s] = res["metrics"]
         if res["reused"]:
             reused.append(float(res["metrics"].get("train_seconds") or 0.0))
+            reused_of[loss] += 1
         row = _row_metrics(res["metrics"])
         seconds[loss].append(float(res["metrics"].get("train_seconds", res["seconds"])))
         tag = " (reused)" if res["reused"] else f" ({res['seconds']:.1f} s)"
@@ -551,7 +553,10 @@ def _compare_into(
             for index, res in progress.wrap(run_in_workers(_worker, tasks, jobs)):
                 record(*order[index], res)
     summary = [
-        summary_row(loss, [per_seed[loss][s] for s in range(seeds)], seconds[loss], runs[loss])
+        {
+            **summary_row(loss, [per_seed[loss][s] for s in range(seeds)], seconds[loss], runs[loss]),
+            "reused_runs": reused_of[loss],
+        }
         for loss in losses
     ]
     if baselines:

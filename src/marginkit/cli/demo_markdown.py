@@ -53,11 +53,16 @@ def _conditions(summary: list[dict[str, Any]], wall_seconds: float) -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     span = f"{min(train):.1f}–{max(train):.1f} s" if train else "n/a"
     losses = sum(r.get("kind") != "baseline" for r in summary)
+    reused = sum(int(r.get("reused_runs") or 0) for r in summary)
+    runs = sum(len(r.get("runs", [])) for r in summary if r.get("kind") != "baseline")
+    wall = f"Wall time {wall_seconds:.0f} s"
+    if reused:
+        wall += f", {reused} of {runs} runs reused from an earlier invocation (their training times are from then)"
     return (
         f"{losses} losses, {seeds} seed{'s' if seeds > 1 else ''}, {epochs} epochs; "
         f"marginkit {__version__}, torch {version('torch')}, Python {platform.python_version()}, "
         f"{platform.system()} {platform.machine()}, {cpu_name()} ({os.cpu_count()} logical cores); "
-        f"{threads} torch thread(s) per run. Wall time {wall_seconds:.0f} s (training {span} per run; "
+        f"{threads} torch thread(s) per run. {wall} (training {span} per run; "
         f"load average at the end {load})."
     )
 
