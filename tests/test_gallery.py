@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from marginkit.gallery import Gallery, GalleryError, UnknownIdentityError
+from marginkit.gallery.quantize import dequantize, quantize
 from marginkit.gallery.store import Store
 from proc_utils import acks_then_kill
 
@@ -57,11 +58,15 @@ def brute_scores(probes: torch.Tensor, owner: torch.Tensor, templates: torch.Ten
     return out
 
 
-@pytest.mark.parametrize("backend", ["exact", "faiss"])
-def test_verify_identify_classify_equal_brute_force(tmp_path, gen, backend):
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [("exact", "float32"), ("faiss", "float32"), ("exact", "float16"), ("exact", "int8")],
+)
+def test_verify_identify_classify_equal_brute_force(tmp_path, gen, backend, dtype):
     names, owner, templates, centres = population(gen)
-    g = new_gallery(tmp_path / "g.db", backend=backend, k=3)
+    g = new_gallery(tmp_path / "g.db", backend=backend, k=3, dtype=dtype)
     fill(g, names, owner, templates)
+    templates = dequantize(*quantize(templates, dtype))  # the gallery answers from what it stores
     probes = unit(centres + 0.4 * torch.randn(centres.shape, generator=gen))
     probes = torch.cat([probes, unit(torch.randn(5, DIM, generator=gen))])
     want = brute_scores(probes, owner, templates, len(names))
@@ -221,14 +226,67 @@ def test_hostile_files_are_refused(tmp_path):
         new_gallery(other)
 
 
+def test_template_storage_is_the_files_own(tmp_path, gen):
+    """float16 / int8 storage: fixed when the file is made, kept on reopen, bytes as documented,
+    scores within the stated bounds of the float32 gallery's, hostile rows refused."""
+    names, owner, _, _ = population(gen, identities=40)
+    dim = 64
+    templates = unit(torch.randn(len(owner), dim, generator=gen))
+    probes = unit(torch.randn(30, dim, generator=gen))
+    galleries = {}
+    for dtype in ("float32", "float16", "int8"):
+        g = Gallery(
+            tmp_path / f"{dtype}.db", model_fingerprint=FP, embedding_dim=dim, threshold=0.5, dtype=dtype
+        )
+        g.enroll_many([names[int(o)] for o in owner], templates)
+        assert g.dtype == dtype
+        galleries[dtype] = g
+    exact = galleries["float32"].verify(probes, names[:30])
+    for dtype, bound in (("float16", 1e-3), ("int8", dim**0.5 / 254)):
+        g = galleries[dtype]
+        got = g.verify(probes, names[:30])
+        assert max(abs(a.score - b.score) for a, b in zip(got, exact, strict=True)) <= bound
+        stored = g.templates(names[0])
+        assert stored.dtype == torch.float32 and stored.shape == (int((owner == 0).sum()), dim)
+        g.close()
+        with Gallery(tmp_path / f"{dtype}.db", threshold=0.5) as again:  # the file says its dtype
+            assert again.dtype == dtype and [v.score for v in again.verify(probes, names[:30])] == [
+                v.score for v in got
+            ]
+        with pytest.raises(GalleryError, match=f"stores its templates as {dtype}, not float32"):
+            Gallery(tmp_path / f"{dtype}.db", dtype="float32")
+        with sqlite3.connect(tmp_path / f"{dtype}.db") as conn:
+            sizes = {len(r[0]) for r in conn.execute("SELECT vector FROM templates")}
+        assert sizes == {dim * 2 if dtype == "float16" else dim + 4}
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        new_gallery(tmp_path / "x.db", dtype="int4")
+    with pytest.raises(ValueError, match="backend 'faiss' searches float32 templates"):
+        new_gallery(tmp_path / "y.db", dtype="int8", backend="faiss")
+    # A scale that is not a positive finite number, an infinite float16: a corrupted file.
+    path = tmp_path / "int8.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "UPDATE templates SET vector = ? WHERE id = 1", (np.float32(-1).tobytes() + b"\x01" * dim,)
+        )
+    with pytest.raises(GalleryError, match="scale"):
+        Gallery(path)
+    with sqlite3.connect(tmp_path / "float16.db") as conn:
+        conn.execute(
+            "UPDATE templates SET vector = ? WHERE id = 1", (np.full(dim, np.inf, np.float16).tobytes(),)
+        )
+    with pytest.raises(GalleryError, match="NaN or infinite"):
+        Gallery(tmp_path / "float16.db")
+
+
 class Boom(RuntimeError):
     pass
 
 
-def test_a_failure_at_any_write_step_leaves_nothing_behind(tmp_path, gen, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_failure_at_any_write_step_leaves_nothing_behind(tmp_path, gen, monkeypatch, dtype):
     """Fault injection: the enrollment's n-th statement fails; the gallery is as before."""
     path = tmp_path / "g.db"
-    g = new_gallery(path)
+    g = new_gallery(path, dtype=dtype)
     g.enroll("kept", torch.ones(DIM), metadata={"v": 1})
     calls = []
     real_execute, real_many = Store.execute, Store.executemany

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from marginkit.gallery.quantize import dequantize, quantize, scores
+from marginkit.gallery.quantize import dequantize, quantize, scores, search
 
 
 @given(
@@ -50,3 +50,32 @@ def test_chunked_scores_equal_a_plain_product_and_keep_the_nearest(dtype):
     assert float((got - exact).abs().max()) < {"float32": 1e-5, "float16": 5e-3, "int8": 5e-2}[dtype]
     agree = (got.argmax(1) == exact.argmax(1)).float().mean()
     assert float(agree) >= 0.99
+
+
+@given(
+    rows=st.integers(1, 60),
+    queries=st.integers(1, 5),
+    k=st.integers(1, 60),
+    chunk=st.integers(1, 17),
+    levels=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(["float32", "float16", "int8"]),
+)
+def test_search_is_a_stable_sort_of_the_scores(rows, queries, k, chunk, levels, seed, dtype):
+    # Few distinct values (duplicated templates): ties everywhere, also at the k-th place.
+    gen = torch.Generator().manual_seed(seed)
+    refs = torch.randint(-levels, levels + 1, (rows, 3), generator=gen).float()
+    probes = torch.randint(-levels, levels + 1, (queries, 3), generator=gen).float()
+    codes, scale = quantize(refs, dtype)
+    k = min(k, rows)
+    values, indices = search(probes, codes, scale, k, chunk=chunk)
+    full = scores(probes, codes, scale, chunk=chunk)
+    want_v, want_i = torch.sort(full, dim=1, descending=True, stable=True)
+    assert torch.equal(indices, want_i[:, :k])
+    assert torch.equal(values, want_v[:, :k])
+
+
+def test_search_refuses_k_outside_the_rows():
+    codes, scale = quantize(torch.eye(3), "int8")
+    with pytest.raises(ValueError, match=r"k must be in 1\.\.3"):
+        search(torch.ones(1, 3), codes, scale, 4)

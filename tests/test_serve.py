@@ -592,6 +592,14 @@ def test_cli_serve_refuses_bad_setups(onnx_bundle, tmp_path, capsys):
         main(["serve", str(onnx_bundle.path), "--gallery", str(tmp_path / "other.db"), "--far", "1e-2"]) == 2
     )
     assert "another space" in capsys.readouterr().err
+    # --gallery-dtype makes a new gallery with that storage; an existing one keeps its own
+    from marginkit.serve import build_app
+
+    build_app(onnx_bundle.path, tmp_path / "int8.db", far=1e-2, gallery_dtype="int8")
+    assert Gallery(tmp_path / "int8.db", threshold=0.5).dtype == "int8"
+    assert main(["serve", str(onnx_bundle.path), "--gallery", str(tmp_path / "int8.db"), "--far", "1e-2",
+                 "--gallery-dtype", "float16"]) == 2  # fmt: skip
+    assert "stores its templates as int8, not float16" in capsys.readouterr().err
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from marginkit.gallery.quantize import dequantize, quantize, search, torch_dtype
 from marginkit.gallery.results import Candidate, Classification, Enrollment, Identification, Verification
 from marginkit.gallery.store import GalleryError, Store
 from marginkit.knn._search import prepare
@@ -116,7 +117,15 @@ class Gallery:
             ``"hnsw"`` (FAISS HNSW, approximate: for millions of templates; its recall is
             measured by ``benchmarks/bench_gallery_scale.py``), the last two with
             ``marginkit[faiss]``. A Milvus gallery takes ``"exact"``, ``"hnsw"`` or ``"ivf"``.
+            Templates stored as float16 or int8 are searched exactly (``"exact"`` only).
         timeout: seconds a write waits for another process's transaction.
+        dtype: how a new gallery stores its templates, on disk and in memory: ``"float32"``
+            (``4 D`` bytes each), ``"float16"`` (``2 D``) or ``"int8"`` (``D + 4``: codes with one
+            scale per template, :mod:`marginkit.gallery.quantize`); scores are then computed
+            from the stored values (float16: within about 1e-3 of the float32 cosine, int8:
+            within ``sqrt(D) / 254``). ``None`` (the default) keeps an existing gallery's and
+            makes a new one float32; another dtype than the file's is an error. The Milvus
+            storage keeps float32.
 
     Thread-safe: one lock serialises the calls of the threads of a process; other processes
     read concurrently (SQLite WAL) and write one at a time.
@@ -145,6 +154,7 @@ class Gallery:
         k: int = 5,
         backend: str = "exact",
         timeout: float = 30.0,
+        dtype: str | None = None,
     ) -> None:
         from marginkit._validation import choice, positive_int
         from marginkit.knn import model_fingerprint as fingerprint_of
@@ -183,8 +193,12 @@ class Gallery:
             except ValueError as exc:
                 self._threshold_error = str(exc)
         self.far = far if threshold is None else None
+        if dtype is not None:
+            from marginkit.gallery.quantize import check_dtype
+
+            dtype = check_dtype(dtype)
         self._lock = threading.RLock()
-        self._open(path, model_fingerprint, embedding_dim, timeout)
+        self._open(path, model_fingerprint, embedding_dim, timeout, dtype)
 
     def __new__(cls, path: Any = None, *args: Any, **kwargs: Any) -> Gallery:
         if cls is Gallery and is_milvus(path):
@@ -195,12 +209,25 @@ class Gallery:
     BACKENDS: tuple[str, ...] = ("exact", "faiss", "hnsw")
 
     def _open(
-        self, path: Any, model_fingerprint: str | None, embedding_dim: int | None, timeout: float
+        self,
+        path: Any,
+        model_fingerprint: str | None,
+        embedding_dim: int | None,
+        timeout: float,
+        dtype: str | None,
     ) -> None:
-        self._store = Store(path, model_fingerprint, embedding_dim, timeout)
+        self._store = Store(path, model_fingerprint, embedding_dim, timeout, dtype)
         self.path = self._store.path
         self.model_fingerprint: str = self._store.model_fingerprint
         self.embedding_dim: int = self._store.dim
+        #: How the templates are stored (``float32``, ``float16`` or ``int8``).
+        self.dtype: str = self._store.dtype
+        if self.dtype != "float32" and self.backend != "exact":
+            self._store.close()
+            raise ValueError(
+                f"backend {self.backend!r} searches float32 templates; this gallery stores them as "
+                f"{self.dtype}, which is searched exactly: use backend='exact'"
+            )
         self._reset()
         self._data_version = self._store.data_version()
         self._sync(force=True)
@@ -211,8 +238,10 @@ class Gallery:
         self._db_ids = np.empty(0, dtype=np.int64)  # dense index -> database id (increasing)
         self._index_of: dict[str, int] = {}  # name -> dense index
         self._owner = torch.empty(0, dtype=torch.long)  # template -> dense identity index
-        self._vectors = torch.empty(0, self._store.dim)
-        self._knn: Any = None
+        # Templates as stored: codes in the gallery's dtype, and one scale each for int8.
+        self._codes = torch.empty(0, self._store.dim, dtype=torch_dtype(self._store.dtype))
+        self._scales: torch.Tensor | None = torch.empty(0) if self._store.dtype == "int8" else None
+        self._knn: Any = None  # float32 templates: the K-NN index of `backend`
         self._csr: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._last_identity = self._last_template = 0
         self._removals = -1
@@ -228,7 +257,7 @@ class Gallery:
                 self._reset()
                 self._removals = removals
             new_ids = self._store.identities_after(self._last_identity)
-            tids, owners, vectors = self._store.templates_after(self._last_template)
+            tids, owners, codes, scales = self._store.templates_after(self._last_template)
         self._data_version = version
         for _, name in new_ids:
             self._index_of[name] = len(self._names)
@@ -240,11 +269,15 @@ class Gallery:
             return
         # Identities arrive in id order, so the dense index of an owner is its rank among the ids.
         dense = torch.from_numpy(np.searchsorted(self._db_ids, owners))
-        vec = torch.from_numpy(vectors)
+        vec = torch.from_numpy(codes)
         self._last_template = int(tids[-1])
         self._owner = torch.cat([self._owner, dense])
-        self._vectors = torch.cat([self._vectors, vec])
+        self._codes = torch.cat([self._codes, vec])
+        if self._scales is not None and scales is not None:
+            self._scales = torch.cat([self._scales, torch.from_numpy(scales)])
         self._csr = None
+        if self.dtype != "float32":
+            return
         if self._knn is None:
             from marginkit.knn import KNNClassifier
 
@@ -339,7 +372,7 @@ class Gallery:
         meta = _metadata_json(metadata)
         emb, _ = self._as_embeddings(embeddings_or_inputs, kind, "embeddings_or_inputs")
         with self._lock:
-            total = self._add([name] * emb.shape[0], emb.numpy(), {} if meta is None else {name: meta})
+            total = self._add([name] * emb.shape[0], emb, {} if meta is None else {name: meta})
         return Enrollment(name, int(emb.shape[0]), total[name])
 
     def enroll_many(
@@ -355,13 +388,14 @@ class Gallery:
                 f"{len(names)} identities but {1 if single else emb.shape[0]} rows; they must match"
             )
         with self._lock:
-            counts = self._add(names, emb.numpy(), {})
+            counts = self._add(names, emb, {})
         return [Enrollment(n, a, counts[n]) for n, a in collections.Counter(names).items()]
 
-    def _add(self, names: list[str], vectors: np.ndarray, metadata: dict[str, str]) -> dict[str, int]:
-        """Store rows ``vectors[i]`` as templates of ``names[i]`` in one transaction; the templates
-        each of ``names`` holds afterwards."""
-        self._store.add_templates(names, vectors, metadata)
+    def _add(self, names: list[str], vectors: torch.Tensor, metadata: dict[str, str]) -> dict[str, int]:
+        """Store unit rows ``vectors[i]`` as templates of ``names[i]`` in one transaction; the
+        templates each of ``names`` holds afterwards."""
+        codes, scales = quantize(vectors, self.dtype)
+        self._store.add_templates(names, codes.numpy(), metadata, None if scales is None else scales.numpy())
         self._sync(force=True)
         counts = torch.bincount(self._owner, minlength=len(self._names)).tolist()
         return {n: counts[self._index_of[n]] for n in set(names)}
@@ -421,8 +455,19 @@ class Gallery:
         starts = torch.repeat_interleave(offsets[idx], counts)
         within = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         rows = order[starts + within]
-        sims = (self._vectors[rows] * emb[probe_of]).sum(dim=1)
+        sims = (self._decoded(rows) * emb[probe_of]).sum(dim=1)
         return torch.full((len(names),), -math.inf).scatter_reduce(0, probe_of, sims, reduce="amax")
+
+    def _decoded(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored templates ``rows`` as float32 ``[len(rows), D]``."""
+        return dequantize(self._codes[rows], None if self._scales is None else self._scales[rows])
+
+    def _nearest(self, emb: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``m`` nearest templates of each probe: ``(scores, template rows)`` ``[B, m]``,
+        by decreasing score, ties to the earlier template."""
+        if self._knn is not None:
+            return self._knn.kneighbors(emb, m)
+        return search(emb, self._codes, self._scales, m)
 
     def identify(
         self, probe: Any, k: int = 5, *, kind: str = "auto"
@@ -452,13 +497,13 @@ class Gallery:
     def _top_identities(self, emb: torch.Tensor, k: int) -> list[tuple[Candidate, ...]]:
         """The ``k`` best identities of each probe, best first (none for an empty gallery)."""
         self._sync()
-        if self._knn is None:
+        if len(self._owner) == 0:
             return [() for _ in range(emb.shape[0])]
         n_templates = len(self._owner)
         k_ids = min(k, len(self._names))
         t_max = self._templates_csr()[2]
         m = min(n_templates, k_ids * t_max)
-        values, indices = self._knn.kneighbors(emb, m)
+        values, indices = self._nearest(emb, m)
         owners = self._owner[indices]
         names = self._names
         # First occurrence of each owner in score order; its score is the owner's best.
@@ -486,14 +531,24 @@ class Gallery:
     def _vote(self, emb: torch.Tensor) -> list[tuple[str, float]]:
         """The winner of each probe's vote over its ``k`` nearest templates, with its share."""
         self._sync()
-        if self._knn is None:
+        if len(self._owner) == 0:
             raise GalleryError(f"{self.path}: the gallery is empty; enroll identities first")
-        # The vote's k is capped by the templates there are (the classifier is refitted
-        # incrementally, so its k is set here rather than at fit time).
-        self._knn.k = min(self.k, len(self._owner))
-        proba = self._knn.predict_proba(emb)
-        owner_of_column = self._knn.classes_  # identities with templates, by dense index
+        k = min(self.k, len(self._owner))
+        if self._knn is not None:
+            # The classifier is refitted incrementally, so its k is set here, not at fit time.
+            self._knn.k = k
+            proba = self._knn.predict_proba(emb)
+            owner_of_column = self._knn.classes_  # identities with templates, by dense index
+        else:
+            from marginkit.knn.classifier import vote_proba
+
+            values, rows = self._nearest(emb, k)
+            proba = vote_proba(
+                values, self._owner[rows], metric="cosine", weights="uniform", num_classes=len(self._names)
+            )
+            owner_of_column = torch.arange(len(self._names))
         names = self._names
+        # A tie goes to the first column: the earliest enrolled of the tied identities.
         share, winner = proba.max(dim=1)
         return [
             (names[int(owner_of_column[w])], float(s))
@@ -534,7 +589,7 @@ class Gallery:
             self._sync()
             if identity not in self._index_of:
                 raise UnknownIdentityError(str(identity))
-            return self._vectors[self._owner == self._index_of[identity]].clone()
+            return self._decoded((self._owner == self._index_of[identity]).nonzero().squeeze(1))
 
     def metadata(self, identity: str) -> dict[str, Any] | None:
         with self._lock:

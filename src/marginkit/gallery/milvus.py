@@ -89,8 +89,19 @@ class MilvusGallery(Gallery):
 
     # ------------------------------------------------------------------ opening
     def _open(
-        self, path: Any, model_fingerprint: str | None, embedding_dim: int | None, timeout: float
+        self,
+        path: Any,
+        model_fingerprint: str | None,
+        embedding_dim: int | None,
+        timeout: float,
+        dtype: str | None,
     ) -> None:
+        if dtype not in (None, "float32"):
+            raise ValueError(
+                f"dtype {dtype!r}: a Milvus gallery stores float32 templates (float16 and int8 "
+                "storage are the SQLite gallery's)"
+            )
+        self.dtype = "float32"
         try:
             from pymilvus import DataType, MilvusClient, MilvusException
         except ImportError as err:
@@ -216,7 +227,7 @@ class MilvusGallery(Gallery):
         return sorted(rows, key=lambda r: (r["seq"], r["name"]))
 
     # ------------------------------------------------------------------ writes
-    def _add(self, names: list[str], vectors: np.ndarray, metadata: dict[str, str]) -> dict[str, int]:
+    def _add(self, names: list[str], vectors: torch.Tensor, metadata: dict[str, str]) -> dict[str, int]:
         unique = list(dict.fromkeys(names))
         known = {r["name"]: r for r in self._identity_rows(unique)}
         now = time.time_ns()
@@ -232,7 +243,7 @@ class MilvusGallery(Gallery):
         ]
         if rows:
             self._call("upsert", self._icol, rows)
-        data = np.ascontiguousarray(vectors, dtype=np.float32)
+        data = np.ascontiguousarray(vectors.numpy(), dtype=np.float32)
         self._call(
             "insert", self._tcol, [{"identity": n, "vector": v} for n, v in zip(names, data, strict=True)]
         )

@@ -5,25 +5,37 @@ int8 (symmetric, per vector): for a template ``t``,
 .. math:: s = \\max_j |t_j| / 127, \\qquad c_j = \\operatorname{round}(t_j / s) \\in [-127, 127],
 
 so ``t ≈ s c`` with an error of at most ``s / 2`` per coordinate, and a probe's cosine with a
-unit template is ``s \\langle q, c \\rangle`` — one integer matrix product and one scale per
+unit template is ``s \\langle q, c \\rangle`` — one product with the codes and one scale per
 template (the scheme of the insightface server's int8 galleries). Memory per template: ``D``
 bytes plus 4 for the scale, against ``4 D`` for float32 and ``2 D`` for float16.
+
+:func:`search` is the exact search of stored codes: scores ``s_i <q, c_i>`` (float16 codes:
+``<q, t_i>``) computed in float32, decoded a block of rows at a time into one reused buffer.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "dequantize", "quantize", "scores"]
+__all__ = ["BYTES_PER_VALUE", "DTYPES", "dequantize", "quantize", "scores", "search"]
 
 DTYPES = ("float32", "float16", "int8")
+#: Storage bytes per coordinate (int8 adds 4 bytes of scale per template).
+BYTES_PER_VALUE = {"float32": 4, "float16": 2, "int8": 1}
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+_CHUNK = 4096  # rows decoded at once: a float32 block of D = 512 is 8 MiB, reused
+
+
+def check_dtype(dtype: object, name: str = "dtype") -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, DTYPES))}, got {dtype!r}")
+    return str(dtype)
 
 
 def quantize(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``x`` ``[N, D]`` stored as ``dtype``: ``(codes, scales)``; ``scales`` ``[N]`` float32
     for ``int8``, else ``None``. An all-zero row gets scale 1 (its codes are 0)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype)
     x = x.to(torch.float32)
     if dtype == "float32":
         return x.contiguous(), None
@@ -41,14 +53,75 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor
     return out * scales[:, None] if scales is not None else out
 
 
-def scores(
-    queries: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, *, chunk: int = 65_536
-) -> torch.Tensor:
-    """Inner products ``[B, N]`` of float32 ``queries`` ``[B, D]`` with the stored rows, computed
-    in float32 over chunks of ``chunk`` rows (so at most ``chunk × D`` floats are decoded at once)."""
+def _blocks(queries: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, chunk: int):
+    """``(start, scores [B, rows])`` of the stored rows, one block at a time."""
     q = queries.to(torch.float32)
-    out = torch.empty(q.shape[0], codes.shape[0])
+    if codes.dtype == torch.float32:
+        for start in range(0, codes.shape[0], chunk):
+            yield start, q @ codes[start : start + chunk].T
+        return
+    buf = torch.empty(min(chunk, codes.shape[0]), codes.shape[1])
     for start in range(0, codes.shape[0], chunk):
-        part = slice(start, start + chunk)
-        out[:, part] = q @ dequantize(codes[part], None if scales is None else scales[part]).T
+        part = codes[start : start + chunk]
+        decoded = buf[: part.shape[0]]
+        decoded.copy_(part)  # cast into the reused buffer: no allocation per block
+        s = q @ decoded.T
+        if scales is not None:
+            s *= scales[start : start + chunk]
+        yield start, s
+
+
+def scores(
+    queries: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, *, chunk: int = _CHUNK
+) -> torch.Tensor:
+    """Inner products ``[B, N]`` of float32 ``queries`` ``[B, D]`` with the stored rows."""
+    out = torch.empty(queries.shape[0], codes.shape[0])
+    for start, s in _blocks(queries, codes, scales, chunk):
+        out[:, start : start + s.shape[1]] = s
     return out
+
+
+def _ordered_topk(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``k`` of each row by value, ties to the lower column (exact at the k-th place)."""
+    if k >= s.shape[1]:
+        return torch.sort(s, dim=1, descending=True, stable=True)
+    v, i = torch.topk(s, k + 1, dim=1)
+    # topk's choice among values equal to the k-th is unspecified; a row whose k-th and
+    # (k+1)-th values are equal is re-ranked by a stable sort of the whole row.
+    tied = v[:, k - 1] == v[:, k]
+    v, i = v[:, :k], i[:, :k]
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        sv, si = torch.sort(s[rows], dim=1, descending=True, stable=True)
+        v[rows], i[rows] = sv[:, :k], si[:, :k]
+    # Within the k, order ties by column.
+    i, order = i.sort(dim=1)
+    v = v.gather(1, order)
+    v, order = torch.sort(v, dim=1, descending=True, stable=True)
+    return v, i.gather(1, order)
+
+
+def search(
+    queries: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, k: int, *, chunk: int = _CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-``k`` stored rows of each query by inner product: ``(values, indices)``
+    ``[B, k]``, by decreasing value and, among equal values, increasing row index.
+
+    Each block's top ``k`` is merged with the running top ``k`` by a stable sort (the
+    running rows have lower indices), so memory stays ``O(B (k + block))``.
+    """
+    n = codes.shape[0]
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in 1..{n} (the stored rows), got {k}")
+    best_v = torch.empty(queries.shape[0], 0)
+    best_i = torch.empty(queries.shape[0], 0, dtype=torch.long)
+    for start, s in _blocks(queries, codes, scales, chunk):
+        v, i = _ordered_topk(s, min(k, s.shape[1]))
+        v, i = torch.cat([best_v, v], dim=1), torch.cat([best_i, i + start], dim=1)
+        v, order = torch.sort(v, dim=1, descending=True, stable=True)
+        best_v, best_i = v[:, :k], i.gather(1, order[:, :k])
+    return best_v, best_i
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return _TORCH[check_dtype(dtype)]

@@ -16,8 +16,10 @@ Tables::
 
 ``id`` columns are ``AUTOINCREMENT``: since writers are serialised, ids grow in commit order,
 which is what lets a reader catch up by loading the rows above the last id it has seen.
-Vectors are little-endian float32 BLOBs; their ``dim``, ``dtype`` and byte length are
-checked against ``meta`` on every read.
+Templates are stored in the gallery's ``dtype``, fixed when the file is created: little-endian
+float32 (``4 D`` bytes) or float16 (``2 D``) BLOBs, or int8 (``4 + D`` bytes: the float32
+scale, then the codes; :mod:`marginkit.gallery.quantize`). Each row's ``dim``, ``dtype`` and
+byte length are checked against ``meta`` on every read, and the decoded values for finiteness.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ __all__ = ["FORMAT", "VERSION", "GalleryError", "Store", "check_model", "require
 
 FORMAT = "marginkit.gallery"
 VERSION = 1
-DTYPE = "float32"
-_NP_DTYPE = np.dtype("<f4")
+DTYPES = ("float32", "float16", "int8")
+_NP = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int8": np.dtype("i1")}
+_SCALE = np.dtype("<f4")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -95,10 +98,18 @@ class Store:
             (an existing gallery only).
         dim: the embedding dimension; ``None`` adopts the stored one.
         timeout: seconds a writer waits for another process's transaction.
+        dtype: the template storage of a new gallery (``float32``, ``float16``, ``int8``);
+            ``None`` adopts the stored one (``float32`` for a new file). An existing gallery
+            keeps its own: another ``dtype`` is an error.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], model_fingerprint: str | None, dim: int | None, timeout: float
+        self,
+        path: str | os.PathLike[str],
+        model_fingerprint: str | None,
+        dim: int | None,
+        timeout: float,
+        dtype: str | None = None,
     ) -> None:
         self.path = Path(path)
         if self.path.is_dir():
@@ -110,23 +121,30 @@ class Store:
                 self.path, timeout=timeout, isolation_level=None, check_same_thread=False
             )
             self._configure()
-            self.meta = self._init_meta(model_fingerprint, dim)
+            self.meta = self._init_meta(model_fingerprint, dim, dtype)
         except sqlite3.DatabaseError as exc:
             with contextlib.suppress(Exception):
                 self.conn.close()
             raise GalleryError(f"{self.path}: not a usable gallery database ({exc})") from None
         self.dim = int(self.meta["dim"])
         self.model_fingerprint = self.meta["model_fingerprint"]
+        self.dtype = self.meta["dtype"]
+        self.row_bytes = self.dim * _NP[self.dtype].itemsize + (
+            _SCALE.itemsize if self.dtype == "int8" else 0
+        )
 
     # ------------------------------------------------------------------ setup
     def _configure(self) -> None:
+        # Pages of 32 KiB hold 15 float32 templates of D = 512 (4 KiB pages hold one: half the
+        # file would be slack). SQLite applies it to a new file only.
+        self.conn.execute("PRAGMA page_size=32768")
         mode = self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise GalleryError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("PRAGMA foreign_keys=ON")
 
-    def _init_meta(self, fingerprint: str | None, dim: int | None) -> dict[str, str]:
+    def _init_meta(self, fingerprint: str | None, dim: int | None, dtype: str | None) -> dict[str, str]:
         with self.write():
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
@@ -137,7 +155,7 @@ class Store:
                 assert fingerprint is not None and dim is not None
                 meta = {
                     "format": FORMAT, "version": str(VERSION), "model_fingerprint": fingerprint,
-                    "dim": str(int(dim)), "dtype": DTYPE, "metric": "cosine", "removals": "0",
+                    "dim": str(int(dim)), "dtype": dtype or "float32", "metric": "cosine", "removals": "0",
                 }  # fmt: skip
                 self.conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", meta.items())
         if meta.get("format") != FORMAT:
@@ -149,12 +167,17 @@ class Store:
         for key in ("model_fingerprint", "dim", "dtype", "metric", "removals"):
             if key not in meta:
                 raise GalleryError(f"{self.path}: meta table lacks {key!r}")
-        if meta["dtype"] != DTYPE or meta["metric"] != "cosine" or not meta["dim"].isdigit():
+        if meta["dtype"] not in DTYPES or meta["metric"] != "cosine" or not meta["dim"].isdigit():
             raise GalleryError(
                 f"{self.path}: unsupported gallery (dtype {meta['dtype']!r}, metric {meta['metric']!r}, "
-                f"dim {meta['dim']!r}); expected float32 cosine embeddings"
+                f"dim {meta['dim']!r}); expected cosine embeddings stored as {', '.join(DTYPES)}"
             )
         check_model(self.path, meta, fingerprint, dim)
+        if dtype is not None and dtype != meta["dtype"]:
+            raise GalleryError(
+                f"{self.path}: this gallery stores its templates as {meta['dtype']}, not {dtype}; open it "
+                f"with dtype={meta['dtype']!r} (or None), or enroll into a new file to change the storage"
+            )
         return meta
 
     def close(self) -> None:
@@ -194,12 +217,31 @@ class Store:
         return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
 
     # ------------------------------------------------------------------ writes
-    def add_templates(self, names: Sequence[str], vectors: np.ndarray, metadata: dict[str, str]) -> None:
-        """Rows ``vectors[i]`` as templates of identity ``names[i]`` (created if new), one transaction.
+    def encode(self, codes: np.ndarray, scales: np.ndarray | None) -> list[bytes]:
+        """One BLOB per row of ``codes`` (the gallery's dtype) and, for int8, ``scales``."""
+        rows = np.ascontiguousarray(codes, dtype=_NP[self.dtype])
+        if rows.ndim != 2 or rows.shape[1] != self.dim:
+            raise ValueError(f"codes must have shape [n, {self.dim}], got {list(rows.shape)}")
+        if self.dtype != "int8":
+            return [r.tobytes() for r in rows]
+        if scales is None or np.shape(scales) != (len(rows),):
+            raise ValueError("int8 codes need one scale per row")
+        scale = np.ascontiguousarray(scales, dtype=_SCALE)
+        return [s.tobytes() + r.tobytes() for s, r in zip(scale, rows, strict=True)]
+
+    def add_templates(
+        self,
+        names: Sequence[str],
+        codes: np.ndarray,
+        metadata: dict[str, str],
+        scales: np.ndarray | None = None,
+    ) -> None:
+        """Rows ``codes[i]`` (with ``scales[i]`` for int8) as templates of identity ``names[i]``
+        (created if new), one transaction.
 
         ``metadata`` maps names to JSON texts that replace the stored metadata.
         """
-        blobs = np.ascontiguousarray(vectors, dtype=_NP_DTYPE)
+        blobs = self.encode(codes, scales)
         unique = list(dict.fromkeys(names))
         now = time.time()
         with self.write():
@@ -214,10 +256,9 @@ class Store:
                 marks = ",".join("?" * len(chunk))
                 rows = self.execute(f"SELECT name, id FROM identities WHERE name IN ({marks})", chunk)
                 ids.update(rows.fetchall())
-            dim = blobs.shape[1]
             self.executemany(
                 "INSERT INTO templates(identity, dim, dtype, vector) VALUES (?, ?, ?, ?)",
-                ((ids[n], dim, DTYPE, blobs[i].tobytes()) for i, n in enumerate(names)),
+                ((ids[n], self.dim, self.dtype, blobs[i]) for i, n in enumerate(names)),
             )
 
     def remove(self, name: str) -> bool:
@@ -238,26 +279,45 @@ class Store:
             "SELECT id, name FROM identities WHERE id > ? ORDER BY id", (last_id,)
         ).fetchall()
 
-    def templates_after(self, last_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(template ids, identity ids, vectors [n, dim] float32)`` of templates above ``last_id``."""
+    def templates_after(self, last_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(template ids, identity ids, codes [n, dim], scales [n] or None)`` of the templates
+        above ``last_id``: codes in the gallery's dtype (native byte order), scales for int8."""
         rows = self.conn.execute(
             "SELECT id, identity, dim, dtype, vector FROM templates WHERE id > ? ORDER BY id", (last_id,)
         ).fetchall()
-        nbytes = self.dim * _NP_DTYPE.itemsize
-        bad = next((r for r in rows if r[2] != self.dim or r[3] != DTYPE or len(r[4]) != nbytes), None)
+        nbytes, dtype = self.row_bytes, self.dtype
+        bad = next(
+            (
+                r
+                for r in rows
+                if r[2] != self.dim or r[3] != dtype or not isinstance(r[4], bytes) or len(r[4]) != nbytes
+            ),
+            None,
+        )
         if bad is not None:
+            size = len(bad[4]) if isinstance(bad[4], (bytes, str)) else 0
             raise GalleryError(
-                f"{self.path}: template {bad[0]} holds {len(bad[4])} bytes of dim {bad[2]} {bad[3]}; "
-                f"the gallery stores dim {self.dim} {DTYPE} ({nbytes} bytes): the file is corrupted"
+                f"{self.path}: template {bad[0]} holds {size} bytes of dim {bad[2]} {bad[3]}; "
+                f"the gallery stores dim {self.dim} {dtype} ({nbytes} bytes): the file is corrupted"
             )
         tids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
         owners = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
-        vectors = np.frombuffer(b"".join(r[4] for r in rows), dtype=_NP_DTYPE).reshape(len(rows), self.dim)
-        if not np.isfinite(vectors).all():
+        raw = np.frombuffer(b"".join(r[4] for r in rows), dtype=np.uint8).reshape(len(rows), nbytes)
+        scales = None
+        if dtype == "int8":
+            scales = raw[:, : _SCALE.itemsize].copy().view(_SCALE).reshape(len(rows)).astype(np.float32)
+            raw = raw[:, _SCALE.itemsize :]
+            if not (np.isfinite(scales).all() and (scales > 0).all()):
+                raise GalleryError(
+                    f"{self.path}: some stored int8 templates have a scale that is not a positive "
+                    "finite number: the file is corrupted"
+                )
+        codes = raw.copy().view(_NP[dtype]).reshape(len(rows), self.dim)
+        if dtype != "int8" and not np.isfinite(codes).all():
             raise GalleryError(
                 f"{self.path}: some stored templates hold NaN or infinite values: the file is corrupted"
             )
-        return tids, owners, vectors.astype(np.float32)
+        return tids, owners, codes.astype(codes.dtype.newbyteorder("="), copy=False), scales
 
     def metadata(self, name: str) -> dict[str, Any] | None:
         row = self.conn.execute("SELECT metadata FROM identities WHERE name = ?", (name,)).fetchone()

@@ -40,11 +40,13 @@ def build_app(
     limits: Limits | None = None,
     trust_torchscript: bool = False,
     threads: int = 0,
+    gallery_dtype: str | None = None,
 ) -> Any:
     """Load the bundle (checked) and open (or create) the gallery; return the FastAPI app.
 
     The decision threshold is ``threshold`` if given, else the bundle's calibrated threshold
-    at ``far``; without either, :class:`ValueError`.
+    at ``far``; without either, :class:`ValueError`. ``gallery_dtype``: the template storage
+    of a new gallery (:class:`~marginkit.gallery.Gallery`'s ``dtype``).
     """
     try:
         import fastapi  # noqa: F401
@@ -57,7 +59,7 @@ def build_app(
     bundle = load_bundle(bundle_path, trust_torchscript=trust_torchscript, threads=threads)
     if threshold is None:
         bundle.threshold(far)  # fail now, with the reason, when the FAR was not measurable
-    gallery = Gallery(gallery_path, bundle, far=far, threshold=threshold)
+    gallery = Gallery(gallery_path, bundle, far=far, threshold=threshold, dtype=gallery_dtype)
     return create_app(bundle, gallery, token=token, limits=limits)
 
 
