@@ -7,7 +7,10 @@ answers ``POST /verify`` (one probe embedding against one claimed identity) and
 one keep-alive connection each; ``--body json``: the embedding as a JSON list, ``npy``: an
 ``application/x-npy`` body). The same calls are then made in this process on a
 :class:`~marginkit.gallery.Gallery` opened on the same file, by the same number of threads.
-Printed: requests/s and p50 / p99 latency of both, and their ratios (server / library).
+Printed: requests/s and p50 / p99 latency of both, and their ratios (server / library). The
+floor of any server here comes first: the same client and bodies against uvicorn (as ``serve``
+runs it) answering a constant — a bare ASGI app, and one FastAPI route — beside the library's
+``verify``.
 Then the bundle's ONNX model against PyTorch eager on one batch of
 256 inputs: embeddings per second and their ratio. Both runtimes use ``--threads`` threads.
 
@@ -202,6 +205,56 @@ def wait_for(port: int, server: subprocess.Popen, seconds: float = 120.0, log: P
     raise RuntimeError(f"server did not answer /health within {seconds} s")
 
 
+# What an HTTP round trip costs here at all: uvicorn (httptools, uvloop, access log on, as
+# `marginkit serve` runs it) answering every POST with a constant, read after the whole body —
+# as a bare ASGI app and as one FastAPI route.
+FLOOR_APPS = {
+    "bare ASGI app": """
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b'{"ok":true}'})
+""",
+    "FastAPI route": """
+from fastapi import FastAPI, Request, Response
+app = FastAPI()
+@app.get("/health")
+async def health():
+    return {"ok": True}
+@app.post("/{path}")
+async def answer(path: str, request: Request) -> Response:
+    await request.body()
+    return Response(b'{"ok":true}', media_type="application/json")
+""",
+}
+
+
+def floor_server(code: str, port: int, log: Any) -> subprocess.Popen:
+    script = (
+        code + f"\nimport uvicorn\nuvicorn.run(app, host='127.0.0.1', port={port}, http='httptools', "
+        "loop='uvloop', log_level='warning', access_log=True)\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_port(port: int, server: subprocess.Popen, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError("floor server exited")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"floor server did not listen within {seconds} s")
+
+
 def bench_model(bundle: Any, threads: int, repeats: int) -> dict[str, float]:
     import torch
 
@@ -252,6 +305,31 @@ def main() -> int:
             bodies, ctype = request_bodies(args.body, probes, claims)
             gallery = Gallery(db, bundle, far=1e-2)
             library = library_calls(gallery, probes, claims)
+            for name, code in FLOOR_APPS.items() if n == sizes[0] else ():
+                port = free_port()
+                log = (root / "floor.log").open("w")
+                server = floor_server(code, port, log)
+                try:
+                    wait_for_port(port, server)
+                    served, local = interleaved(
+                        http_call(port, "/verify", bodies["/verify"], ctype), library["/verify"], 1,
+                        requests, seconds, rounds,
+                    )  # fmt: skip
+                finally:
+                    server.terminate()
+                    server.wait(timeout=30)
+                    log.close()
+                rows.append(
+                    {
+                        "endpoint": f"floor: {name}", "gallery": n, "workers": 1, "concurrency": 1,
+                        "body": args.body, "server": served, "library": local,
+                    }
+                )  # fmt: skip
+                print(
+                    f"floor ({name}): {served['rps']:7.1f} req/s p50 {served['p50']:6.2f} ms | library "
+                    f"/verify {local['rps']:8.1f} req/s | ratio {served['rps'] / local['rps']:.3f}",
+                    flush=True,
+                )
             for workers in [int(w) for w in args.workers.split(",")]:
                 port = free_port()
                 cmd = [
