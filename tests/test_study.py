@@ -153,7 +153,7 @@ def test_faces_section_is_leave_people_out_folds_with_and_without_augmentation(t
     base = [j for j in jobs if j["kind"] == "faces_baseline"]
     runs = [j for j in jobs if j["kind"] == "faces"]
     assert [j["fold"] for j in base] == [0, 1, 2] and plan.faces_seeds >= 3
-    assert all(j["data_options"] == {"image_size": 64, "folds": 3, "split": "classes", "fold": j["fold"],
+    assert all(j["data_options"] == {"image_size": 32, "folds": 3, "split": "classes", "fold": j["fold"],
                                      "split_seed": 0} for j in jobs)  # fmt: skip
     rows = {(j["loss"], j["augment"]) for j in runs}
     assert rows == {(loss, False) for loss in (*FACE_LOSSES, *FACE_PEERS)} | {
