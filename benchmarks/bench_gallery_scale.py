@@ -110,7 +110,9 @@ def main() -> int:
             t0 = time.perf_counter()
             g = Gallery(path, threshold=0.0)
             load = time.perf_counter() - t0
-            memory = g._codes.nbytes + (0 if g._scales is None else g._scales.nbytes)
+            # the templates as held: float32 in the K-NN index, float16 / int8 as codes (+ scales)
+            held = g._knn._require_fitted()[0].vectors() if dtype == "float32" else g._codes
+            memory = held.nbytes + (0 if g._scales is None else g._scales.nbytes)
 
             def exact(queries: np.ndarray, g: Any = g) -> np.ndarray:
                 ident = g.identify(queries, k=1, kind="embeddings")[0]

@@ -57,7 +57,10 @@ def _conditions(summary: list[dict[str, Any]], wall_seconds: float) -> str:
     runs = sum(len(r.get("runs", [])) for r in summary if r.get("kind") != "baseline")
     wall = f"Wall time {wall_seconds:.0f} s"
     if reused:
-        wall += f", {reused} of {runs} runs reused from an earlier invocation (their training times are from then)"
+        wall += (
+            f", {reused} of {runs} runs reused from an earlier invocation (their training times are "
+            "from then)"
+        )
     return (
         f"{losses} losses, {seeds} seed{'s' if seeds > 1 else ''}, {epochs} epochs; "
         f"marginkit {__version__}, torch {version('torch')}, Python {platform.python_version()}, "

@@ -238,7 +238,8 @@ class Gallery:
         self._db_ids = np.empty(0, dtype=np.int64)  # dense index -> database id (increasing)
         self._index_of: dict[str, int] = {}  # name -> dense index
         self._owner = torch.empty(0, dtype=torch.long)  # template -> dense identity index
-        # Templates as stored: codes in the gallery's dtype, and one scale each for int8.
+        # float16 / int8 templates as stored: codes, and one scale each for int8. float32
+        # templates live in the K-NN index alone (one copy in memory).
         self._codes = torch.empty(0, self._store.dim, dtype=torch_dtype(self._store.dtype))
         self._scales: torch.Tensor | None = torch.empty(0) if self._store.dtype == "int8" else None
         self._knn: Any = None  # float32 templates: the K-NN index of `backend`
@@ -272,11 +273,11 @@ class Gallery:
         vec = torch.from_numpy(codes)
         self._last_template = int(tids[-1])
         self._owner = torch.cat([self._owner, dense])
-        self._codes = torch.cat([self._codes, vec])
-        if self._scales is not None and scales is not None:
-            self._scales = torch.cat([self._scales, torch.from_numpy(scales)])
         self._csr = None
         if self.dtype != "float32":
+            self._codes = torch.cat([self._codes, vec])
+            if self._scales is not None and scales is not None:
+                self._scales = torch.cat([self._scales, torch.from_numpy(scales)])
             return
         if self._knn is None:
             from marginkit.knn import KNNClassifier
@@ -460,6 +461,10 @@ class Gallery:
 
     def _decoded(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored templates ``rows`` as float32 ``[len(rows), D]``."""
+        if self.dtype == "float32":
+            if self._knn is None:
+                return torch.empty(0, self.embedding_dim)
+            return self._knn._require_fitted()[0].vectors()[rows]  # the index's own rows: no copy
         return dequantize(self._codes[rows], None if self._scales is None else self._scales[rows])
 
     def _nearest(self, emb: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
