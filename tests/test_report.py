@@ -199,8 +199,11 @@ def test_compare_report(tmp_path, gen):
             "map_at_r_std": None,
         },
     ]
+    for row in summary:
+        row["reused_runs"] = 0  # bookkeeping of compare: not a column of the report
     text = write_compare_report(tmp_path, summary, runs).read_text()
     assert_self_contained(text)
+    assert "reused" not in text
     assert "0.9200<br><span class=std>± 0.0200</span>" in text and "class=best" in text
     assert 'href="runs/softmax/seed0/report.html"' in text
     assert len(images(text)) == 3  # bar plot, validation curves, the projections of both losses

@@ -63,7 +63,18 @@ def _val_overlay(histories: dict[str, list[dict[str, Any]]]) -> str | None:
 
 
 #: Summary keys that are bookkeeping or settings, not metrics (never a "best").
-_NOT_METRICS = ("loss", "kind", "n_seeds", "runs", "seconds", "epochs", "description", "open_set", "protocol")
+_NOT_METRICS = (
+    "loss",
+    "kind",
+    "n_seeds",
+    "runs",
+    "seconds",
+    "epochs",
+    "description",
+    "open_set",
+    "protocol",
+    "reused_runs",
+)
 
 
 def _metric_columns(summary: list[dict[str, Any]]) -> list[str]:
