@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 # Two shared cores: keep intra-op threads low so parallel suites stay predictable. Under
-# pytest-xdist (`./dev.sh test` runs one worker per core) the workers share the cores.
+# pytest-xdist (`./dev.sh test` runs one worker per core and one more) the workers share the cores.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
