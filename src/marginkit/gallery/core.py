@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from marginkit.gallery.quantize import dequantize, quantize, search, torch_dtype
+from marginkit.gallery.quantize import check_dtype, dequantize, quantize, search, torch_dtype
 from marginkit.gallery.results import Candidate, Classification, Enrollment, Identification, Verification
 from marginkit.gallery.store import GalleryError, Store
 from marginkit.knn._search import prepare
@@ -194,8 +194,6 @@ class Gallery:
                 self._threshold_error = str(exc)
         self.far = far if threshold is None else None
         if dtype is not None:
-            from marginkit.gallery.quantize import check_dtype
-
             dtype = check_dtype(dtype)
         self._lock = threading.RLock()
         self._open(path, model_fingerprint, embedding_dim, timeout, dtype)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BYTES_PER_VALUE", "DTYPES", "dequantize", "quantize", "scores", "search"]
+from marginkit.knn._search import _keep_best, _ordered_topk
+
+__all__ = ["DTYPES", "dequantize", "quantize", "scores", "search"]
 
 DTYPES = ("float32", "float16", "int8")
-#: Storage bytes per coordinate (int8 adds 4 bytes of scale per template).
-BYTES_PER_VALUE = {"float32": 4, "float16": 2, "int8": 1}
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 _CHUNK = 4096  # rows decoded at once: a float32 block of D = 512 is 8 MiB, reused
 
@@ -81,46 +81,25 @@ def scores(
     return out
 
 
-def _ordered_topk(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top ``k`` of each row by value, ties to the lower column (exact at the k-th place)."""
-    if k >= s.shape[1]:
-        return torch.sort(s, dim=1, descending=True, stable=True)
-    v, i = torch.topk(s, k + 1, dim=1)
-    # topk's choice among values equal to the k-th is unspecified; a row whose k-th and
-    # (k+1)-th values are equal is re-ranked by a stable sort of the whole row.
-    tied = v[:, k - 1] == v[:, k]
-    v, i = v[:, :k], i[:, :k]
-    if bool(tied.any()):
-        rows = tied.nonzero().squeeze(1)
-        sv, si = torch.sort(s[rows], dim=1, descending=True, stable=True)
-        v[rows], i[rows] = sv[:, :k], si[:, :k]
-    # Within the k, order ties by column.
-    i, order = i.sort(dim=1)
-    v = v.gather(1, order)
-    v, order = torch.sort(v, dim=1, descending=True, stable=True)
-    return v, i.gather(1, order)
-
-
 def search(
     queries: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, k: int, *, chunk: int = _CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``k`` stored rows of each query by inner product: ``(values, indices)``
     ``[B, k]``, by decreasing value and, among equal values, increasing row index.
 
-    Each block's top ``k`` is merged with the running top ``k`` by a stable sort (the
-    running rows have lower indices), so memory stays ``O(B (k + block))``.
+    Each block's top ``k`` (the K-NN search's exact tie-ordered top-k) is merged with the
+    running top ``k`` by a stable sort (the running rows have lower indices), so memory stays
+    ``O(B (k + block))``.
     """
     n = codes.shape[0]
     if not 1 <= k <= n:
         raise ValueError(f"k must be in 1..{n} (the stored rows), got {k}")
-    best_v = torch.empty(queries.shape[0], 0)
-    best_i = torch.empty(queries.shape[0], 0, dtype=torch.long)
+    best: tuple[torch.Tensor, torch.Tensor] | None = None
     for start, s in _blocks(queries, codes, scales, chunk):
-        v, i = _ordered_topk(s, min(k, s.shape[1]))
-        v, i = torch.cat([best_v, v], dim=1), torch.cat([best_i, i + start], dim=1)
-        v, order = torch.sort(v, dim=1, descending=True, stable=True)
-        best_v, best_i = v[:, :k], i.gather(1, order[:, :k])
-    return best_v, best_i
+        v, i = _ordered_topk(s, min(k, s.shape[1]), s.shape[0])
+        best = _keep_best(best, v, i + start, k, descending=True, ordered=True)
+    assert best is not None
+    return best
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

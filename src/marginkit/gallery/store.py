@@ -35,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from marginkit.gallery.quantize import DTYPES
+
 __all__ = ["FORMAT", "VERSION", "GalleryError", "Store", "check_model", "require_facts"]
 
 FORMAT = "marginkit.gallery"
 VERSION = 1
-DTYPES = ("float32", "float16", "int8")
 _NP = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int8": np.dtype("i1")}
 _SCALE = np.dtype("<f4")
 
