@@ -27,6 +27,12 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
+# Byte-code is written once, on first import, under the environment (never beside the sources):
+# with PYTHONDONTWRITEBYTECODE set (as on some CI images) and an install without compiling,
+# every process would compile torch's modules again (5 s an import against 2 s); the suite
+# starts many processes (CLI runs, servers, torchrun).
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$PWD/$VENV/pycache}"
 case "$what" in
   install) echo "marginkit[$extras] installed in $VENV; activate it with: source $VENV/bin/activate" ;;
   demo) exec marginkit demo "$@" ;;
