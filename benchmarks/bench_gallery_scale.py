@@ -4,7 +4,8 @@ A gallery of ``--n`` templates of D = 512 (default 10⁶; ``--quick``: 10⁵): `
 identities with 4 noisy templates each around a random unit centre (so that the data have the
 clusters real embeddings have), and 200 probes, each a fresh noisy view of a random identity.
 For each storage of the SQLite :class:`~marginkit.gallery.Gallery` — ``dtype`` float32, float16,
-int8 with one scale per vector (:mod:`marginkit.gallery.quantize`), searched exactly — and for
+int8 with one scale per vector (:mod:`marginkit.gallery.quantize`), searched exactly; float32
+also with the gallery's approximate searches, ``backend="ivf"`` and ``"hnsw"`` — and for
 FAISS indexes over the same templates (``IndexFlatIP``; ``IndexScalarQuantizer`` fp16 / 8-bit;
 IVF-Flat and IVF-SQ8 ``nlist`` √n, nprobe 32; HNSW ``M`` 32, efSearch 128) it prints, side by
 side in one run:
@@ -12,7 +13,8 @@ side in one run:
 - bytes per template in memory (the gallery's codes and scales; FAISS's index serialised) and,
   for the gallery, in its SQLite file,
 - build time (the gallery: enrolment in transactions of 50,000 templates; FAISS: train + add),
-- load time from the file (opening the gallery again; ``faiss.read_index``),
+- load time from the file (opening the gallery again, for ``ivf`` / ``hnsw`` with building
+  their index; ``faiss.read_index``),
 - one-probe latency p50 / p99 (``Gallery.identify(k=1)``; FAISS's top-1 search), ``--threads``
   threads,
 - recall@1 against the exact float32 gallery (the same identity first).
@@ -71,6 +73,28 @@ def timed(search: Any, queries: np.ndarray) -> tuple[np.ndarray, float, float]:
     return top, float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
+def top1(g: Any, queries: np.ndarray) -> np.ndarray:
+    """The first identity of ``Gallery.identify`` as its number."""
+    ident = g.identify(queries, k=1, kind="embeddings")[0]
+    return np.array([int(ident.candidates[0].identity[2:])])
+
+
+def index_settings(g: Any) -> str:
+    index = g._knn._require_fitted()[0]
+    if hasattr(index, "nprobe"):
+        return f"nlist {index.nlist}, nprobe {index.nprobe}"
+    return f"M {g._knn.hnsw_m}, efConstruction {g._knn.hnsw_ef_construction}, efSearch {index.ef_search}"
+
+
+def index_bytes(g: Any, faiss: Any) -> int:
+    """Bytes the gallery's template index holds: the float32 templates and FAISS's structure."""
+    index = g._knn._require_fitted()[0]
+    if hasattr(index, "nprobe"):  # IVF: float32 store + 8-bit codes and ids + centroids
+        ivf = index.index
+        return index.vectors().nbytes + ivf.ntotal * (ivf.code_size + 8) + ivf.nlist * ivf.d * 4
+    return int(faiss.serialize_index(index.index).nbytes)  # HNSW: its storage and graph
+
+
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -114,11 +138,7 @@ def main() -> int:
             held = g._knn._require_fitted()[0].vectors() if dtype == "float32" else g._codes
             memory = held.nbytes + (0 if g._scales is None else g._scales.nbytes)
 
-            def exact(queries: np.ndarray, g: Any = g) -> np.ndarray:
-                ident = g.identify(queries, k=1, kind="embeddings")[0]
-                return np.array([int(ident.candidates[0].identity[2:])])
-
-            top, p50, p99 = timed(exact, q)
+            top, p50, p99 = timed(lambda queries, g=g: top1(g, queries), q)
             truth = top if truth is None else truth
             rows.append(
                 {
@@ -136,6 +156,30 @@ def main() -> int:
             print(rows[-1], flush=True)
             g.close()
             del g
+            if dtype == "float32":
+                # The gallery's approximate template searches, over the same file: opening it
+                # builds the index (IVF: trains its cells; HNSW: inserts every template).
+                for backend in ("ivf",) + (() if args.skip_hnsw else ("hnsw",)):
+                    t0 = time.perf_counter()
+                    g = Gallery(path, threshold=0.0, backend=backend)
+                    load = time.perf_counter() - t0
+                    top, p50, p99 = timed(lambda queries, g=g: top1(g, queries), q)
+                    rows.append(
+                        {
+                            "storage": dtype,
+                            "search": f"Gallery (SQLite), {backend} ({index_settings(g)})",
+                            "bytes": index_bytes(g, faiss) / n,
+                            "file_bytes": path.stat().st_size / n,
+                            "load_s": load,
+                            "p50": p50,
+                            "p99": p99,
+                            "recall": float((top == truth).mean()),
+                            "build_s": float("nan"),
+                        }
+                    )
+                    print(rows[-1], flush=True)
+                    g.close()
+                    del g
             path.unlink()
         # FAISS answers templates: recall@1 compares the identity of the template found.
         assert truth is not None
@@ -216,8 +260,9 @@ def main() -> int:
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         file = f" ({r['file_bytes']:.0f})" if "file_bytes" in r else ""
+        build = "" if np.isnan(r["build_s"]) else f"{r['build_s']:.1f}"
         print(
-            f"| {r['storage']} | {r['search']} | {r['bytes']:.0f}{file} | {r['build_s']:.1f} | "
+            f"| {r['storage']} | {r['search']} | {r['bytes']:.0f}{file} | {build} | "
             f"{r['load_s']:.2f} | {r['p50']:.2f} / {r['p99']:.2f} | {r['recall']:.3f} |"
         )
     return 0

@@ -303,7 +303,7 @@ def _seeded(module, gen):
     return module
 
 
-@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw"])
+@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw", "ivf"])
 def test_add_equals_fit_on_everything(gen, backend):
     ref, lab, q = _data(gen, n=400, dtype=torch.float32)
     lab[300:] = 7  # a class that only arrives with add()
@@ -319,7 +319,7 @@ def test_add_equals_fit_on_everything(gen, backend):
     assert torch.equal(full.predict(q), grown.predict(q))
 
 
-@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw"])
+@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw", "ivf"])
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_save_load_round_trip(gen, tmp_path, backend, metric):
     ref, lab, q = _data(gen, n=500, dtype=torch.float32)
@@ -447,6 +447,66 @@ def test_load_checks_headers_before_reading(gen, tmp_path, monkeypatch):
     monkeypatch.setenv("MARGINKIT_MAX_INPUT_MB", "0.001")
     with pytest.raises(IndexFileError, match="above the input memory limit"):
         KNNClassifier.load(path)
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_ivf_is_exact_until_trained_then_recalls_and_retrains_as_it_grows(gen, metric):
+    ref, lab = _clustered(gen, 6000)
+    q, _ = _clustered(gen, 300)
+    clf = KNNClassifier(10, metric, backend="ivf", ivf_nprobe=4).fit(ref[:1000], lab[:1000])
+    assert clf._index.nlist is None  # 1000 references < 39 x 31 cells: still exact
+    assert clf.recall_at_k(q) == 1.0
+    clf.add(ref[1000:1500], lab[1000:1500])
+    assert clf._index.nlist == 38  # trained at 1500 references: floor(sqrt(1500)) cells
+    clf.add(ref[1500:5999], lab[1500:5999])
+    assert clf._index.nlist == 38  # 5999 < 4 x 1500: the same cells
+    clf.add(ref[5999:], lab[5999:])
+    assert clf._index.nlist == 77 and clf._index.index.ntotal == 6000  # grown 4x: cells chosen again
+    recalls = {}
+    for nprobe in (1, 8, 77):
+        clf.ivf_nprobe = nprobe
+        recalls[nprobe] = clf.recall_at_k(q)
+    assert recalls[1] <= recalls[8] <= recalls[77] and recalls[1] < 1
+    assert recalls[77] > 0.97  # every cell scanned: only the 8-bit codes' rounding misses
+    # Neighbours come back re-scored exactly, ordered by value: the values are the exact ones.
+    exact = KNNClassifier(10, metric).fit(ref, lab)
+    values, idx = clf.kneighbors(q)
+    refs = exact.reference_embeddings()
+    qq = torch.nn.functional.normalize(q, dim=1) if metric == "cosine" else q
+    diff = qq[:, None, :] - refs[idx]
+    direct = (qq[:, None, :] * refs[idx]).sum(2) if metric == "cosine" else diff.norm(dim=2)
+    torch.testing.assert_close(values, direct, atol=1e-5, rtol=1e-5)
+    assert ((values[:, 1:] - values[:, :-1]) * (1 if metric == "l2" else -1) >= 0).all()
+    assert (clf.predict(q) == exact.predict(q)).float().mean() > 0.95
+
+
+def test_ivf_rows_whose_cells_are_too_small_are_answered_exactly(gen):
+    ref, lab = _clustered(gen, 2000, centres=200, noise=0.05)
+    q, _ = _clustered(gen, 100, centres=200, noise=0.05)
+    clf = KNNClassifier(40, "l2", backend="ivf", ivf_nlist=50, ivf_nprobe=1).fit(ref, lab)
+    assert clf._index.nlist == 50
+    _, raw = clf._index.index.search(q.numpy(), 40)
+    assert (raw < 0).any()  # some probed cells hold fewer than 40 references
+    short = torch.from_numpy((raw < 0).any(axis=1))
+    _, idx = clf.kneighbors(q)
+    _, exact = KNNClassifier(40, "l2").fit(ref, lab).kneighbors(q)
+    assert torch.equal(idx[short], exact[short])
+    assert (idx >= 0).all() and all(len(set(row)) == 40 for row in idx.tolist())
+
+
+def test_ivf_settings_are_checked(gen, tmp_path):
+    from marginkit.knn import IndexFileError
+
+    with pytest.raises(ValueError, match="ivf_nlist"):
+        KNNClassifier(backend="ivf", ivf_nlist=0)
+    with pytest.raises(ValueError, match="ivf_nprobe"):
+        KNNClassifier(backend="ivf").ivf_nprobe = 0
+    path, meta, arrays = _saved(gen, tmp_path, backend="ivf", ivf_nlist=7, ivf_nprobe=3)
+    back = KNNClassifier.load(path)
+    assert (back.ivf_nlist, back.ivf_nprobe) == (7, 3) and meta["ivf"] == {"nlist": 7, "nprobe": 3}
+    for i, bad in enumerate([{"nlist": 0, "nprobe": 3}, {"nlist": 7, "nprobe": "3"}, [7], {"cells": 7}]):
+        with pytest.raises(IndexFileError, match="ivf|nlist|nprobe"):
+            KNNClassifier.load(_rewrite(tmp_path / f"ivf{i}.npz", {**meta, "ivf": bad}, arrays))
 
 
 def test_load_refuses_a_damaged_hnsw_graph(gen, tmp_path):

@@ -600,6 +600,12 @@ def test_cli_serve_refuses_bad_setups(onnx_bundle, tmp_path, capsys):
     assert main(["serve", str(onnx_bundle.path), "--gallery", str(tmp_path / "int8.db"), "--far", "1e-2",
                  "--gallery-dtype", "float16"]) == 2  # fmt: skip
     assert "stores its templates as int8, not float16" in capsys.readouterr().err
+    # --gallery-backend: the template search; an approximate one over int8 templates is refused
+    app = build_app(onnx_bundle.path, tmp_path / "ivf.db", far=1e-2, gallery_backend="ivf")
+    assert app.state.gallery.backend == "ivf"
+    assert main(["serve", str(onnx_bundle.path), "--gallery", str(tmp_path / "int8.db"), "--far", "1e-2",
+                 "--gallery-backend", "hnsw"]) == 2  # fmt: skip
+    assert "backend 'hnsw' searches float32 templates" in capsys.readouterr().err
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -56,6 +56,12 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
         help="template storage of a new SQLite gallery: float32 (4 D bytes each), float16 (2 D) or int8 "
         "(D + 4, one scale per template); default: an existing gallery's own, float32 for a new one",
     )  # fmt: skip
+    p.add_argument(
+        "--gallery-backend", choices=("exact", "faiss", "hnsw", "ivf"), default="exact",
+        help="template search of identify and classify: exact (torch), faiss (FAISS flat, exact), hnsw or ivf "
+        "(FAISS, approximate: millions of float32 templates; marginkit[faiss]); a Milvus gallery: exact, hnsw "
+        "or ivf, fixed when its collection is made. verify is always exact",
+    )  # fmt: skip
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (1-65535)")
     p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate of the decisions")
     p.add_argument("--threshold", type=float, help="explicit score threshold (instead of --far)")
@@ -124,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "bundle_path": str(args.bundle), "gallery_path": str(args.gallery), "far": args.far,
                 "threshold": args.threshold, "trust_torchscript": args.trust_torchscript,
                 "threads": args.threads, "gallery_dtype": args.gallery_dtype,
+                "gallery_backend": args.gallery_backend,
             }  # fmt: skip
             # Built here even with several workers: a bad set-up fails now, with its reason.
             app = build_app(**build, token=token, limits=limits)

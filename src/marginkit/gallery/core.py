@@ -113,10 +113,12 @@ class Gallery:
             calibration table (ignored when ``threshold`` is given).
         threshold: explicit score threshold (accept iff score > threshold).
         k: neighbours of :meth:`classify`'s vote.
-        backend: the template search: ``"exact"`` (torch), ``"faiss"`` (FAISS flat, exact) or
-            ``"hnsw"`` (FAISS HNSW, approximate: for millions of templates; its recall is
-            measured by ``benchmarks/bench_gallery_scale.py``), the last two with
-            ``marginkit[faiss]``. A Milvus gallery takes ``"exact"``, ``"hnsw"`` or ``"ivf"``.
+        backend: the template search: ``"exact"`` (torch), ``"faiss"`` (FAISS flat, exact),
+            ``"hnsw"`` (FAISS HNSW) or ``"ivf"`` (FAISS inverted lists, cells trained once
+            there are 39² templates), both approximate, for millions of templates (their recall
+            is measured by ``benchmarks/bench_gallery_scale.py``); the last three with
+            ``marginkit[faiss]``. :meth:`verify` is always exact. A Milvus gallery takes
+            ``"exact"``, ``"hnsw"`` or ``"ivf"``.
             Templates stored as float16 or int8 are searched exactly (``"exact"`` only).
         timeout: seconds a write waits for another process's transaction.
         dtype: how a new gallery stores its templates, on disk and in memory: ``"float32"``
@@ -204,7 +206,7 @@ class Gallery:
         return super().__new__(cls)
 
     #: Template searches this storage offers (``backend=``).
-    BACKENDS: tuple[str, ...] = ("exact", "faiss", "hnsw")
+    BACKENDS: tuple[str, ...] = ("exact", "faiss", "hnsw", "ivf")
 
     def _open(
         self,

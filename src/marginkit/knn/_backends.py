@@ -1,4 +1,5 @@
-"""Index backends of :class:`~marginkit.knn.KNNClassifier`: exact torch, FAISS flat, FAISS HNSW.
+"""Index backends of :class:`~marginkit.knn.KNNClassifier`: exact torch, FAISS flat, FAISS HNSW,
+FAISS IVF.
 
 Every backend stores *prepared* reference vectors (cast to the working precision and, for
 ``metric="cosine"``, L2-normalised), grows with :meth:`add` without rebuilding, and answers
@@ -11,6 +12,7 @@ names the extra to install.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,7 +30,7 @@ def import_faiss() -> Any:
         import faiss
     except ImportError as err:  # pragma: no cover - exercised with faiss hidden
         raise ImportError(
-            f"the 'faiss' and 'hnsw' K-NN backends need FAISS, which is not installed: {FAISS_HINT}"
+            f"the 'faiss', 'hnsw' and 'ivf' K-NN backends need FAISS, which is not installed: {FAISS_HINT}"
         ) from err
     return faiss
 
@@ -226,3 +228,100 @@ class HNSWIndex:
 
     def state(self) -> dict[str, np.ndarray]:
         return {"embeddings": self.vectors().numpy().copy(), **self.graph()[0]}
+
+
+IVF_MIN_POINTS_PER_LIST = 39  # FAISS's k-means warns below 39 training points per centroid
+IVF_REGROW = 4  # an automatic ``nlist`` is chosen again when the index has grown this many times
+IVF_TRAIN_POINTS_PER_LIST = 64  # k-means sample per cell (FAISS's default, 256, quadruples training)
+
+
+class IVFIndex:
+    """FAISS inverted lists (approximate) over an exact float32 store of the references.
+
+    The references live in one ``[N, D]`` tensor (what :meth:`vectors` returns and what the
+    answers are scored from); FAISS holds an ``IndexIVFScalarQuantizer`` (8-bit per dimension,
+    ``D`` bytes a reference) over them that proposes candidates: the ``nprobe`` nearest of
+    ``nlist`` k-means cells are scanned (Jégou et al., "Product quantization for nearest
+    neighbor search", TPAMI 2011, §IV-A), and the ``k`` best are re-scored exactly and ordered
+    by value then index, as :class:`HNSWIndex` does. *Which* neighbours come back is
+    approximate; measure it with ``recall_at_k``.
+
+    Cells are k-means centroids of the references themselves (FAISS's seeded k-means on a sample
+    of 64 references a cell), so they are trained only once there are ``39 × nlist``
+    references; until then search is exact.
+    ``nlist=None`` chooses ``⌊√N⌋`` cells when trained and trains again, over all references,
+    each time the index has grown ``IVF_REGROW`` times: cells fit the data they split however
+    the index grows (one re-training per factor of growth, so the total cost stays linear in
+    ``N`` up to a logarithm). A row whose probed cells hold fewer than ``k`` references is
+    answered by exact search.
+    """
+
+    def __init__(self, metric: str, dim: int, nlist: int | None, nprobe: int, memory_limit_bytes: int):
+        self._faiss = import_faiss()
+        self.metric, self.dtype, self.memory_limit_bytes = metric, torch.float32, memory_limit_bytes
+        self.nlist_setting, self.nprobe = nlist, nprobe
+        self._x = torch.empty(0, dim, dtype=torch.float32)
+        self.index: Any = None  # the trained FAISS IVF index
+        self._trained_at = 0  # references when the cells were last trained
+
+    def __len__(self) -> int:
+        return self._x.shape[0]
+
+    @property
+    def nlist(self) -> int | None:
+        """Cells of the trained index (``None`` while search is exact)."""
+        return None if self.index is None else int(self.index.nlist)
+
+    def _wanted_nlist(self, n: int) -> int:
+        return self.nlist_setting if self.nlist_setting is not None else max(1, math.isqrt(n))
+
+    def add(self, vectors: torch.Tensor) -> None:
+        vectors = vectors.detach().to("cpu", torch.float32).contiguous()
+        start = len(self)
+        self._x = torch.cat([self._x, vectors]) if start else vectors.clone()
+        n = len(self)
+        nlist = self._wanted_nlist(n)
+        due = self.index is None or (self.nlist_setting is None and n >= IVF_REGROW * self._trained_at)
+        if due and n >= IVF_MIN_POINTS_PER_LIST * nlist:
+            self._train(nlist)
+        elif self.index is not None:
+            self.index.add(self._x[start:].numpy())
+
+    def _train(self, nlist: int) -> None:
+        faiss, dim = self._faiss, self._x.shape[1]
+        metric = faiss.METRIC_INNER_PRODUCT if self.metric == "cosine" else faiss.METRIC_L2
+        quantizer = faiss.IndexFlatIP(dim) if self.metric == "cosine" else faiss.IndexFlatL2(dim)
+        index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_8bit, metric)
+        index.cp.max_points_per_centroid = IVF_TRAIN_POINTS_PER_LIST
+        data = self._x.numpy()
+        index.train(data)
+        index.add(data)
+        self.index, self._trained_at = index, len(self)
+
+    def vectors(self) -> torch.Tensor:
+        return self._x
+
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index is None:
+            limit = self.memory_limit_bytes
+            return exact_search(queries, self._x, k, metric=self.metric, memory_limit_bytes=limit)
+        q = prepare(queries.detach().cpu(), self.metric, "queries", torch.float32)
+        self.index.nprobe = min(self.nprobe, self.index.nlist)
+        approx, labels = self.index.search(q.numpy(), k)
+        labels = torch.from_numpy(labels)
+        short = (labels < 0).any(dim=1)  # the probed cells held fewer than k references
+        labels[short] = torch.arange(k)  # placeholders: these rows are answered exactly below
+        values, indices, _ = rerank(
+            queries.detach().cpu(), self._x, labels, torch.from_numpy(approx), k, metric=self.metric,
+            memory_limit_bytes=_RERANK_BYTES, exhaustive=True,
+        )  # fmt: skip
+        if bool(short.any()):
+            rows = short.nonzero().squeeze(1)
+            values[rows], indices[rows] = exact_search(
+                queries.detach().cpu()[rows], self._x, k, metric=self.metric,
+                memory_limit_bytes=self.memory_limit_bytes,
+            )  # fmt: skip
+        return values, indices
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"embeddings": self._x.numpy().copy()}

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from marginkit._validation import choice, compute_dtype, data_tensor, positive_float, positive_int, to_caller
-from marginkit.knn._backends import ExactIndex, FaissFlatIndex, HNSWIndex, Index, import_faiss
+from marginkit.knn._backends import ExactIndex, FaissFlatIndex, HNSWIndex, Index, IVFIndex, import_faiss
 from marginkit.knn._search import check_embeddings, check_metric, exact_search, prepare
 from marginkit.knn.fingerprint import model_fingerprint as fingerprint_of
 from marginkit.knn.index_file import IndexFileError, check_hnsw_graph, fail, read_index, write_index
@@ -18,7 +18,7 @@ from marginkit.knn.labels import Classes, Labels, check_label_values
 
 __all__ = ["BACKENDS", "WEIGHTS", "IndexFileError", "KNNClassifier", "vote_proba"]
 
-BACKENDS = ("exact", "faiss", "hnsw")
+BACKENDS = ("exact", "faiss", "hnsw", "ivf")
 WEIGHTS = ("uniform", "distance")
 
 
@@ -65,8 +65,10 @@ class KNNClassifier:
             :func:`vote_proba`).
         backend: ``"exact"`` (pure torch, any device, chunked under ``memory_limit_mb``; the
             default, no extra dependency), ``"faiss"`` (FAISS exact flat index, CPU, float32)
-            or ``"hnsw"`` (FAISS HNSW graph, approximate; measure it with
-            :meth:`recall_at_k`). The FAISS backends need ``pip install 'marginkit[faiss]'``.
+            ``"hnsw"`` (FAISS HNSW graph, approximate; measure it with :meth:`recall_at_k`) or
+            ``"ivf"`` (FAISS inverted lists over k-means cells, approximate, over an exact
+            float32 store that scores the answers). The FAISS backends need
+            ``pip install 'marginkit[faiss]'``.
         memory_limit_mb: bound on the temporary memory of one exact search (the score matrix
             is computed in chunks under it). The FAISS backends use FAISS's own blocking.
         num_classes: declare the classes up front as ``0 .. num_classes - 1`` (columns of
@@ -76,6 +78,9 @@ class KNNClassifier:
         hnsw_m, hnsw_ef_construction, hnsw_ef_search: HNSW's ``M`` (graph degree),
             ``efConstruction`` (build beam) and ``efSearch`` (query beam, raised to ``k``
             when smaller); ``hnsw_ef_search`` can be changed after fitting.
+        ivf_nlist, ivf_nprobe: IVF's cells (``None``: ``⌊√N⌋``, chosen again as the index
+            grows; cells are trained once there are ``39 × nlist`` references, exact search
+            until then) and cells scanned per query (can be changed after fitting).
 
     Labels are identifiers, with scikit-learn's conventions (``KNeighborsClassifier``): any
     integers (an id of 10**12 costs nothing) or strings; ``classes_`` holds the distinct labels
@@ -117,6 +122,8 @@ class KNNClassifier:
         hnsw_m: int = 32,
         hnsw_ef_construction: int = 200,
         hnsw_ef_search: int = 128,
+        ivf_nlist: int | None = None,
+        ivf_nprobe: int = 32,
     ) -> None:
         self.k = positive_int(k, "k")
         self.metric = check_metric(metric)
@@ -129,6 +136,8 @@ class KNNClassifier:
         self.hnsw_m = positive_int(hnsw_m, "hnsw_m", minimum=2)
         self.hnsw_ef_construction = positive_int(hnsw_ef_construction, "hnsw_ef_construction")
         self._hnsw_ef_search = positive_int(hnsw_ef_search, "hnsw_ef_search")
+        self.ivf_nlist = None if ivf_nlist is None else positive_int(ivf_nlist, "ivf_nlist")
+        self._ivf_nprobe = positive_int(ivf_nprobe, "ivf_nprobe")
         self.model_fingerprint: str | None = None
         self._index: Index | None = None
         self._codes: torch.Tensor | None = None  # per reference, its position in classes_
@@ -169,6 +178,16 @@ class KNNClassifier:
             self._index.ef_search = self._hnsw_ef_search
 
     @property
+    def ivf_nprobe(self) -> int:
+        return self._ivf_nprobe
+
+    @ivf_nprobe.setter
+    def ivf_nprobe(self, value: int) -> None:
+        self._ivf_nprobe = positive_int(value, "ivf_nprobe")
+        if isinstance(self._index, IVFIndex):
+            self._index.nprobe = self._ivf_nprobe
+
+    @property
     def num_classes(self) -> int | None:
         """Number of classes (columns of :meth:`predict_proba`); ``None`` before :meth:`fit`."""
         return None if self._classes is None else len(self._classes)
@@ -201,6 +220,8 @@ class KNNClassifier:
             return ExactIndex(self.metric, dim, dtype, device, self.memory_limit_bytes)
         if self.backend == "faiss":
             return FaissFlatIndex(self.metric, dim, self.memory_limit_bytes)
+        if self.backend == "ivf":
+            return IVFIndex(self.metric, dim, self.ivf_nlist, self._ivf_nprobe, self.memory_limit_bytes)
         return HNSWIndex(self.metric, dim, self.hnsw_m, self.hnsw_ef_construction, self._hnsw_ef_search)
 
     def _check_new(
@@ -400,6 +421,7 @@ class KNNClassifier:
             "num_classes": self.num_classes,
             "fixed_num_classes": self._classes.fixed,
             "hnsw": hnsw,
+            "ivf": {"nlist": self.ivf_nlist, "nprobe": self._ivf_nprobe},
             "dimension": self._dim,
             "dtype": str(index.dtype).removeprefix("torch."),
             "num_references": len(index),
@@ -435,6 +457,7 @@ class KNNClassifier:
                 **{name: meta[name] for name in ("k", "metric", "weights", "backend", "memory_limit_mb")},
                 num_classes=meta["num_classes"] if meta["fixed_num_classes"] else None,
                 **{f"hnsw_{name}": hnsw[name] for name in ("m", "ef_construction", "ef_search")},
+                **{f"ivf_{name}": value for name, value in meta.get("ivf", {}).items()},
             )
         except (TypeError, ValueError) as exc:
             raise fail(path, f"metadata holds an invalid setting: {exc}") from exc

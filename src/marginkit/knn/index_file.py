@@ -3,7 +3,8 @@
 One ``.npz`` (no pickle) with arrays
 
 - ``metadata`` — a JSON object: format and version, hyper-parameters, dimension, dtype,
-  number of references, model fingerprint (and, for ``hnsw``, the graph's entry point);
+  number of references, model fingerprint (and, for ``hnsw``, the graph's entry point; for
+  ``ivf``, its cell settings: the cells themselves are trained again on load);
 - ``classes`` — ``[C]`` the sorted distinct labels (int64, or unicode strings);
 - ``labels`` — ``[N]`` each reference's code, its position in ``classes``;
 - ``embeddings`` — ``[N, D]`` prepared references (L2-normalised for ``cosine``);
@@ -104,6 +105,13 @@ def _check_metadata(meta: Any, names: set[str]) -> dict[str, Any]:
         raise ValueError(f"metadata 'hnsw' must be an object, got {meta['hnsw']!r}")
     for key in ("m", "ef_construction", "ef_search"):
         _int(meta["hnsw"], key, 1)
+    ivf = meta.get("ivf", {})  # (files before the ivf backend have none)
+    if not isinstance(ivf, dict) or set(ivf) - {"nlist", "nprobe"}:
+        raise ValueError(f"metadata 'ivf' must be an object with 'nlist' and 'nprobe', got {ivf!r}")
+    if ivf.get("nlist") is not None:
+        _int(ivf, "nlist", 1)
+    if "nprobe" in ivf:
+        _int(ivf, "nprobe", 1)
     expected = {"labels", "embeddings"} | ({"classes"} if meta["version"] >= 3 else set())
     if meta["backend"] == "hnsw":
         if meta["version"] == 1:

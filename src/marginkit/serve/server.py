@@ -41,12 +41,14 @@ def build_app(
     trust_torchscript: bool = False,
     threads: int = 0,
     gallery_dtype: str | None = None,
+    gallery_backend: str = "exact",
 ) -> Any:
     """Load the bundle (checked) and open (or create) the gallery; return the FastAPI app.
 
     The decision threshold is ``threshold`` if given, else the bundle's calibrated threshold
     at ``far``; without either, :class:`ValueError`. ``gallery_dtype``: the template storage
-    of a new gallery (:class:`~marginkit.gallery.Gallery`'s ``dtype``).
+    of a new gallery (:class:`~marginkit.gallery.Gallery`'s ``dtype``); ``gallery_backend``:
+    its template search (``backend``).
     """
     try:
         import fastapi  # noqa: F401
@@ -59,7 +61,9 @@ def build_app(
     bundle = load_bundle(bundle_path, trust_torchscript=trust_torchscript, threads=threads)
     if threshold is None:
         bundle.threshold(far)  # fail now, with the reason, when the FAR was not measurable
-    gallery = Gallery(gallery_path, bundle, far=far, threshold=threshold, dtype=gallery_dtype)
+    gallery = Gallery(
+        gallery_path, bundle, far=far, threshold=threshold, dtype=gallery_dtype, backend=gallery_backend
+    )
     return create_app(bundle, gallery, token=token, limits=limits)
 
 
