@@ -282,6 +282,20 @@ def test_template_storage_is_the_files_own(tmp_path, gen):
         Gallery(tmp_path / "float16.db")
 
 
+def test_float64_beyond_float32s_range_is_a_direction_not_an_error(tmp_path):
+    # Cosines do not depend on the scale: 1e39 (finite in float64, inf in float32) and 1e-320
+    # (subnormal) are scored by their direction; inf itself stays an error.
+    g = new_gallery(tmp_path / "g.db")
+    g.enroll("a", np.eye(DIM)[0])
+    g.enroll("huge", np.eye(DIM)[1] * 1e300)
+    for scale in (1e39, 1e-320, 1.0):
+        probe = (np.eye(DIM)[0] + np.eye(DIM)[1]) * scale
+        assert g.verify(probe, "a").score == pytest.approx(2**-0.5)
+        assert g.verify(probe, "huge").score == pytest.approx(2**-0.5)
+    with pytest.raises(ValueError, match="probe contains NaN or infinite values"):
+        g.verify(np.full(DIM, np.inf), "a")
+
+
 class Boom(RuntimeError):
     pass
 

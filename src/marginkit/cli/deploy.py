@@ -58,9 +58,9 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
     )  # fmt: skip
     p.add_argument(
         "--gallery-backend", choices=("exact", "faiss", "hnsw", "ivf"), default="exact",
-        help="template search of identify and classify: exact (torch), faiss (FAISS flat, exact), hnsw or ivf "
-        "(FAISS, approximate: millions of float32 templates; marginkit[faiss]); a Milvus gallery: exact, hnsw "
-        "or ivf, fixed when its collection is made. verify is always exact",
+        help="template search of identify and classify: exact (torch), faiss (FAISS flat, exact), hnsw or "
+        "ivf (FAISS, approximate: millions of float32 templates; marginkit[faiss]); a Milvus gallery: exact, "
+        "hnsw or ivf, fixed when its collection is made. verify is always exact",
     )  # fmt: skip
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (1-65535)")
     p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate of the decisions")
