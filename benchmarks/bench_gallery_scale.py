@@ -135,7 +135,7 @@ def main() -> int:
             g = Gallery(path, threshold=0.0)
             load = time.perf_counter() - t0
             # the templates as held: float32 in the K-NN index, float16 / int8 as codes (+ scales)
-            held = g._knn._require_fitted()[0].vectors() if dtype == "float32" else g._codes
+            held = g._knn.reference_embeddings(copy=False) if dtype == "float32" else g._codes
             memory = held.nbytes + (0 if g._scales is None else g._scales.nbytes)
 
             top, p50, p99 = timed(lambda queries, g=g: top1(g, queries), q)

@@ -715,3 +715,13 @@ def test_missing_faiss_names_the_extra(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'marginkit\[faiss\]'"):
         KNNClassifier(backend="hnsw")
     KNNClassifier(backend="exact")  # the default needs nothing extra
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss", "hnsw", "ivf"])
+def test_reference_embeddings_copy_or_the_index_own_storage(gen, backend):
+    ref, lab, _ = _data(gen, n=100, dtype=torch.float32)
+    clf = KNNClassifier(3, backend=backend).fit(ref, lab)
+    own, copied = clf.reference_embeddings(copy=False), clf.reference_embeddings()
+    assert torch.equal(own, copied) and own.data_ptr() != copied.data_ptr()
+    assert own.data_ptr() == clf.reference_embeddings(copy=False).data_ptr()  # no copy
+    torch.testing.assert_close(own, torch.nn.functional.normalize(ref, dim=1))

@@ -466,7 +466,7 @@ class Gallery:
         if self.dtype == "float32":
             if self._knn is None:
                 return torch.empty(0, self.embedding_dim)
-            return self._knn._require_fitted()[0].vectors()[rows]  # the index's own rows: no copy
+            return self._knn.reference_embeddings(copy=False)[rows]
         return dequantize(self._codes[rows], None if self._scales is None else self._scales[rows])
 
     def _nearest(self, emb: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,9 +206,14 @@ class KNNClassifier:
         assert self._classes is not None
         return self._classes.decode(codes, as_numpy=False)
 
-    def reference_embeddings(self) -> torch.Tensor:
-        """A copy of the stored (prepared: working precision, normalised for cosine) references."""
-        return self._require_fitted()[0].vectors().clone()
+    def reference_embeddings(self, *, copy: bool = True) -> torch.Tensor:
+        """The stored (prepared: working precision, normalised for cosine) references ``[N, D]``.
+
+        ``copy=False`` returns the index's own storage without copying (a gallery of millions
+        of templates reads rows from it): read it only, and only until the next :meth:`add`.
+        """
+        vectors = self._require_fitted()[0].vectors()
+        return vectors.clone() if copy else vectors
 
     def _require_fitted(self) -> tuple[Index, torch.Tensor]:
         if self._index is None or self._codes is None:
