@@ -221,15 +221,14 @@ def create_app(
             if array.ndim != 2 or array.shape[1] != d:
                 raise BadInput(f"embeddings must have shape [B, {d}], got {list(data.array.shape)}")
             _check_batch(array.shape[0])
-            with np.errstate(over="ignore"):
-                emb = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            emb = torch.from_numpy(np.ascontiguousarray(array, dtype=_working_dtype(array)))
             if not bool(torch.isfinite(emb).all()):
-                raise BadInput("embeddings exceed float32's range (|value| above 3.4e38)")
+                raise BadInput("embeddings must be finite numbers")
         else:
             emb = embed_inputs(array)
         if bool((emb == 0).all(dim=1).any()):
             raise BadInput("an embedding is all zeros: its cosine is undefined")
-        return prepare(emb, "cosine", "embeddings", torch.float32)  # (any scale: no overflow)
+        return prepare(emb, "cosine", "embeddings", emb.dtype).to(torch.float32)  # (any scale)
 
     def embed_inputs(array: np.ndarray) -> torch.Tensor:
         """Raw samples (a batch; one vector sample may come unbatched) -> embeddings."""
@@ -452,6 +451,19 @@ def _model_inputs(array: np.ndarray, input_kind: str) -> np.ndarray:
             )
         return array.astype(np.uint8)
     return array if array.dtype == np.uint8 and input_kind == "image" else array.astype(np.float32)
+
+
+def _working_dtype(array: np.ndarray) -> type:
+    """float32, unless float32 cannot hold the values: then float64 until normalised (a finite
+    1e300 or 1e-300 is a direction; JSON's numbers arrive as float64, and those within float32's
+    normal range are normalised in float32, so JSON and ``.npy`` bodies answer alike)."""
+    if array.dtype != np.float64:
+        return np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        magnitude = np.abs(array)
+        tiny = np.finfo(np.float32).tiny
+        beyond = (magnitude > np.finfo(np.float32).max) | ((magnitude > 0) & (magnitude < tiny))
+    return np.float64 if bool((beyond & np.isfinite(array)).any()) else np.float32
 
 
 def _validation_message(errors: Any) -> str:
