@@ -454,16 +454,17 @@ def _model_inputs(array: np.ndarray, input_kind: str) -> np.ndarray:
 
 
 def _working_dtype(array: np.ndarray) -> type:
-    """float32, unless float32 cannot hold the values: then float64 until normalised (a finite
-    1e300 or 1e-300 is a direction; JSON's numbers arrive as float64, and those within float32's
-    normal range are normalised in float32, so JSON and ``.npy`` bodies answer alike)."""
-    if array.dtype != np.float64:
+    """float32, unless a row's largest magnitude lies beyond float32's range (above its
+    largest or below its smallest normal value): then float64 until normalised, since a
+    finite 1e300 or 1e-300 is a direction. JSON's numbers arrive as float64; rows float32
+    holds are normalised in float32, so JSON and ``.npy`` bodies answer alike."""
+    if array.dtype != np.float64 or array.size == 0:
         return np.float32
-    with np.errstate(over="ignore", invalid="ignore"):
-        magnitude = np.abs(array)
-        tiny = np.finfo(np.float32).tiny
-        beyond = (magnitude > np.finfo(np.float32).max) | ((magnitude > 0) & (magnitude < tiny))
-    return np.float64 if bool((beyond & np.isfinite(array)).any()) else np.float32
+    peak = np.abs(array).max(axis=-1)
+    return np.float64 if bool(((peak > _F32_MAX) | (peak < _F32_TINY)).any()) else np.float32
+
+
+_F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
 
 
 def _validation_message(errors: Any) -> str:
