@@ -54,6 +54,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="server / library alternations per cell (best kept)")
     p.add_argument("--workers", default="1,2", help="server worker processes to measure (comma-separated)")
     p.add_argument("--body", choices=("json", "npy"), default="json", help="how the probe is sent")
+    p.add_argument(
+        "--client", choices=("socket", "http.client"), default="socket",
+        help="HTTP client: a bare keep-alive socket (request bytes made once) or Python's http.client",
+    )  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p.parse_args()
 
@@ -160,6 +164,58 @@ def http_call(port: int, path: str, bodies: list[tuple[str, bytes]], ctype: str)
             raise RuntimeError(f"{path}: HTTP {resp.status}: {data[:200]!r}")
 
     return call
+
+
+def socket_call(port: int, path: str, bodies: list[tuple[str, bytes]], ctype: str) -> Any:
+    """As :func:`http_call` on a bare keep-alive socket: the request bytes are made once, and
+    the response is read by its ``Content-Length`` (or chunked framing). Python's http.client
+    spends about as long on each request as uvicorn does, which is the client's cost, not the
+    server's."""
+    requests = [
+        (
+            f"POST {url} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+        for url, body in bodies
+    ]
+
+    def call(state: dict[str, Any], worker: int, i: int) -> None:
+        sock = state.get("sock")
+        if sock is None:
+            sock = state["sock"] = socket.create_connection(("127.0.0.1", port), timeout=60)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            state["buf"] = b""
+        sock.sendall(requests[i % len(requests)])
+        buf = state["buf"]
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            buf += _recv(sock)
+        head, buf = buf[:end].lower(), buf[end + 4 :]
+        status = int(head[9:12])
+        at = head.find(b"\ncontent-length:")
+        if at >= 0:
+            stop = head.find(b"\r", at + 1)
+            length = int(head[at + 16 : stop if stop >= 0 else None])
+            while len(buf) < length:
+                buf += _recv(sock)
+            data, buf = buf[:length], buf[length:]
+        else:  # chunked: the body ends with a zero-length chunk
+            while (stop := buf.find(b"\r\n0\r\n\r\n")) < 0 and not buf.startswith(b"0\r\n\r\n"):
+                buf += _recv(sock)
+            stop = 0 if stop < 0 else stop + 2
+            data, buf = buf[:stop], buf[stop + 5 :]
+        state["buf"] = buf
+        if status != 200:
+            raise RuntimeError(f"{path}: HTTP {status}: {data[:200]!r}")
+
+    return call
+
+
+def _recv(sock: socket.socket) -> bytes:
+    chunk = sock.recv(1 << 16)
+    if not chunk:
+        raise RuntimeError("the server closed the connection")
+    return chunk
 
 
 def request_bodies(
@@ -293,6 +349,8 @@ def main() -> int:
     rounds = 1 if args.quick else args.rounds
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
+    client = socket_call if args.client == "socket" else http_call
+    print(f"client: {args.client}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         bundle_path = make_bundle(root)
@@ -312,7 +370,7 @@ def main() -> int:
                 try:
                     wait_for_port(port, server)
                     served, local = interleaved(
-                        http_call(port, "/verify", bodies["/verify"], ctype), library["/verify"], 1,
+                        client(port, "/verify", bodies["/verify"], ctype), library["/verify"], 1,
                         requests, seconds, rounds,
                     )  # fmt: skip
                 finally:
@@ -345,7 +403,7 @@ def main() -> int:
                     for path in ("/verify", "/identify"):
                         for c in (1, 8, 32):
                             served, local = interleaved(
-                                http_call(port, path, bodies[path], ctype), library[path], c, requests,
+                                client(port, path, bodies[path], ctype), library[path], c, requests,
                                 seconds, rounds,
                             )  # fmt: skip
                             rows.append(

@@ -674,3 +674,63 @@ def test_probe_embeddings_at_any_scale_and_beyond_float32(served, onnx_bundle, s
         headers={"content-type": "application/x-npy"},
     )  # fmt: skip
     assert r.status_code == 422 and "contains NaN or infinite values" in r.json()["detail"], r.text
+
+
+def test_the_direct_dispatch_answers_exactly_as_fastapis_stack(onnx_bundle, samples, tmp_path):
+    """The raw POST routes skip FastAPI's router and exception middleware (``_Direct``): every
+    answer and refusal, headers included, equals the one FastAPI's own stack gives."""
+    from marginkit.serve.app import _Direct
+
+    emb = unit(onnx_bundle.embed(samples))
+    npy = io.BytesIO()
+    np.save(npy, emb[:2].numpy())
+    requests = [
+        ("post", "/enroll", {"json": {"identity": "a", "embeddings": emb[:2].tolist()}}),
+        ("post", "/verify", {"json": {"identity": "a", "embeddings": emb[2].tolist()}}),
+        ("post", "/verify", {"json": {"identity": "nobody", "embeddings": emb[2].tolist()}}),
+        ("post", "/verify", {"json": {"embeddings": emb[2].tolist()}}),
+        ("post", "/verify", {"content": b"{not json", "headers": {"content-type": "application/json"}}),
+        ("post", "/verify", {"content": b"x", "headers": {"content-type": "text/plain"}}),
+        ("post", "/identify", {"json": {"embeddings": emb[2:5].tolist(), "k": 2}}),
+        ("post", "/identify", {"json": {"embeddings": emb[2:5].tolist(), "k": 0}}),
+        (
+            "post",
+            "/identify",
+            {
+                "content": npy.getvalue(),
+                "params": {"kind": "embeddings"},
+                "headers": {"content-type": "application/x-npy"},
+            },
+        ),
+        ("post", "/classify", {"json": {"inputs": samples[:3].tolist()}}),
+        ("post", "/embed", {"json": {"embeddings": emb[:1].tolist()}}),
+        ("get", "/verify", {}),
+        ("post", "/verify/", {"json": {}}),
+        ("post", "/metrics", {}),
+    ]
+
+    def answers(direct: bool, token: str | None) -> list[tuple[int, bytes, dict]]:
+        gallery = Gallery(tmp_path / f"{direct}-{token}.db", onnx_bundle, far=1e-2)
+        app = create_app(onnx_bundle, gallery, limits=LIMITS, token=token)
+        if not direct:
+            app.user_middleware = [m for m in app.user_middleware if m.cls is not _Direct]
+        assert (_Direct in [m.cls for m in app.user_middleware]) == direct
+        out = []
+        with TestClient(app, follow_redirects=False) as client:
+            auth = {"authorization": f"Bearer {token}"} if token else {}
+            for method, path, kw in requests:
+                kw = {**kw, "headers": {**kw.get("headers", {}), **auth}}
+                r = getattr(client, method)(path, **kw)
+                out.append((r.status_code, r.content, {k: v for k, v in r.headers.items() if k != "date"}))
+            r = client.post("/verify", json={"identity": "a", "embeddings": emb[2].tolist()})
+            out.append((r.status_code, r.content, dict(r.headers)))  # without the token, when one is set
+            metrics = client.get("/metrics", headers=auth).json()["requests"]
+            out.append({k: (v["count"], v["status"]) for k, v in metrics.items()})
+        gallery.close()
+        return out
+
+    for token in (None, "s3cret-token-of-16+"):
+        fast, stack = answers(True, token), answers(False, token)
+        assert fast == stack
+    statuses = [status for status, *_ in fast[:-1]]
+    assert statuses == [200, 200, 404, 422, 422, 415, 200, 422, 200, 200, 422, 405, 307, 405, 401]

@@ -452,14 +452,17 @@ class Gallery:
         if missing is not None:
             raise UnknownIdentityError(missing)
         order, offsets, _ = self._templates_csr()
-        idx = torch.tensor([self._index_of[n] for n in names], dtype=torch.long)
-        counts = offsets[idx + 1] - offsets[idx]
-        probe_of = torch.repeat_interleave(torch.arange(len(names)), counts)
-        starts = torch.repeat_interleave(offsets[idx], counts)
-        within = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        rows = order[starts + within]
-        sims = (self._decoded(rows) * emb[probe_of]).sum(dim=1)
-        return torch.full((len(names),), -math.inf).scatter_reduce(0, probe_of, sims, reduce="amax")
+        # The rows of each claimed identity's templates: index arithmetic on a few integers,
+        # in numpy (views of the CPU tensors), where each step costs a fraction of a torch op.
+        order_np, offsets_np = order.numpy(), offsets.numpy()
+        idx = np.fromiter((self._index_of[n] for n in names), dtype=np.int64, count=len(names))
+        first, counts = offsets_np[idx], offsets_np[idx + 1] - offsets_np[idx]
+        probe_of = np.repeat(np.arange(len(names)), counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows = torch.from_numpy(order_np[np.repeat(first, counts) + within])
+        probe_of_t = torch.from_numpy(probe_of)
+        sims = (self._decoded(rows) * emb[probe_of_t]).sum(dim=1)
+        return torch.full((len(names),), -math.inf).scatter_reduce(0, probe_of_t, sims, reduce="amax")
 
     def _decoded(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored templates ``rows`` as float32 ``[len(rows), D]``."""
