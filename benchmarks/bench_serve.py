@@ -261,8 +261,8 @@ def wait_for(port: int, server: subprocess.Popen, seconds: float = 120.0, log: P
     raise RuntimeError(f"server did not answer /health within {seconds} s")
 
 
-# What an HTTP round trip costs here at all: uvicorn (httptools, uvloop, access log on, as
-# `marginkit serve` runs it) answering every POST with a constant, read after the whole body —
+# What an HTTP round trip costs here at all: uvicorn (httptools, uvloop, access log written,
+# as `marginkit serve` runs it) answering every POST with a constant, read after the whole body —
 # as a bare ASGI app and as one FastAPI route.
 FLOOR_APPS = {
     "bare ASGI app": """
@@ -293,7 +293,7 @@ async def answer(path: str, request: Request) -> Response:
 def floor_server(code: str, port: int, log: Any) -> subprocess.Popen:
     script = (
         code + f"\nimport uvicorn\nuvicorn.run(app, host='127.0.0.1', port={port}, http='httptools', "
-        "loop='uvloop', log_level='warning', access_log=True)\n"
+        "loop='uvloop', log_level='info', access_log=True)\n"
     )
     return subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -377,6 +377,8 @@ def main() -> int:
                     server.terminate()
                     server.wait(timeout=30)
                     log.close()
+                lines = (root / "floor.log").read_text().count('"POST /')
+                print(f"  (access log: {lines} request lines)", flush=True)
                 rows.append(
                     {
                         "endpoint": f"floor: {name}", "gallery": n, "workers": 1, "concurrency": 1,
