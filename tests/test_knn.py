@@ -725,3 +725,27 @@ def test_reference_embeddings_copy_or_the_index_own_storage(gen, backend):
     assert torch.equal(own, copied) and own.data_ptr() != copied.data_ptr()
     assert own.data_ptr() == clf.reference_embeddings(copy=False).data_ptr()  # no copy
     torch.testing.assert_close(own, torch.nn.functional.normalize(ref, dim=1))
+
+
+def test_reference_rows_grow_geometrically_not_by_a_copy_per_add(gen):
+    from marginkit.knn._backends import _Rows
+
+    rows, x = _Rows((3,), torch.float32, "cpu"), torch.randn(1000, 3, generator=gen)
+    rows.append(x[:10])
+    assert rows._buf.shape[0] == 10  # a fit gets exactly its size
+    moves = 0
+    for i in range(10, 1000):
+        before = rows._buf.data_ptr()
+        rows.append(x[i : i + 1])
+        moves += rows._buf.data_ptr() != before
+    assert torch.equal(rows.view, x) and moves <= 25  # log_1.25(100) ≈ 21 moves, not 990 copies
+    assert rows._buf.shape[0] <= 1.25 * 1000 + 1
+    # One reference at a time gives the index a fit on all of them gives, for each backend.
+    ref, lab, q = _data(gen, n=200, dtype=torch.float32)
+    for backend in ("exact", "ivf"):
+        grown = KNNClassifier(3, backend=backend).fit(ref[:3], lab[:3])
+        for i in range(3, 200):
+            grown.add(ref[i : i + 1], lab[i : i + 1])
+        full = KNNClassifier(3, backend=backend).fit(ref, lab)
+        assert torch.equal(grown.reference_embeddings(), full.reference_embeddings())
+        assert torch.equal(grown.kneighbors(q)[1], full.kneighbors(q)[1])

@@ -48,6 +48,35 @@ class Index(Protocol):
     def state(self) -> dict[str, np.ndarray]: ...
 
 
+_GROWTH = 1.25  # capacity factor of the reference buffers: amortised appends, at most 25 % slack
+
+
+class _Rows:
+    """Rows appended in amortised constant time per row: a buffer whose capacity grows by
+    ``_GROWTH`` when full. :attr:`view` is its first ``n`` rows (no copy), valid until the
+    next :meth:`append` (a growth moves the rows). One ``torch.cat`` per append instead copied
+    every stored row for each enrollment of a growing gallery."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self._buf = torch.empty((0, *shape), dtype=dtype, device=device)
+        self.n = 0
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self._buf[: self.n]
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.n + rows.shape[0]
+        if need > self._buf.shape[0]:
+            # The first batch (a fit) gets exactly its size; later ones grow geometrically.
+            capacity = need if self.n == 0 else max(need, int(self._buf.shape[0] * _GROWTH) + 1)
+            grown = self._buf.new_empty((capacity, *self._buf.shape[1:]))
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n : need] = rows
+        self.n = need
+
+
 class ExactIndex:
     """Brute force in torch on the references' device, chunked under ``memory_limit_bytes``."""
 
@@ -55,33 +84,34 @@ class ExactIndex:
         self, metric: str, dim: int, dtype: torch.dtype, device: torch.device, memory_limit_bytes: int
     ):
         self.metric, self.dtype, self.memory_limit_bytes = metric, dtype, memory_limit_bytes
-        self._x = torch.empty(0, dim, dtype=dtype, device=device)
-        self._neg_sqnorms = torch.empty(0, dtype=dtype, device=device)
+        self.device = torch.device(device)
+        self._x = _Rows((dim,), dtype, device)
+        self._neg_sqnorms = _Rows((), dtype, device)
 
     def __len__(self) -> int:
-        return self._x.shape[0]
+        return self._x.n
 
     def add(self, vectors: torch.Tensor) -> None:
-        vectors = vectors.to(device=self._x.device, dtype=self.dtype)
-        self._x = torch.cat([self._x, vectors]) if len(self) else vectors.clone()
+        vectors = vectors.to(device=self.device, dtype=self.dtype)
+        self._x.append(vectors)
         if self.metric == "l2":
-            self._neg_sqnorms = torch.cat([self._neg_sqnorms, neg_sqnorms(vectors)])
+            self._neg_sqnorms.append(neg_sqnorms(vectors))
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return exact_search(
             queries,
-            self._x,
+            self._x.view,
             k,
             metric=self.metric,
             memory_limit_bytes=self.memory_limit_bytes,
-            ref_neg_sqnorms=self._neg_sqnorms if self.metric == "l2" else None,
+            ref_neg_sqnorms=self._neg_sqnorms.view if self.metric == "l2" else None,
         )
 
     def vectors(self) -> torch.Tensor:
-        return self._x
+        return self._x.view
 
     def state(self) -> dict[str, np.ndarray]:
-        return {"embeddings": self._x.cpu().numpy()}
+        return {"embeddings": self._x.view.cpu().numpy()}
 
 
 class FaissFlatIndex:
@@ -260,12 +290,12 @@ class IVFIndex:
         self._faiss = import_faiss()
         self.metric, self.dtype, self.memory_limit_bytes = metric, torch.float32, memory_limit_bytes
         self.nlist_setting, self.nprobe = nlist, nprobe
-        self._x = torch.empty(0, dim, dtype=torch.float32)
+        self._x = _Rows((dim,), torch.float32, "cpu")
         self.index: Any = None  # the trained FAISS IVF index
         self._trained_at = 0  # references when the cells were last trained
 
     def __len__(self) -> int:
-        return self._x.shape[0]
+        return self._x.n
 
     @property
     def nlist(self) -> int | None:
@@ -277,34 +307,33 @@ class IVFIndex:
 
     def add(self, vectors: torch.Tensor) -> None:
         vectors = vectors.detach().to("cpu", torch.float32).contiguous()
-        start = len(self)
-        self._x = torch.cat([self._x, vectors]) if start else vectors.clone()
+        self._x.append(vectors)
         n = len(self)
         nlist = self._wanted_nlist(n)
         due = self.index is None or (self.nlist_setting is None and n >= IVF_REGROW * self._trained_at)
         if due and n >= IVF_MIN_POINTS_PER_LIST * nlist:
             self._train(nlist)
         elif self.index is not None:
-            self.index.add(self._x[start:].numpy())
+            self.index.add(vectors.numpy())
 
     def _train(self, nlist: int) -> None:
-        faiss, dim = self._faiss, self._x.shape[1]
+        faiss, data = self._faiss, self._x.view.numpy()
+        dim = data.shape[1]
         metric = faiss.METRIC_INNER_PRODUCT if self.metric == "cosine" else faiss.METRIC_L2
         quantizer = faiss.IndexFlatIP(dim) if self.metric == "cosine" else faiss.IndexFlatL2(dim)
         index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_8bit, metric)
         index.cp.max_points_per_centroid = IVF_TRAIN_POINTS_PER_LIST
-        data = self._x.numpy()
         index.train(data)
         index.add(data)
         self.index, self._trained_at = index, len(self)
 
     def vectors(self) -> torch.Tensor:
-        return self._x
+        return self._x.view
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        refs, limit = self._x.view, self.memory_limit_bytes
         if self.index is None:
-            limit = self.memory_limit_bytes
-            return exact_search(queries, self._x, k, metric=self.metric, memory_limit_bytes=limit)
+            return exact_search(queries, refs, k, metric=self.metric, memory_limit_bytes=limit)
         q = prepare(queries.detach().cpu(), self.metric, "queries", torch.float32)
         self.index.nprobe = min(self.nprobe, self.index.nlist)
         approx, labels = self.index.search(q.numpy(), k)
@@ -312,16 +341,15 @@ class IVFIndex:
         short = (labels < 0).any(dim=1)  # the probed cells held fewer than k references
         labels[short] = torch.arange(k)  # placeholders: these rows are answered exactly below
         values, indices, _ = rerank(
-            queries.detach().cpu(), self._x, labels, torch.from_numpy(approx), k, metric=self.metric,
+            queries.detach().cpu(), refs, labels, torch.from_numpy(approx), k, metric=self.metric,
             memory_limit_bytes=_RERANK_BYTES, exhaustive=True,
         )  # fmt: skip
         if bool(short.any()):
             rows = short.nonzero().squeeze(1)
             values[rows], indices[rows] = exact_search(
-                queries.detach().cpu()[rows], self._x, k, metric=self.metric,
-                memory_limit_bytes=self.memory_limit_bytes,
+                queries.detach().cpu()[rows], refs, k, metric=self.metric, memory_limit_bytes=limit,
             )  # fmt: skip
         return values, indices
 
     def state(self) -> dict[str, np.ndarray]:
-        return {"embeddings": self._x.numpy().copy()}
+        return {"embeddings": self._x.view.numpy().copy()}

@@ -64,7 +64,7 @@ class KNNClassifier:
         weights: ``"uniform"`` (majority vote) or ``"distance"`` (weights ``1/d``, see
             :func:`vote_proba`).
         backend: ``"exact"`` (pure torch, any device, chunked under ``memory_limit_mb``; the
-            default, no extra dependency), ``"faiss"`` (FAISS exact flat index, CPU, float32)
+            default, no extra dependency), ``"faiss"`` (FAISS exact flat index, CPU, float32),
             ``"hnsw"`` (FAISS HNSW graph, approximate; measure it with :meth:`recall_at_k`) or
             ``"ivf"`` (FAISS inverted lists over k-means cells, approximate, over an exact
             float32 store that scores the answers). The FAISS backends need
