@@ -16,44 +16,10 @@ settings.register_profile("soak", max_examples=1000, deadline=None, suppress_hea
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def _expected_seconds(item: pytest.Item) -> float:
-    marker = item.get_closest_marker("slow")
-    return 0.0 if marker is None else float(marker.kwargs.get("seconds", 10))
-
-
-def _shares(n: int, workers: int) -> list[int]:
-    """How pytest-xdist's ``worksteal`` first splits ``n`` tests: contiguous shares, one per
-    worker, ``pending // workers_left`` each."""
-    sizes, left = [], n
-    for w in range(workers, 0, -1):
-        sizes.append(left // w)
-        left -= sizes[-1]
-    return sizes
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Spread the ``slow`` tests over xdist's workers from the start, longest first.
-
-    ``worksteal`` gives each worker a contiguous share of the collection and moves tests only
-    from the tail of a busy worker's queue: slow tests gathered at the front all landed in the
-    first worker's share. Here each slow test (longest first, by ``slow(seconds=...)``) joins
-    the share with the least expected time, at its head; the other tests keep their order.
-    """
-    slow = sorted((i for i in items if _expected_seconds(i)), key=_expected_seconds, reverse=True)
-    fast = [i for i in items if not _expected_seconds(i)]
-    sizes = _shares(len(items), max(1, WORKERS))
-    heads: list[list[pytest.Item]] = [[] for _ in sizes]
-    load = [0.0] * len(sizes)
-    for item in slow:
-        room = [k for k in range(len(sizes)) if len(heads[k]) < sizes[k]]
-        k = min(room, key=lambda j: load[j])
-        heads[k].append(item)
-        load[k] += _expected_seconds(item)
-    ordered, rest = [], iter(fast)
-    for head, size in zip(heads, sizes, strict=True):
-        ordered += head + [next(rest) for _ in range(size - len(head))]
-    assert len(ordered) == len(items)
-    items[:] = ordered
+    """The ``slow`` tests first (stable order otherwise): spread over xdist's workers from the
+    start, the longest ones do not all end up in one worker's tail."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

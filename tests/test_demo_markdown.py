@@ -69,7 +69,7 @@ def test_readme_table_is_the_markdown_output():
     assert "marginkit demo --markdown" in text
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow
 def test_two_demo_runs_give_identical_tables(tmp_path, capsys):
     """A tiny demo twice: once run by run in this process, once in two worker processes."""
     tables = []

@@ -137,7 +137,7 @@ def test_share_of_a_global_batch_is_balanced_and_contiguous():
         assert [s.start for s in shares] == [0, *[s.stop for s in shares[:-1]]]
 
 
-@pytest.mark.slow(seconds=12)
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_cli_train_nproc_launches_torchrun(tmp_path, capsys):
     from marginkit.cli import main
@@ -185,7 +185,7 @@ def _resumes_in_one_process(run_dir: Path) -> None:
     assert train(None, run_dir, resume=True, quiet=True, report=False).finished
 
 
-@pytest.mark.slow(seconds=15)
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_cli_ranks_stop_with_their_launcher(tmp_path, sig):
@@ -207,7 +207,7 @@ def test_cli_ranks_stop_with_their_launcher(tmp_path, sig):
     _resumes_in_one_process(tmp_path / "run")
 
 
-@pytest.mark.slow(seconds=50)
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_stopped_rank_ends_the_run_with_a_clear_error_within_the_collective_timeout(tmp_path):
     data = "features:" + str(blobs(tmp_path / "blobs.npz"))

@@ -257,19 +257,8 @@ def test_the_sections_hold_every_block_once():
     assert blocks("## A\n```bash\nx\n```\n### B\n```python\n# C\n```\n")[1].section == "B"
 
 
-# Seconds a section took on 2 cores: only for spreading the slow tests over the workers (conftest).
-_SECTION_SECONDS = {"On your own data": 130, "From a trained run to a running service": 55,
-                    "The main job: `marginkit demo`": 30}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "part",
-    [
-        pytest.param(p, id=name, marks=pytest.mark.slow(seconds=_SECTION_SECONDS.get(name, 10)))
-        for p in parts()
-        for name in [p.split(" — ")[0]]
-    ],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("part", list(parts()), ids=[p.split(" — ")[0] for p in parts()])
 def test_readme_runs_as_written(tmp_path, part):
     work = tmp_path / "clone"
     work.mkdir()

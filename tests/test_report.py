@@ -238,7 +238,7 @@ def test_confusion_matrix_counts():
     assert conf.tolist() == [[1, 0, 1], [0, 1, 0], [0, 1, 2]]
 
 
-@pytest.mark.slow(seconds=23)
+@pytest.mark.slow
 def test_demo_like_end_to_end(tmp_path, capsys):
     """A short demo (two losses, one epoch) through the command line: summary.json + report."""
     from marginkit.cli import main

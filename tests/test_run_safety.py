@@ -217,7 +217,7 @@ def test_killed_at_every_write_step_of_an_improving_epoch_resumes_identically(re
     _kill_loop(reference, killer, tmp_path, range(12, 19))
 
 
-@pytest.mark.slow(seconds=22)
+@pytest.mark.slow
 def test_killed_at_every_other_write_step_of_a_run_resumes_identically(reference, killer, tmp_path):
     # the start (epoch-0 commit, config), epoch 1, the non-improving epoch 3, the final evaluation
     _kill_loop(reference, killer, tmp_path, [i for i in range(len(reference[2])) if not 12 <= i < 19])

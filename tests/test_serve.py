@@ -551,7 +551,7 @@ def start_server(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str
             time.sleep(0.25)
 
 
-@pytest.mark.slow(seconds=15)
+@pytest.mark.slow
 def test_two_worker_processes_share_one_gallery_file(onnx_bundle, samples, tmp_path):
     """Each worker opens the gallery; an enrollment answered by one is seen by the other before
     its next query. Connections are not kept alive, so requests spread over both workers."""
@@ -611,7 +611,7 @@ def test_cli_serve_refuses_bad_setups(onnx_bundle, tmp_path, capsys):
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow
 def test_readme_deploy_example_runs_and_shows_a_match_an_unknown_and_a_rejection(tmp_path):
     """The README's train -> export -> serve block, then its Python client, run by bash in a
     scratch directory: the printed answers are the ones the README explains."""

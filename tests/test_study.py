@@ -183,7 +183,7 @@ def test_tuning_spaces_are_options_of_their_losses() -> None:
 
 
 # ----------------------------------------------------------------------------- end to end
-@pytest.mark.slow(seconds=65)
+@pytest.mark.slow
 def test_quick_study_writes_every_table(tmp_path) -> None:
     from marginkit.study import run_study
 
