@@ -749,3 +749,16 @@ def test_reference_rows_grow_geometrically_not_by_a_copy_per_add(gen):
         full = KNNClassifier(3, backend=backend).fit(ref, lab)
         assert torch.equal(grown.reference_embeddings(), full.reference_embeddings())
         assert torch.equal(grown.kneighbors(q)[1], full.kneighbors(q)[1])
+
+
+@pytest.mark.parametrize("backend", ["exact", "faiss"])
+def test_float64_queries_beyond_float32s_range_are_directions(gen, backend):
+    # float32 references, float64 queries of 1e300 / 1e-300: cast first, they became inf / 0 and
+    # every similarity NaN (or an "all-zero row" error); `prepare` now normalises them in float64.
+    ref, lab, q = _data(gen, n=60, dtype=torch.float32)
+    clf = KNNClassifier(3, backend=backend).fit(ref, lab)
+    base = clf.kneighbors(q.double())
+    for scale in (1e300, 1e-300):
+        values, idx = clf.kneighbors(q.double() * scale)
+        assert torch.equal(idx, base[1])
+        torch.testing.assert_close(values, base[0], atol=1e-6, rtol=1e-6)

@@ -342,14 +342,12 @@ class Gallery:
                 t = t.to(torch.float32)
             single = len(shape) == 1
             emb = t.reshape(-1, d)
-        # float64 stays float64 until normalised: a finite 1e39 overflows float32 (cosines do not
-        # depend on the scale, see `prepare`)
-        emb = emb.detach().to("cpu", torch.float64 if emb.dtype == torch.float64 else torch.float32)
+        emb = emb.detach().cpu()  # in its own precision: `prepare` casts (a float64 1e300 is a direction)
         if emb.shape[0] == 0:
             raise ValueError(f"{name} holds no sample")
         if not bool(torch.isfinite(emb).all()):
             raise ValueError(f"{name} contains NaN or infinite values")
-        return prepare(emb, "cosine", name, emb.dtype).to(torch.float32), single
+        return prepare(emb, "cosine", name, torch.float32), single
 
     def _require_threshold(self) -> float:
         if self.threshold is None:

@@ -85,23 +85,45 @@ def prepare(x: torch.Tensor, metric: str, name: str, dtype: torch.dtype | None =
     The one place where K-NN, the metrics and the gallery normalise rows for cosine similarity.
     Each row is divided by its largest magnitude before its norm is taken: the squares of a row
     of 1e30 overflow float32 (norm ``inf``, every cosine 0) and those of a row of 1e-30
-    underflow (norm 0), while cosine similarity does not depend on the scale. A zero row has no
-    direction, so its cosine similarity is undefined: it is an error.
+    underflow (norm 0), while cosine similarity does not depend on the scale. A row that the
+    working precision cannot hold (float64 1e300 or 1e-300 for float32: ``inf`` or 0 once cast)
+    is normalised in its own precision first, then cast. A zero row has no direction, so its
+    cosine similarity is undefined: it is an error.
     """
-    x = x.to(dtype=dtype or compute_dtype(x.dtype))
+    dtype = dtype or compute_dtype(x.dtype)
+    if metric == "cosine" and _beyond_range(x, dtype):
+        return _unit_rows(x, name).to(dtype).contiguous()
+    x = x.to(dtype=dtype)
     if metric == "cosine":
-        if x.numel() == 0:
-            return x.contiguous()
-        low, high = torch.aminmax(x, dim=1, keepdim=True)
-        top = torch.maximum(high, low.neg())
-        zero = top == 0
-        if bool(zero.any()):
-            raise ValueError(
-                f"{name} has {int(zero.sum())} all-zero row(s): cosine similarity is undefined for them"
-            )
-        x = x / top  # (one copy, as the division by the norm was; normalised in place below)
-        x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True))
+        x = _unit_rows(x, name)
     return x.contiguous()
+
+
+def _beyond_range(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a row's largest magnitude lies outside ``dtype``'s normal range, for ``x`` of a
+    floating type whose range is wider (no work otherwise)."""
+    if not (x.is_floating_point() and dtype.is_floating_point and x.numel()):
+        return False
+    have, want = torch.finfo(x.dtype), torch.finfo(dtype)
+    if have.max <= want.max and have.tiny >= want.tiny:
+        return False
+    low, high = torch.aminmax(x.abs().amax(dim=1))
+    return bool(high > want.max) or bool((low > 0) & (low < want.tiny))
+
+
+def _unit_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Rows of ``x`` divided by their largest magnitude, then by their norm (see :func:`prepare`)."""
+    if x.numel() == 0:
+        return x
+    low, high = torch.aminmax(x, dim=1, keepdim=True)
+    top = torch.maximum(high, low.neg())
+    zero = top == 0
+    if bool(zero.any()):
+        raise ValueError(
+            f"{name} has {int(zero.sum())} all-zero row(s): cosine similarity is undefined for them"
+        )
+    x = x / top  # (one copy, as the division by the norm was; normalised in place below)
+    return x.div_(torch.linalg.vector_norm(x, dim=1, keepdim=True))
 
 
 _SQNORM_ROWS = 1 << 16  # rows squared at once: bounds the temporary of sqnorms()

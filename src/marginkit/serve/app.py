@@ -28,7 +28,6 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from marginkit.knn._search import prepare
 from marginkit.serve.inputs import BadInput, Limits, Payload, parse_form, parse_json, parse_npy
 from marginkit.serve.limits import BodyLimit, Recorder, RequestStats
 from marginkit.serve.schemas import (
@@ -211,8 +210,8 @@ def create_app(
         """Embeddings ``[B, D]`` (float32) of the payload's samples, each with a direction.
 
         Not normalised here: the gallery and the K-NN index normalise what they are given
-        (``prepare``), so doing it twice would only cost time. The parsers have refused
-        non-finite numbers; rows beyond float32's range are normalised in float64 first.
+        (``prepare``, which also takes float64 rows beyond float32's range as directions), so
+        doing it twice would only cost time. The parsers have refused non-finite numbers.
         """
         if data.array is None:
             raise BadInput(
@@ -228,9 +227,9 @@ def create_app(
             _check_batch(array.shape[0])
             if bool((array == 0).all(axis=1).any()):
                 raise BadInput("an embedding is all zeros: its cosine is undefined")
-            if _working_dtype(array) is np.float64:
-                return prepare(torch.from_numpy(array), "cosine", "embeddings", torch.float64).float()
-            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            # float64 (JSON's numbers) stays float64: `prepare` casts after checking the range
+            wide = np.promote_types(array.dtype, np.float32)
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=wide))
         emb = embed_inputs(array)
         if bool((emb == 0).all(dim=1).any()):
             raise BadInput("an embedding is all zeros: its cosine is undefined")
@@ -493,20 +492,6 @@ def _model_inputs(array: np.ndarray, input_kind: str) -> np.ndarray:
             )
         return array.astype(np.uint8)
     return array if array.dtype == np.uint8 and input_kind == "image" else array.astype(np.float32)
-
-
-def _working_dtype(array: np.ndarray) -> type:
-    """float32, unless a row's largest magnitude lies beyond float32's range (above its
-    largest or below its smallest normal value): then float64 until normalised, since a
-    finite 1e300 or 1e-300 is a direction. JSON's numbers arrive as float64; rows float32
-    holds are normalised in float32, so JSON and ``.npy`` bodies answer alike."""
-    if array.dtype != np.float64 or array.size == 0:
-        return np.float32
-    peak = np.abs(array).max(axis=-1)
-    return np.float64 if bool(((peak > _F32_MAX) | (peak < _F32_TINY)).any()) else np.float32
-
-
-_F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
 
 
 def _validation_message(errors: Any) -> str:
