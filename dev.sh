@@ -4,8 +4,9 @@
 #   ./dev.sh install                      the same environment, nothing run
 #   ./dev.sh test [pytest args]           .venv with marginkit[test] (every extra and the test tools),
 #                                         then ruff and the whole test suite on every core (+1 worker)
-# Creates .venv (if missing) and installs with the CPU torch pinned in constraints.txt; an
-# install is redone only when pyproject.toml or constraints.txt changed.
+# Creates .venv (if missing) and installs with the torch and torchvision pinned in constraints.txt
+# (one environment for demo and test); an install is redone only when pyproject.toml or
+# constraints.txt changed.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${MARGINKIT_VENV:-.venv}"
