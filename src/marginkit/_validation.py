@@ -19,11 +19,13 @@ working precision.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -31,6 +33,121 @@ import torch
 
 Reduction = str  # "mean" | "sum" | "none"
 REDUCTIONS = ("mean", "sum", "none")
+
+
+# ------------------------------------------------------------------ checks that read the device
+# A check of tensor values (labels in range, finite scores, ...) needs one host read to decide
+# whether to raise: on an accelerator, a synchronisation per check and per step. The policy:
+# a library call checks immediately (a clear ValueError at the call, as always); inside
+# ``deferred_checks()`` (the trainer) each check records an on-device flag instead, and the
+# first failure is raised, with the same message, at the next ``raise_if_failed()``.
+
+ErrorText = Callable[..., str]
+_NEVER = 2**62  # "never failed" in the first-failure sequence numbers
+
+
+class DeferredChecks:
+    """On-device flags of failed value checks, read at :meth:`raise_if_failed` (one host read).
+
+    Made by :func:`deferred_checks`; checks record into it through :func:`check_flag`. For each
+    distinct check (its ``key``) it keeps, on the device, the sequence number of the first call
+    that failed and the values its error message needs at that call; nothing is read back until
+    :meth:`raise_if_failed`.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[str, torch.device], list[Any]] = {}  # key -> [first, values, text]
+        self._calls = 0
+
+    def record(self, key: str, bad: torch.Tensor, text: ErrorText, *values: torch.Tensor) -> None:
+        """Record the check ``key`` of one call: ``bad`` (a bool tensor, any shape: failed if any is
+        true) and the ``values`` (0-d tensors) that ``text(*floats)`` turns into the error message."""
+        call = self._calls
+        self._calls += 1
+        bad = bad.detach().any() if bad.dim() else bad.detach()
+        slot = self._slots.get((key, bad.device))
+        vals = (
+            torch.stack([v.detach().reshape(()).to(device=bad.device, dtype=torch.float64) for v in values])
+            if values
+            else bad.new_zeros(0, dtype=torch.float64)
+        )
+        if slot is None:
+            first = torch.where(bad, call, _NEVER)
+            self._slots[(key, bad.device)] = [first, vals, text]
+            return
+        fresh = bad & (slot[0] == _NEVER)
+        slot[0] = torch.where(fresh, call, slot[0])
+        slot[1] = torch.where(fresh, vals, slot[1])
+
+    def raise_if_failed(self) -> None:
+        """Raise the first failed check's ``ValueError`` (its message as an immediate check gives it).
+
+        One host read per device that has flags (usually one); the flags are cleared after a
+        read that found a failure, so a caller that handles the error may continue.
+        """
+        failed: list[tuple[int, str]] = []
+        by_device: dict[torch.device, list[tuple[str, torch.device]]] = {}
+        for key in self._slots:
+            by_device.setdefault(key[1], []).append(key)
+        for device, keys in by_device.items():
+            packed = torch.cat(
+                [torch.cat([self._slots[k][0].reshape(1).to(torch.float64), self._slots[k][1]]) for k in keys]
+            ).tolist()  # the read
+            pos = 0
+            for k in keys:
+                n_values = self._slots[k][1].numel()
+                first, values = int(packed[pos]), packed[pos + 1 : pos + 1 + n_values]
+                pos += 1 + n_values
+                if first != _NEVER:
+                    failed.append((first, self._slots[k][2](*values)))
+            del device
+        if failed:
+            self._slots.clear()
+            raise ValueError(min(failed)[1])
+
+
+_ACTIVE: contextvars.ContextVar[DeferredChecks | None] = contextvars.ContextVar(
+    "marginkit_deferred_checks", default=None
+)
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[DeferredChecks]:
+    """Inside the context, value checks that need a host read record on-device flags instead.
+
+    Yields a :class:`DeferredChecks`; call its ``raise_if_failed()`` at the points where the
+    caller reads the device anyway (the trainer: every N steps and at an epoch's end). On a
+    normal exit the context calls it once more, so no failure is lost. Outside the context
+    (the default, a library call) every check raises immediately. Checks of types, shapes and
+    Python arguments never read the device and always raise immediately.
+    """
+    checks = DeferredChecks()
+    token = _ACTIVE.set(checks)
+    try:
+        yield checks
+    finally:
+        _ACTIVE.reset(token)
+    checks.raise_if_failed()
+
+
+def active_checks() -> DeferredChecks | None:
+    """The :class:`DeferredChecks` of the innermost :func:`deferred_checks` context, or ``None``."""
+    return _ACTIVE.get()
+
+
+def check_flag(key: str, bad: torch.Tensor, text: ErrorText, *values: torch.Tensor) -> None:
+    """Raise ``ValueError(text(*values))`` if any of ``bad`` holds: now (one host read), or deferred.
+
+    ``bad``: a bool tensor (failed where true); ``values``: 0-d tensors read only to build the
+    message (immediately only when the check fails). Inside :func:`deferred_checks` the check
+    is recorded under ``key`` and raised, with the same message, at the next ``raise_if_failed``.
+    """
+    checks = _ACTIVE.get()
+    if checks is not None:
+        checks.record(key, bad, text, *values)
+        return
+    if bool(bad.any() if bad.dim() else bad):
+        raise ValueError(text(*(float(v) for v in values)))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,15 +191,23 @@ def float_tensor(
         raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(x.shape)}")
     if not check_values:
         return x
+    if not x.numel():
+        return x
     if allow_inf:
-        bad = torch.isnan(x) | (x == math.inf)
-        if bool(bad.any()):
-            raise ValueError(f"{name} contains NaN or +inf values (only -inf is allowed, for masked entries)")
-    elif x.numel() and not all(map(math.isfinite, torch.stack(torch.aminmax(x)).tolist())):
+        # the maximum propagates NaN and shows +inf: one pass, no full-size temporaries
+        check_flag(f"{name} values", ~(x.detach().amax() < math.inf), lambda: _NAN_OR_POSINF.format(name))
+    else:
         # min and max propagate NaN and show infinities: one pass, no full-size temporaries
         # (torch.isfinite(x).all() makes them)
-        raise ValueError(f"{name} contains NaN or infinite values")
+        lo, hi = torch.aminmax(x.detach())
+        check_flag(
+            f"{name} values", ~(torch.isfinite(lo) & torch.isfinite(hi)), lambda: _NAN_OR_INF.format(name)
+        )
     return x
+
+
+_NAN_OR_INF = "{} contains NaN or infinite values"
+_NAN_OR_POSINF = "{} contains NaN or +inf values (only -inf is allowed, for masked entries)"
 
 
 def label_tensor(
@@ -99,9 +224,16 @@ def label_tensor(
         if tuple(labels.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(labels.shape)}")
     if num_classes is not None and labels.numel() > 0:
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= num_classes:
-            raise ValueError(f"{name} must lie in [0, {num_classes}), got values in [{lo}, {hi}]")
+        lo, hi = torch.aminmax(labels.detach())
+        check_flag(
+            f"{name} range",
+            (lo < 0) | (hi >= num_classes),
+            lambda low, high: (
+                f"{name} must lie in [0, {num_classes}), got values in [{int(low)}, {int(high)}]"
+            ),
+            lo,
+            hi,
+        )
     return labels
 
 
@@ -214,13 +346,20 @@ def cosine_range(lo: Any, hi: Any, name: str, *, atol: float = COSINE_ATOL) -> N
     NaN and ±inf fail. For callers that already have the extremes from reductions they need
     anyway (one pass instead of a full check).
     """
-    lo_f, hi_f = (float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for v in (lo, hi))
-    if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
-        raise ValueError(f"{name} contains NaN or infinite values")
-    if lo_f < -1 - atol or hi_f > 1 + atol:
-        raise ValueError(
-            f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {max(-lo_f, hi_f):.4g}"
-        )
+    if isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
+        lo, hi = lo.detach(), hi.detach()
+        inside = (lo >= -1 - atol) & (hi <= 1 + atol)  # False for NaN
+        check_flag(f"{name} cosines", ~inside, lambda a, b: _cosine_text(name, a, b), lo, hi)
+        return
+    lo_f, hi_f = float(lo), float(hi)
+    if not (math.isfinite(lo_f) and math.isfinite(hi_f) and lo_f >= -1 - atol and hi_f <= 1 + atol):
+        raise ValueError(_cosine_text(name, lo_f, hi_f))
+
+
+def _cosine_text(name: str, lo: float, hi: float) -> str:
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return _NAN_OR_INF.format(name)
+    return f"{name} must be cosines in [-1, 1] (up to rounding), got |value| up to {max(-lo, hi):.4g}"
 
 
 def cosine_tensor(x: Any, name: str, *, atol: float = COSINE_ATOL) -> torch.Tensor:
@@ -252,8 +391,8 @@ def mask_tensor(
         raise ValueError(
             f"{name} of shape {tuple(mask.shape)} does not broadcast to {target_name} {tuple(target.shape)}"
         ) from err
-    if mask.dtype != torch.bool and mask.numel() and bool((mask < 0).any()):
-        raise ValueError(f"{name} multiplicities must be >= 0")
+    if mask.dtype != torch.bool and mask.numel():
+        check_flag(f"{name} counts", mask.detach().amin() < 0, lambda: f"{name} multiplicities must be >= 0")
     return mask
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from marginkit._validation import check_flag
 from marginkit.distributed._collectives import all_reduce_
 from marginkit.distributed._group import Group
 
@@ -56,10 +57,13 @@ class ShardedAxis:
         self, flags: Tensor | None, local_error: Callable[[], None], message: Callable[[str], str]
     ) -> None:
         assert flags is not None
-        bad = (flags > 0).nonzero().flatten().tolist()
-        if bad:
-            where = f" on rank {', '.join(map(str, bad))}" if self.world > 1 else ""
-            raise ValueError(message(where))
+
+        def text(*per_rank: float) -> str:
+            bad = [rank for rank, flag in enumerate(per_rank) if flag > 0]
+            return message(f" on rank {', '.join(map(str, bad))}" if self.world > 1 else "")
+
+        # (the flags are the same on every rank: every rank raises, or defers, alike)
+        check_flag("sharded scores", flags.amax() > 0, text, *flags.unbind())
 
     def __repr__(self) -> str:
         return f"ShardedAxis(num_classes={self.num_classes}, rank={self.rank}/{self.world})"

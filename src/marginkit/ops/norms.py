@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from marginkit._validation import active_checks, check_flag
+
 __all__ = ["robust_norm", "row_norms", "unit_rows"]
 
 
@@ -36,10 +38,21 @@ def row_norms(x: Tensor) -> Tensor:
     """
     norm = torch.linalg.vector_norm(x, dim=-1)
     over = torch.isinf(norm)
+    if active_checks() is not None:
+        # a training step reads nothing back: rows this large mean diverged weights, reported at the
+        # next read point instead of being fixed up here
+        check_flag("row norms", over, lambda: _OVERFLOW)
+        return norm
     if bool(over.any()):
         rows = over.nonzero(as_tuple=True)
         norm = norm.index_put(rows, robust_norm(x[rows]).squeeze(-1))
     return norm
+
+
+_OVERFLOW = (
+    "vectors with entries beyond the square root of the dtype's largest number (about 1.8e19 in float32) "
+    "reached a cosine head: their norms overflow (the weights diverged); lower lr or set grad_clip"
+)
 
 
 def unit_rows(x: Tensor, eps: float = 1e-12) -> Tensor:

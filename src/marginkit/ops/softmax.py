@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from marginkit._validation import COSINE_ATOL, compute_dtype, cosine_range
+from marginkit._validation import COSINE_ATOL, check_flag, compute_dtype, cosine_range
 from marginkit.ops.classes import ClassBlock, target_entry, write_target
 
 __all__ = ["LogitMap", "ScaledLogits", "class_cross_entropy"]
@@ -100,8 +100,8 @@ def _sharded_message(name: str, cosines: bool = True) -> Callable[[str], str]:
 
 
 def _finite_range(lo: Tensor, hi: Tensor, name: str) -> None:
-    if not (math.isfinite(float(lo.detach())) and math.isfinite(float(hi.detach()))):
-        raise ValueError(f"{name} contains NaN or infinite values")
+    finite = torch.isfinite(lo.detach()) & torch.isfinite(hi.detach())
+    check_flag(f"{name} values", ~finite, lambda: f"{name} contains NaN or infinite values")
 
 
 def check_scores(
