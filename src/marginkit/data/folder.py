@@ -56,7 +56,7 @@ from marginkit.data.decode import (
     sample_positions,
 )
 from marginkit.data.loaders import IMAGE_EXTENSIONS, RawSplits, _seeded_split, split_note
-from marginkit.data.samples import LazySamples
+from marginkit.data.samples import BadSampleError, LazySamples
 
 __all__ = ["MTIME_SETTLE_S", "FolderScan", "ImageFiles", "scan_folder", "scan_tree"]
 
@@ -154,13 +154,18 @@ class ImageFiles(LazySamples):
             gray_only=self.layout.gray_only,
         )
 
-    def encoded(self, i: int) -> tuple[bytes, str]:
-        """Row ``i``'s file bytes as stored and its extension (``"jpg"``, ``"png"``, …): what a
-        shard writer packs without decoding."""
-        path = self.where(i)
-        with open(path, "rb") as handle:
-            data = handle.read()
-        return data, os.path.splitext(path)[1].lstrip(".").lower()
+    @property
+    def decode_params(self) -> tuple[str, tuple[int, int] | None, bool]:  # type: ignore[override]
+        return self.layout.mode, self.image_size, self.layout.gray_only
+
+    def _encoded_key(self, key: int) -> tuple[bytes, str]:
+        path = self._where_key(key)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as exc:
+            raise BadSampleError(path, f"cannot read the file ({exc.strerror or exc})") from exc
+        return data, os.path.splitext(path)[1].lstrip(".").lower() or "img"
 
 
 def _layout_of(

@@ -322,9 +322,11 @@ class RecordSamples(LazySamples):
     def _relative_key(self, key: int) -> str:
         return f"{os.path.basename(self.rec)}#{int(self._keys[key])}"
 
-    def encoded(self, i: int) -> tuple[bytes, str]:
-        """Row ``i``'s encoded image bytes and their extension (``jpg`` / ``png`` / ``img``)."""
-        key = self._key(i)
+    @property
+    def decode_params(self) -> tuple[str, tuple[int, int] | None, bool]:  # type: ignore[override]
+        return self.layout.mode, self.image_size, self.layout.gray_only
+
+    def _encoded_key(self, key: int) -> tuple[bytes, str]:
         where = self._where_key(key)
         _, _, image = unpack_image_record(
             read_record(self._fd(), int(self._offsets[key]), self.file_size, where, self.max_bytes), where

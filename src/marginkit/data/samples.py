@@ -125,6 +125,15 @@ class LazySamples:
     def _relative_key(self, key: int) -> str:
         raise NotImplementedError
 
+    def _encoded_key(self, key: int) -> tuple[bytes, str] | None:
+        """The key's sample as its file stores it (encoded image bytes, extension), where a format
+        keeps one; ``None`` otherwise."""
+        return None
+
+    #: ``(mode, image_size, gray_only)`` that :func:`~marginkit.data.decode.decode_image` turns
+    #: :meth:`encoded` bytes into :meth:`read`'s rows with; ``None`` for formats without encoded rows.
+    decode_params: tuple[str, tuple[int, int] | None, bool] | None = None
+
     def _row_nbytes(self) -> int:
         """Decoded bytes of one row (formats of variable-length rows override it)."""
         return math.prod(self.sample_shape) * np.dtype(self.dtype).itemsize
@@ -194,6 +203,11 @@ class LazySamples:
         """Bytes the decoded rows would take (the memory-budget decision)."""
         return len(self) * self._row_nbytes()
 
+    def encoded(self, i: int) -> tuple[bytes, str] | None:
+        """Row ``i`` as stored (encoded image bytes and their extension), without decoding it, or
+        ``None`` where the format keeps no encoded form (a shard writer then stores pixels)."""
+        return self._encoded_key(self._key(i))
+
     def to_array(self, budget: Any = None) -> np.ndarray:
         """Every row decoded into one ``[N, *sample_shape]`` array (rows of one shape only).
 
@@ -244,6 +258,8 @@ class ConcatSamples(LazySamples):
         self.kind, self.sample_shape, self.dtype = first.kind, tuple(first.sample_shape), first.dtype
         self.parts = list(parts)
         self._starts = np.cumsum([0] + [len(p) for p in self.parts]).astype(np.int64)
+        params = {p.decode_params for p in self.parts}
+        self.decode_params = params.pop() if len(params) == 1 else None
 
     def _part(self, key: int) -> tuple[LazySamples, int]:
         p = int(np.searchsorted(self._starts, key, side="right")) - 1
@@ -263,6 +279,10 @@ class ConcatSamples(LazySamples):
     def _relative_key(self, key: int) -> str:
         part, i = self._part(key)
         return part.relative_path(i)
+
+    def _encoded_key(self, key: int) -> tuple[bytes, str] | None:
+        part, i = self._part(key)
+        return part.encoded(i)
 
     def _row_nbytes(self) -> int:
         return self.parts[0]._row_nbytes()
