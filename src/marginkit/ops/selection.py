@@ -1,0 +1,159 @@
+"""Sorts and selections on the CPU at numpy's speed, identical to ``torch.sort(..., stable=True)``.
+
+Every sort-bound op of the library (MEP, the local-margin triplet's k-th positive, the tie-ordered
+K-NN top-k, the verification metrics) sorts or selects through this module. The contract is
+exactness: a fast result equals the reference ``torch.sort(x, dim=-1, descending=d, stable=True)``
+bit for bit, ties in index order, ``-0.0`` and ``+0.0`` equal (kept in index order, each with its
+own sign), NaN above ``+inf`` (last ascending, first descending, in index order), float32 and float64.
+
+The kernel. On a CPU with AVX-512, numpy sorts with Intel's x86-simd-sort (vectorised bitonic
+networks inside a quicksort); ``torch.sort`` on the CPU is a scalar stable sort that also computes
+the permutation, about 9x slower on ``[256, 1000]`` float32 rows, and ``np.argsort`` about 3.5x
+(measured side by side: ``benchmarks/bench_mep.py``). ``np.partition`` (introselect) is no faster
+than that sort at these row lengths, so selections that need one order statistic per row sort
+values only and pick. Hence:
+
+* :func:`sort_values` — values only: ``np.sort``; the two runs whose members compare equal but
+  differ in bits (the zeros of both signs, the NaNs) are then rewritten in index order, on the rows
+  that have them only, which makes the result equal to the stable reference.
+* :func:`stable_sort` — values and permutation: each float32 value becomes a 32-bit key whose
+  unsigned order is the float order (``-0.0`` folded onto ``+0.0``, every NaN onto the largest
+  key), shifted above its column index in one uint64, and the uint64 rows are sorted values only
+  (the same kernel, 64-bit lanes, ~2.3x the float32 sort): ``(value, index)`` order is exactly the
+  stable order. The values are then gathered from the input (their exact bits). float64 cannot be
+  packed so: it takes the reference.
+* :func:`histogram` — the value-ordered histogram of a flat array's float bits (sign, exponent and
+  the top mantissa bits), for exact order statistics of very long arrays in two passes: a
+  histogram, then the few values of the bins that matter (``marginkit.metrics``).
+
+Elsewhere — a CUDA tensor, a tensor that needs its gradient, a switched-off fast path
+(:data:`FAST_CPU`, the tests' reference switch) — every function calls ``torch.sort`` with
+``stable=True``: the device-agnostic reference. Callers that need a gradient gather their
+differentiable values with the returned indices, as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["FAST_CPU", "fast_path", "histogram", "sort_values", "stable_sort"]
+
+#: The CPU fast path is on; tests switch it off (``monkeypatch``) to run the torch reference.
+FAST_CPU = True
+
+_NUMPY_DTYPES = (torch.float32, torch.float64)
+_SIGN32 = np.uint32(0x80000000)
+
+
+def fast_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the numpy path: a float32/float64 CPU tensor whose gradient is not needed."""
+    return (
+        FAST_CPU
+        and x.device.type == "cpu"
+        and x.dtype in _NUMPY_DTYPES
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and x.numel() > 0
+        and x.dim() > 0
+    )
+
+
+def _rows(x: torch.Tensor) -> np.ndarray:
+    """``x`` as a C-contiguous 2-D numpy array ``[rows, n]`` (a view when ``x`` is contiguous)."""
+    return x.detach().contiguous().numpy().reshape(-1, x.shape[-1])
+
+
+def _keys32(a: np.ndarray) -> np.ndarray:
+    """Unsigned 32-bit keys of float32 ``a`` in float order: ``-0.0`` = ``+0.0``, every NaN largest."""
+    bits = a.view(np.int32)
+    neg = bits >> 31  # -1 for a set sign bit, else 0
+    key = bits ^ (neg & 0x7FFFFFFF)  # signed order of the floats
+    key -= neg  # fold -0.0 onto +0.0 (every negative moves up by one, order kept)
+    key = key.view(np.uint32) ^ _SIGN32
+    nan = np.isnan(a)
+    if nan.any():
+        key[nan] = np.uint32(0xFFFFFFFF)
+    return key
+
+
+def _place_runs(out: np.ndarray, a: np.ndarray, members: np.ndarray, start: np.ndarray) -> None:
+    """Write, in each row, the ``members`` of ``a`` in index order at ``out[row, start[row]:]``."""
+    r, c = np.nonzero(members)
+    counts = members.sum(1)
+    first = np.cumsum(counts) - counts
+    out[r, start[r] + np.arange(r.size) - first[r]] = a[r, c]
+
+
+def _sort_values_np(a: np.ndarray, descending: bool) -> np.ndarray:
+    """``np.sort`` of the rows of ``a``, then the zero and NaN runs in index order (see the module)."""
+    out = np.sort(a, axis=-1)
+    if descending:
+        out = out[:, ::-1].copy()
+    nan = np.isnan(a)
+    if nan.any():
+        rows = nan.any(1)
+        sub = nan[rows]
+        start = np.zeros(sub.shape[0], np.intp) if descending else a.shape[1] - sub.sum(1)
+        view = out[rows]
+        _place_runs(view, a[rows], sub, start)
+        out[rows] = view
+    zero = a == 0
+    if (zero & np.signbit(a)).any():  # both zeros may be present: their order is the index order
+        rows = zero.any(1)
+        sub, ar = zero[rows], a[rows]
+        before = (ar > 0) | np.isnan(ar) if descending else ar < 0
+        view = out[rows]
+        _place_runs(view, ar, sub, before.sum(1))
+        out[rows] = view
+    return out
+
+
+def sort_values(x: torch.Tensor, *, descending: bool = False) -> torch.Tensor:
+    """``torch.sort(x, dim=-1, descending=descending, stable=True).values``, bit-identical.
+
+    Detached on the numpy path (callers that need a gradient use :func:`stable_sort` and gather).
+    """
+    if not fast_path(x):
+        return torch.sort(x, dim=-1, descending=descending, stable=True).values
+    return torch.from_numpy(_sort_values_np(_rows(x), descending)).reshape(x.shape)
+
+
+def stable_sort(x: torch.Tensor, *, descending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(x, dim=-1, descending=descending, stable=True)``: ``(values, indices)``, bit-identical.
+
+    float32 on the numpy path: one sort of packed ``(key, index)`` uint64 rows (see the module);
+    other dtypes and devices: the reference.
+    """
+    n = x.shape[-1] if x.dim() else 0
+    if not fast_path(x) or x.dtype != torch.float32 or n >= 2**32:
+        return torch.sort(x, dim=-1, descending=descending, stable=True)
+    a = _rows(x)
+    key = _keys32(a)
+    if descending:
+        key = ~key
+    packed = key.astype(np.uint64) << np.uint64(32)
+    packed |= np.arange(n, dtype=np.uint64)
+    packed.sort(axis=-1)
+    low = packed.view(np.uint32)[:, 0 if np.little_endian else 1 :: 2]  # the index half of each key
+    idx = low.astype(np.int64)
+    values = np.take_along_axis(a, idx, axis=-1)
+    return torch.from_numpy(values).reshape(x.shape), torch.from_numpy(idx).reshape(x.shape)
+
+
+def histogram(a: np.ndarray, bits: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Value-ordered histogram of the flat float32/float64 array ``a`` (finite values, no NaN).
+
+    The bin of a value is the top ``bits`` bits of its IEEE pattern (sign, exponent, leading
+    mantissa bits) after ``+0.0`` is added (``-0.0`` becomes ``+0.0``): every bin is an interval of
+    values, and the intervals are disjoint. Returns ``(codes, counts, order)``: ``codes[i]`` the
+    bin of ``a[i]`` (intp), ``counts[r]`` the number of values in the ``r``-th bin in ascending
+    value order, ``order[r]`` that bin's code. One pass to code, one to count.
+    """
+    width = a.dtype.itemsize * 8
+    canon = a + a.dtype.type(0)
+    codes = (canon.view(np.uint32 if width == 32 else np.uint64) >> (width - bits)).astype(np.intp)
+    half = 1 << (bits - 1)
+    # negative values: the larger the code, the smaller the value; then the positive codes
+    order = np.concatenate([np.arange(2 * half - 1, half - 1, -1), np.arange(half)])
+    counts = np.bincount(codes, minlength=2 * half)[order]
+    return codes, counts, order

@@ -1,0 +1,164 @@
+"""The CPU fast path of marginkit.ops.selection and its users: bit-identical to the torch reference.
+
+Reference: ``torch.sort(..., stable=True)``, and each op with the fast path switched off
+(``selection.FAST_CPU = False``), which runs the device-agnostic torch code on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dispatch_counts import DispatchCounter
+from marginkit.ops import mep, selection
+
+POOL = [0.0, -0.0, 1.0, -1.0, 2.5, -2.5, math.inf, -math.inf, math.nan, -math.nan, 1e-40, -3e38]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The IEEE patterns: equality of these is bit-identity (signed zeros, NaN payloads)."""
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
+
+
+@st.composite
+def matrices(draw, special: bool = True, max_rows: int = 4, max_cols: int = 24):
+    rows, cols = draw(st.integers(1, max_rows)), draw(st.integers(1, max_cols))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    width = 32 if dtype == torch.float32 else 64
+    value = st.floats(width=width, allow_nan=special, allow_infinity=special)
+    if special:
+        value = st.one_of(st.sampled_from(POOL), value)
+    data = draw(st.lists(value, min_size=rows * cols, max_size=rows * cols))
+    return torch.tensor(data, dtype=dtype).reshape(rows, cols)
+
+
+def reference(f, *args, **kwargs):
+    """``f(*args, **kwargs)`` with the fast path switched off (the device-agnostic torch code)."""
+    selection.FAST_CPU = False
+    try:
+        return f(*args, **kwargs)
+    finally:
+        selection.FAST_CPU = True
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=matrices(), descending=st.booleans())
+def test_sorts_equal_torch_stable_sort_bitwise(x, descending):
+    ref = torch.sort(x, dim=-1, descending=descending, stable=True)
+    assert torch.equal(bits(selection.sort_values(x, descending=descending)), bits(ref.values))
+    values, indices = selection.stable_sort(x, descending=descending)
+    assert torch.equal(indices, ref.indices)
+    assert torch.equal(bits(values), bits(ref.values))
+
+
+def test_sorts_many_ties_and_leading_dims():
+    g = torch.Generator().manual_seed(0)
+    x = torch.tensor(POOL)[torch.randint(0, len(POOL), (3, 5, 300), generator=g)]
+    for descending in (False, True):
+        ref = torch.sort(x, dim=-1, descending=descending, stable=True)
+        values, indices = selection.stable_sort(x, descending=descending)
+        assert torch.equal(indices, ref.indices) and torch.equal(bits(values), bits(ref.values))
+        assert torch.equal(bits(selection.sort_values(x, descending=descending)), bits(ref.values))
+
+
+def test_fast_path_only_where_it_applies():
+    x = torch.randn(3, 4)
+    assert selection.fast_path(x)
+    assert not selection.fast_path(x.half())
+    assert not selection.fast_path(torch.randn(3, 4, requires_grad=True))
+    with torch.no_grad():
+        assert selection.fast_path(torch.randn(3, 4, requires_grad=True))
+    assert not selection.fast_path(torch.empty(0, 4))
+
+
+def test_histogram_bins_are_ordered_disjoint_intervals():
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float64):
+        a = torch.cat([torch.randn(5000, generator=g) * 10, torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+        a = a.to(dtype).numpy()
+        codes, counts, order = selection.histogram(a, bits=12)
+        assert counts.sum() == a.size
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        r = rank[codes]
+        srt = np.argsort(a, kind="stable")
+        assert np.all(np.diff(r[srt]) >= 0)  # ascending values never go to a lower bin
+        assert np.array_equal(np.bincount(r, minlength=order.size), counts)
+        assert r[-4] == r[-3]  # -0.0 and +0.0 share a bin
+
+
+# ------------------------------------------------------------------------------------------- MEP
+@st.composite
+def mep_problems(draw):
+    rows, cols = draw(st.integers(1, 4)), draw(st.integers(2, 20))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    grid = draw(st.booleans())  # a coarse grid: many ties, across classes too
+    if grid:
+        value = st.sampled_from([-2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.5, 3.0])
+    else:
+        value = st.floats(-1e6, 1e6, width=32 if dtype == torch.float32 else 64)
+    x = torch.tensor(draw(st.lists(value, min_size=rows * cols, max_size=rows * cols)), dtype=dtype)
+    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=rows * cols, max_size=rows * cols)))
+    labels = torch.tensor(draw(st.lists(st.integers(0, cols - 1), min_size=rows, max_size=rows)))
+    margin = draw(st.sampled_from([0.5, 1.0]) if grid else st.floats(1e-3, 10.0))
+    return x.reshape(rows, cols), mask.reshape(rows, cols), labels, margin
+
+
+@settings(max_examples=120, deadline=None)
+@given(prob=mep_problems(), norm=st.sampled_from(["l2", "l1"]), one_hot=st.booleans())
+def test_mep_fast_path_equals_reference_bitwise(prob, norm, one_hot):
+    x, mask, labels, m = prob
+    positives = labels if one_hot else mask
+    fast = mep(x, positives, m, norm)
+    ref = reference(mep, x, positives, m, norm)
+    assert torch.equal(bits(fast), bits(ref))
+
+
+def test_mep_fast_path_equals_reference_large_rows():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 700, generator=g) * 3
+    x[0, 0, :50] = torch.round(x[0, 0, :50])  # some ties
+    mask = torch.rand(2, 3, 700, generator=g) < 0.1
+    labels = torch.randint(0, 700, (2, 3), generator=g)
+    margins = torch.rand(2, 3, generator=g) + 0.1
+    for positives in (mask, labels):
+        for norm in ("l2", "l1"):
+            for dtype in (torch.float32, torch.float64):
+                xd = x.to(dtype)
+                fast = mep(xd, positives, margins, norm)
+                assert torch.equal(bits(fast), bits(reference(mep, xd, positives, margins, norm)))
+
+
+def test_mep_dispatch_counts():
+    """The device-agnostic path (numpy off) on 256 x 1000 float32: no device read with
+    ``validate=False``, and a bounded number of aten ops (issue 36 asks for <= 25: not reached,
+    the exact arithmetic of the level needs ~30 by itself; this bounds today's count)."""
+    g = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(256, 1000, generator=g)
+    mask = torch.rand(256, 1000, generator=g) < 0.1
+    labels = torch.randint(0, 1000, (256,), generator=g)
+    selection.FAST_CPU = False
+    try:
+        for positives in (mask, labels):
+            for norm, bound in (("l2", 50), ("l1", 25)):
+                with DispatchCounter() as c:
+                    mep(x, positives, 1.0, norm, validate=False)
+                assert c.reads == 0, c.read_names
+                assert c.ops <= bound, (norm, positives.dtype, c.ops, c.by_name)
+                with DispatchCounter() as c:
+                    mep(x, positives, 1.0, norm)  # validated: the reads of the checks only
+                assert 1 <= c.reads <= 2
+    finally:
+        selection.FAST_CPU = True
+
+
+def test_mep_validate_false_keeps_type_checks():
+    with pytest.raises(TypeError, match="positives"):
+        mep(torch.randn(2, 3), torch.randn(2, 3), 1.0, validate=False)
+    with pytest.raises(ValueError, match="scores"):
+        mep(torch.tensor([[math.nan, 1.0]]), torch.tensor([0]), 1.0)
