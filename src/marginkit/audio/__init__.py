@@ -1,2 +1,27 @@
-"""Speaker verification from audio: reading wav / flac, the Kaldi filterbank front-end, speaker backbones
-(ECAPA-TDNN, wespeaker's ResNet34) and VoxCeleb-style trial lists."""
+"""Speaker verification from audio: reading wav / flac (:mod:`~marginkit.audio.io`), the ``audio:``
+sources (:mod:`~marginkit.audio.sources`), Kaldi's log-mel filterbank in torch
+(:mod:`~marginkit.audio.fbank`), the ECAPA-TDNN and ResNet34 speaker backbones, and trial lists
+(:mod:`~marginkit.audio.trials`). See docs/audio.md."""
+
+from marginkit._lazy import attach
+
+__getattr__, __dir__, __all__ = attach(
+    __name__,
+    {
+        "KaldiFbank": "fbank",
+        "ECAPATDNN": "ecapa_tdnn",
+        "SpeakerResNet": "resnet",
+        "SpeakerModel": "speaker",
+        "AudioFiles": "sources",
+        "read_audio_folder": "sources",
+        "read_wav_scp": "sources",
+        "read_audio_source": "sources",
+        "read_audio": "io",
+        "read_crop": "io",
+        "audio_info": "io",
+        "Trials": "trials",
+        "read_trials": "trials",
+        "score_trials": "trials",
+        "trial_scores": "trials",
+    },
+)
