@@ -108,3 +108,18 @@ def test_onnx_export_waveform_in_embedding_out(tmp_path, index: int) -> None:
         (got,) = session.run(None, {"x": wave})
         with torch.no_grad():
             np.testing.assert_allclose(got, model(torch.from_numpy(wave)).numpy(), atol=2e-5)
+
+
+def test_registered_with_build_model() -> None:
+    import marginkit.audio  # noqa: F401  (registers the speaker backbones)
+    from marginkit.models import build_model, model_options
+
+    assert {"channels", "frontend", "window", "dither"} <= set(model_options("ecapa_tdnn"))
+    model = build_model("speaker_resnet34", (8000,), embedding_dim=16, width=4, blocks=[1, 1, 1, 1])
+    assert model.name == "speaker_resnet34" and model.config["name"] == "speaker_resnet34"
+    clone = build_model(**model.config)
+    clone.load_state_dict(model.state_dict())
+    wave = 0.1 * torch.randn(2, 8000)
+    torch.testing.assert_close(clone.eval()(wave), model.eval()(wave))
+    with pytest.raises(ValueError, match="unknown option 'chanels'.*did you mean 'channels'"):
+        build_model("ecapa_tdnn", (8000,), chanels=8)

@@ -4,11 +4,15 @@ sources (:mod:`~marginkit.audio.sources`), Kaldi's log-mel filterbank in torch
 (:mod:`~marginkit.audio.trials`). See docs/audio.md."""
 
 from marginkit._lazy import attach
+from marginkit.audio.models import register as _register
+
+_register()  # build_model("ecapa_tdnn" | "speaker_resnet34", ...)
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "KaldiFbank": "fbank",
+        "SPEAKER_MODELS": "models",
         "ECAPATDNN": "ecapa_tdnn",
         "SpeakerResNet": "resnet",
         "SpeakerModel": "speaker",

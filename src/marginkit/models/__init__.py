@@ -9,6 +9,7 @@ __getattr__, __dir__, __all__ = attach(
         "model_options": "backbones",
         "EmbeddingModel": "backbones",
         "MODELS": "backbones",
+        "register_model": "backbones",
         "ExternalBackbone": "external",
         "frozen_modules": "base",
         "is_frozen": "base",

@@ -41,6 +41,7 @@ __all__ = [
     "build_model",
     "frozen_modules",
     "is_frozen",
+    "register_model",
     "run_stages",
 ]
 
@@ -357,6 +358,30 @@ _BUILDERS: dict[str, Callable[..., EmbeddingModel]] = {
     "resnet": SmallResNet,
 }
 
+#: Backbones defined in a higher layer, and the package whose import registers them
+#: (:func:`register_model`); ``build_model`` names that package when it was not imported.
+_REGISTERED_BY = {"ecapa_tdnn": "marginkit.audio", "speaker_resnet34": "marginkit.audio"}
+
+
+def register_model(name: str, builder: Callable[..., EmbeddingModel]) -> None:
+    """Make ``build_model(name, input_shape, embedding_dim, normalize, **options)`` call
+    ``builder(shape, embedding_dim, normalize, **options)`` (its keyword-only parameters are the
+    model's options). For backbones of higher layers, which ``models`` cannot import:
+    ``marginkit.audio`` registers ``ecapa_tdnn`` and ``speaker_resnet34`` when imported."""
+    global MODELS
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"a model name must be a non-empty str without ':', got {name!r}")
+    _BUILDERS[name] = builder
+    if name not in MODELS:
+        MODELS = (*MODELS, name)
+
+
+def _unregistered(name: object) -> ValueError | None:
+    package = _REGISTERED_BY.get(name) if isinstance(name, str) else None
+    if package is None or name in _BUILDERS:
+        return None
+    return ValueError(f"model {name!r} is defined in {package}: import {package} first (the CLI does)")
+
 
 def model_options(name: str) -> tuple[str, ...]:
     """Backbone-specific ``**options`` of :func:`build_model` for ``name``."""
@@ -365,7 +390,7 @@ def model_options(name: str) -> tuple[str, ...]:
     if is_external(name):
         return ("image_size",)
     if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+        raise _unregistered(name) or ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
     params = inspect.signature(_BUILDERS[name]).parameters.values()
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
@@ -406,6 +431,9 @@ def build_model(
     if is_external(name):
         return _build(name, input_shape, embedding_dim, normalize, options)
     if not isinstance(name, str) or name not in _BUILDERS:
+        unregistered = _unregistered(name)
+        if unregistered is not None:
+            raise unregistered
         guess = difflib.get_close_matches(str(name), MODELS, n=1)
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         raise ValueError(f"unknown model {name!r}{hint}; valid: {', '.join(MODELS)}")

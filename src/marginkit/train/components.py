@@ -211,6 +211,9 @@ def _built_model(
     """A built-in backbone, refused before allocation when it cannot fit on ``device``."""
     from marginkit.models import build_model
 
+    if name in ("ecapa_tdnn", "speaker_resnet34"):
+        import marginkit.audio  # noqa: F401  (registers the speaker backbones with build_model)
+
     try:
         with torch.device("meta"):  # shapes only: what the model costs, before allocating it
             skeleton = build_model(name, input_shape, **options)

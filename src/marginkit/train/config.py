@@ -50,7 +50,9 @@ __all__ = [
     "suggest",
 ]
 
-MODEL_NAMES = ("auto", "mlp", "cnn1d", "cnn2d", "resnet")
+#: ``ecapa_tdnn`` and ``speaker_resnet34`` are the speaker backbones of :mod:`marginkit.audio`
+#: (waveform crops in, the Kaldi fbank inside the model).
+MODEL_NAMES = ("auto", "mlp", "cnn1d", "cnn2d", "resnet", "ecapa_tdnn", "speaker_resnet34")
 #: ``model`` of a run that trained the caller's own module (``train(config, run_dir, model=module)``);
 #: ``model_options["class"]`` names its class. Only Python can rebuild it (``model=`` again).
 CUSTOM_MODEL = "custom"
