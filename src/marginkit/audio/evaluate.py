@@ -1,0 +1,119 @@
+"""Embedding utterances and scoring a trial list with a speaker model.
+
+Evaluation embeds each utterance whole, one utterance per forward pass (wespeaker's practice:
+no padding, so an embedding never depends on the other utterances of a batch), decoded by the
+data loader's workers (:func:`marginkit.data.loading.evaluation_loader`). A trial list is scored
+from the embeddings of exactly the utterances it names, found by their path relative to the data
+root (:meth:`~marginkit.data.samples.LazySamples.relative_path`), whatever split they are in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from marginkit.audio.trials import Trials, score_trials
+
+__all__ = ["embed_utterances", "evaluate_trials", "relative_paths", "speaker_cohort"]
+
+
+def relative_paths(samples: Any) -> np.ndarray:
+    """Every row's path relative to the data root, as a str array."""
+    if hasattr(samples, "relative_paths"):
+        return np.asarray(samples.relative_paths(), dtype=str)
+    return np.array([samples.relative_path(i) for i in range(len(samples))], dtype=str)
+
+
+@torch.no_grad()
+def embed_utterances(
+    model: torch.nn.Module,
+    samples: Any,
+    *,
+    rows: Sequence[int] | np.ndarray | None = None,
+    device: torch.device | str = "cpu",
+    workers: int | None = 0,
+    on_bad_sample: str = "raise",
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Embed whole utterances ``rows`` (default: all) of a lazy audio source, one per forward pass.
+
+    Returns ``(embeddings [N', D] float32, the rows embedded [N'], skipped files)``; ``N' < N``
+    only with ``on_bad_sample="skip"``. The model is put in eval mode (no dither) and left so.
+    """
+    from marginkit.data.loading import evaluation_loader
+
+    index = np.arange(len(samples)) if rows is None else np.asarray(rows, dtype=np.int64)
+    model.eval()
+    loader = evaluation_loader(
+        samples, torch.arange(len(samples)), batch_size=1, device=device, workers=workers,
+        on_bad_sample=on_bad_sample, rows=torch.from_numpy(index),
+    )  # fmt: skip
+    out: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
+    try:
+        for batch in loader.epoch():
+            if len(batch.x) == 0:
+                continue
+            out.append(model(batch.x.to(device, torch.float32, non_blocking=True)).float())
+            kept.append(batch.y)
+    finally:
+        loader.close()
+    if not out:
+        dim = int(getattr(model, "embedding_dim", 0))
+        return np.zeros((0, dim), np.float32), np.zeros(0, np.int64), loader.skipped
+    return torch.cat(out).cpu().numpy(), torch.cat(kept).numpy(), loader.skipped
+
+
+def speaker_cohort(
+    model: torch.nn.Module,
+    samples: Any,
+    labels: np.ndarray,
+    *,
+    per_speaker: int = 3,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    workers: int | None = 0,
+) -> np.ndarray:
+    """An AS-norm cohort: one row per speaker of ``labels``, the mean of the unit embeddings of up
+    to ``per_speaker`` of its utterances (drawn with ``seed``). ``[speakers, D]`` float32."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(labels))
+    ranked = order[np.argsort(labels[order], kind="stable")]
+    speakers, first = np.unique(labels[ranked], return_index=True)
+    position = np.arange(len(ranked)) - np.repeat(first, np.diff(np.append(first, len(ranked))))
+    chosen = np.sort(ranked[position < per_speaker])
+    emb, kept, _ = embed_utterances(model, samples, rows=chosen, device=device, workers=workers)
+    unit = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    who = np.searchsorted(speakers, labels[kept])
+    sums = np.zeros((len(speakers), unit.shape[1]), np.float64)
+    np.add.at(sums, who, unit)
+    return (sums / np.bincount(who, minlength=len(speakers))[:, None]).astype(np.float32)
+
+
+def evaluate_trials(
+    model: torch.nn.Module,
+    samples: Any,
+    trials: Trials,
+    *,
+    device: torch.device | str = "cpu",
+    workers: int | None = 0,
+    cohort: np.ndarray | None = None,
+    top_k: int = 300,
+    **options: Any,
+) -> dict[str, object]:
+    """Embed the utterances ``trials`` names (rows of ``samples`` found by relative path) and score
+    the list (:func:`~marginkit.audio.trials.score_trials`; ``options`` go there)."""
+    names = relative_paths(samples)
+    rows = np.flatnonzero(np.isin(names, trials.utterances))
+    emb, kept, _ = embed_utterances(model, samples, rows=rows, device=device, workers=workers)
+    metrics = score_trials(trials, emb, names[kept], cohort=cohort, top_k=top_k, **options)
+    metrics["source"] = trials.source
+    return metrics
+
+
+def as_dotted(metrics: dict[str, Any], prefix: str = "trials") -> dict[str, Any]:
+    """``{"trials.eer": ..., "trials.min_dcf_0.01": ...}``: the scalar entries under ``prefix``."""
+    return {f"{prefix}.{k}": v for k, v in metrics.items() if isinstance(v, (int, float, str))}
