@@ -251,3 +251,34 @@ def test_synthetic_speakers_differ_by_pitch_and_formants() -> None:
     wave = voiced_utterance(a, 0.5, np.random.default_rng(0))
     assert wave.dtype == np.float32 and wave.shape == (8000,) and np.abs(wave).max() <= 0.5 + 1e-6
     assert (a.f0, a.formant_scale) != (b.f0, b.formant_scale)
+
+
+def test_uploaded_bytes(tmp_path) -> None:
+    from marginkit.audio.io import decode_audio_bytes
+
+    path = tmp_path / "u.flac"
+    sf.write(path, tone(8000), 16000, format="FLAC")
+    body = path.read_bytes()
+    np.testing.assert_allclose(decode_audio_bytes(body, 16000), tone(8000), atol=2**-15)
+    with pytest.raises(BadSampleError, match="upload: not an audio file"):
+        decode_audio_bytes(b"\x89PNG not audio", 16000)
+    with pytest.raises(BadSampleError, match="upload: empty body"):
+        decode_audio_bytes(b"", 16000)
+    with pytest.raises(BadSampleError, match="over the 100-byte limit"):
+        decode_audio_bytes(body, 16000, max_bytes=100)
+    with pytest.raises(BadSampleError, match="over the 0.1 s limit"):
+        decode_audio_bytes(body, 16000, max_seconds=0.1)
+    nan = tmp_path / "n.wav"
+    wave = tone(800)
+    wave[5] = np.inf
+    sf.write(nan, wave, 16000, subtype="FLOAT")
+    with pytest.raises(BadSampleError, match="NaN or infinite sample at frame 5"):
+        decode_audio_bytes(nan.read_bytes(), 16000)
+    empty = tmp_path / "e.wav"
+    sf.write(empty, np.zeros(0, np.float32), 16000)
+    with pytest.raises(BadSampleError, match="0 samples"):
+        decode_audio_bytes(empty.read_bytes(), 16000)
+    wav = tmp_path / "w.wav"
+    sf.write(wav, tone(), 16000, subtype="PCM_16")
+    with pytest.raises(BadSampleError, match="truncated"):
+        decode_audio_bytes(wav.read_bytes()[:9000], 16000)

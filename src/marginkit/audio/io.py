@@ -26,7 +26,7 @@ import numpy as np
 
 from marginkit.data.samples import BadSampleError
 
-__all__ = ["AudioInfo", "audio_info", "read_audio", "read_crop", "soundfile_module"]
+__all__ = ["AudioInfo", "audio_info", "decode_audio_bytes", "read_audio", "read_crop", "soundfile_module"]
 
 #: Longest utterance read whole (evaluation) unless the caller allows more: an hour at 16 kHz is 230 MB.
 MAX_SECONDS = 3600.0
@@ -76,20 +76,26 @@ def audio_info(path: str | os.PathLike[str]) -> AudioInfo:
         info = sf.info(where)
     except (sf.SoundFileError, RuntimeError, OSError, TypeError, ValueError) as err:
         raise BadSampleError(where, f"not an audio file libsndfile can read ({_first_line(err)})") from None
-    if info.samplerate <= 0 or info.channels <= 0:
-        raise BadSampleError(where, f"invalid header: {info.samplerate} Hz, {info.channels} channels")
-    if info.frames <= 0:
+    _check_header(where, info.samplerate, info.frames, info.channels, info.extra_info)
+    return AudioInfo(
+        where, int(info.samplerate), int(info.frames), int(info.channels), info.format, info.subtype
+    )
+
+
+def _check_header(where: str, rate: int, frames: int, channels: int, extra_info: str | None) -> None:
+    """Refuse a header with no samples, a nonsense rate or channel count, or a WAV whose data chunk
+    declares more bytes than the file holds (libsndfile then reads what is there, silently)."""
+    if rate <= 0 or channels <= 0:
+        raise BadSampleError(where, f"invalid header: {rate} Hz, {channels} channels")
+    if frames <= 0:
         raise BadSampleError(where, "the file holds 0 samples")
-    truncated = _TRUNCATED.search(info.extra_info or "")
+    truncated = _TRUNCATED.search(extra_info or "")
     if truncated and int(truncated.group(1)) not in _STREAMED_SIZES:
         declared, present = int(truncated.group(1)), int(truncated.group(2))
         if present < declared:
             raise BadSampleError(
                 where, f"truncated: its data chunk declares {declared} bytes but the file holds {present}"
             )
-    return AudioInfo(
-        where, int(info.samplerate), int(info.frames), int(info.channels), info.format, info.subtype
-    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -196,6 +202,60 @@ def read_crop(
     if wave.size < num_samples:  # resampler rounding; never more than a few samples
         wave = np.pad(wave, (0, num_samples - wave.size), mode="wrap")
     return wave[:num_samples].copy()
+
+
+def decode_audio_bytes(
+    data: bytes,
+    sample_rate: int,
+    *,
+    name: str = "upload",
+    max_bytes: int = 50 * 2**20,
+    max_seconds: float = 600.0,
+    channel: int | str = 0,
+    resample: bool = True,
+) -> np.ndarray:
+    """A wav / flac file given as bytes (an HTTP upload) as float32 ``[N]`` at ``sample_rate``.
+
+    The checks of :func:`audio_info` and :func:`read_audio` (not audio, 0 samples, truncated, NaN,
+    channel), plus ``max_bytes`` before anything is parsed and ``max_seconds`` before decoding;
+    every refusal is a :class:`BadSampleError` whose ``where`` is ``name``.
+    """
+    import io
+
+    sf = soundfile_module()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise BadSampleError(name, f"{len(data)} bytes, over the {max_bytes}-byte limit")
+    if len(data) == 0:
+        raise BadSampleError(name, "empty body: no audio file")
+    try:
+        handle = sf.SoundFile(io.BytesIO(bytes(data)))
+    except (sf.SoundFileError, RuntimeError, OSError, TypeError, ValueError) as err:
+        raise BadSampleError(name, f"not an audio file libsndfile can read ({_first_line(err)})") from None
+    with handle:
+        info = AudioInfo(name, int(handle.samplerate), int(handle.frames), int(handle.channels),
+                         handle.format, handle.subtype)  # fmt: skip
+        _check_header(name, info.sample_rate, info.frames, info.channels, handle.extra_info)
+        if info.seconds > max_seconds:
+            raise BadSampleError(name, f"{info.seconds:.1f} s long, over the {max_seconds:g} s limit")
+        if channel != "mean" and (isinstance(channel, bool) or not isinstance(channel, int) or channel < 0):
+            raise ValueError(f"channel must be an int >= 0 or 'mean', got {channel!r}")
+        if channel != "mean" and channel >= info.channels:
+            raise BadSampleError(name, f"has {info.channels} channel(s); channel {channel} was asked for")
+        try:
+            frames = handle.read(info.frames, dtype="float32", always_2d=True)
+        except (sf.SoundFileError, RuntimeError, OSError, ValueError) as err:
+            raise BadSampleError(name, f"cannot decode ({_first_line(err)}); truncated or corrupt?") from None
+    if frames.shape[0] != info.frames:
+        raise BadSampleError(name, f"truncated: the header promises {info.frames} frames, the body holds "
+                             f"{frames.shape[0]}")  # fmt: skip
+    wave = _channel(frames, channel, info)
+    if not np.isfinite(wave).all():
+        raise BadSampleError(
+            name, f"NaN or infinite sample at frame {int(np.flatnonzero(~np.isfinite(wave))[0])}"
+        )
+    return _resample(wave, info, sample_rate, resample)
 
 
 def describe(info: AudioInfo) -> dict[str, Any]:
