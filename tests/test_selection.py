@@ -162,3 +162,87 @@ def test_mep_validate_false_keeps_type_checks():
         mep(torch.randn(2, 3), torch.randn(2, 3), 1.0, validate=False)
     with pytest.raises(ValueError, match="scores"):
         mep(torch.tensor([[math.nan, 1.0]]), torch.tensor([0]), 1.0)
+
+
+# --------------------------------------------------------------------------------------- metrics
+@st.composite
+def trials(draw):
+    n = draw(st.integers(2, 60))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    kind = draw(st.sampled_from(["grid", "close", "wide"]))
+    if kind == "grid":  # ties within and across the classes
+        value = st.sampled_from([-1.0, -0.0, 0.0, 0.25, 0.5, 0.75, 1.0])
+    elif kind == "close":  # neighbouring floats: one histogram bin holds them all
+        base = 1.0 if dtype == torch.float64 else float(np.float32(1.0))
+        value = st.integers(0, 6).map(lambda k: base + k * 2.0**-40 if dtype == torch.float64 else base)
+        value = st.one_of(value, st.sampled_from([1.0, 1.0000001, 1.0000002, 1.0000005]))
+    else:
+        value = st.floats(-(2.0**100), 2.0**100, width=32 if dtype == torch.float32 else 64)
+    s = torch.tensor(draw(st.lists(value, min_size=n, max_size=n)), dtype=dtype)
+    y = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    y[0], y[1] = True, False
+    return s, y
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=trials(), far=st.sampled_from([1e-3, 0.05, 0.1, 0.25, 0.5, 0.9]))
+def test_eer_and_tar_at_far_by_histogram_equal_the_sorted_path(t, far):
+    from marginkit.metrics import _roc
+    from marginkit.metrics.verification import eer, tar_at_far, verification_metrics
+
+    s, y = t
+    fast = eer(s, y)
+    assert fast == reference(eer, s, y)  # the sorted path (torch.sort)
+    assert fast == _roc.eer(*_roc.sides(s, y))  # the sorted path (numpy sort)
+    tar, threshold = tar_at_far(s, y, far)
+    ref = reference(verification_metrics, s, y, fars=(far,))
+    assert tar == ref["tar_at_far"][far] and threshold == ref["thresholds"][far]
+    assert (tar, threshold) == reference(tar_at_far, s, y, far)
+
+
+def test_eer_and_tar_of_many_scores_equal_the_sorted_path():
+    from marginkit.metrics import _roc
+    from marginkit.metrics.verification import eer, tar_at_far
+
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        y = torch.rand(200_000, generator=g) < 0.01
+        s = (torch.randn(200_000, generator=g, dtype=torch.float64) + 2.5 * y).to(dtype)
+        s[:1000] = torch.round(s[:1000] * 4) / 4  # ties
+        sides = _roc.sides(s, y)
+        assert eer(s, y) == _roc.eer(*sides)
+        for far in (1e-5, 1e-3, 0.01, 0.3):
+            thresholds, tars = _roc.rates_at_targets(*sides, (far,))
+            assert tar_at_far(s, y, far) == (tars[far], thresholds[far])
+    assert tar_at_far(s, y, 1e-7) == (None, None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=matrices(), k=st.integers(1, 30), block=st.integers(1, 3))
+def test_topk_stable_equals_the_stable_sort_cut(x, k, block):
+    ref = torch.sort(x, dim=-1, descending=True, stable=True)
+    values, indices = selection.topk_stable(x, k, block_rows=block)
+    assert torch.equal(indices, ref.indices[:, :k])
+    assert torch.equal(bits(values), bits(ref.values[:, :k]))
+
+
+def test_knn_and_local_triplet_fast_path_equal_reference():
+    from marginkit.knn._search import _ordered_topk
+    from marginkit.losses import LocalMarginTripletLoss
+
+    g = torch.Generator().manual_seed(7)
+    s = torch.round(torch.randn(40, 300, generator=g) * 3) / 3  # many ties across the cut
+    for k in (1, 5, 17, 300):
+        fast = _ordered_topk(s, k, tie_rows=7)
+        ref = reference(_ordered_topk, s, k, 7)
+        assert torch.equal(fast[1], ref[1]) and torch.equal(bits(fast[0]), bits(ref[0]))
+    emb = torch.round(torch.randn(64, 8, generator=g) * 2) / 2  # tied distances
+    labels = torch.arange(64) % 5
+    for k in (1, 3, 20):
+        loss = LocalMarginTripletLoss(k=k)
+        x1, x2 = emb.clone().requires_grad_(), emb.clone().requires_grad_()
+        v1 = loss(x1, labels)
+        v1.backward()
+        v2 = reference(loss, x2, labels)
+        v2.backward()
+        assert torch.equal(v1, v2) and torch.equal(x1.grad, x2.grad)

@@ -5,6 +5,13 @@ then a binary search, so TAR@FAR, EER, minDCF and AUC cost ``O(n log n)`` time a
 memory, the sorted copies being the only full-size temporaries. Decision rule throughout:
 *accept iff score > t*.
 
+A metric that needs a few order statistics only — the EER (:func:`eer_by_histogram`), a TAR at
+one FAR (:func:`tar_at_far_by_histogram`) — needs no sort on the CPU: a histogram of the scores'
+float bits (:func:`marginkit.ops.selection.histogram`, one pass to code and one to count) finds
+the bins that hold the answer, and only their values are sorted. Every count is the same integer
+as the sorted path's and every rate the same float64 expression of it, so the results are
+bit-identical to :func:`eer` / :func:`threshold_at_rate` on the sorted sides (tests compare them).
+
 A :class:`Side` may carry integer multiplicities (the subject bootstrap weights pairs by how
 often their subjects were drawn) as cumulative sums; without them every score counts once.
 """
@@ -19,6 +26,7 @@ import numpy as np
 import torch
 
 from marginkit._validation import compute_dtype, float_tensor
+from marginkit.ops import selection
 
 _BLOCK = 1 << 18  # candidate thresholds evaluated per step (bounds their temporaries to ~12 MB)
 _PROBES = 256  # evaluations per round of the k-ary search
@@ -62,19 +70,19 @@ NUMPY_ON_CPU = True  # the CPU fast paths below; tests switch it off to run the 
 
 def numpy_path(x: torch.Tensor) -> bool:
     """Whether ``x``'s values-only sorts and selections go through numpy (CPU tensors)."""
-    return NUMPY_ON_CPU and x.device.type == "cpu"
+    return NUMPY_ON_CPU and selection.FAST_CPU and x.device.type == "cpu"
 
 
 def sort_values(x: torch.Tensor) -> torch.Tensor:
     """A sorted (ascending) copy of 1-D ``x`` in its working precision (float32 or float64).
 
-    On CPU, numpy's sort: values only and vectorised, where ``torch.sort`` also computes the
-    permutation. Elsewhere ``torch.sort``.
+    :func:`marginkit.ops.selection.sort_values`: on CPU numpy's sort, values only and
+    vectorised, where ``torch.sort`` also computes the permutation. Elsewhere ``torch.sort``.
     """
     x = x.detach().to(compute_dtype(x.dtype))
-    if numpy_path(x):
-        return torch.from_numpy(np.sort(x.numpy()))
-    return torch.sort(x).values
+    if not numpy_path(x):
+        return torch.sort(x, stable=True).values
+    return selection.sort_values(x)
 
 
 @dataclass(frozen=True)
@@ -263,3 +271,86 @@ def auc(genuine: Side, impostor: Side) -> float:
         g = genuine.values[s : s + _BLOCK]
         total += int((impostor.mass_lt(g) + impostor.mass_le(g)).sum())
     return total / (2 * genuine.count * impostor.count)
+
+
+# ------------------------------------------------------------------ order statistics without a sort
+def _working_numpy(scores: torch.Tensor, is_genuine: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    return scores.detach().to(compute_dtype(scores.dtype)).numpy(), is_genuine.numpy()
+
+
+def _rate(count: int, total: int) -> float:
+    """``count / total`` in float64, as :func:`rates_at` computes it (int64 -> float64, divided)."""
+    return float(np.float64(count) / np.float64(total))
+
+
+def eer_by_histogram(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
+    """:func:`eer` of validated CPU pair scores without sorting them; the same float.
+
+    The ROC crossing ``t_j`` (the smallest score with ``FAR(t) - FRR(t) <= 0``) lies in the first
+    non-empty bin whose cumulative counts cross (the bins are value intervals, the rates monotone
+    in the counts); its predecessor ``t_prev`` in that bin or the last value of the previous
+    non-empty bin. Those two bins' values are extracted and sorted; counts below them come from
+    the histogram.
+    """
+    a, y = _working_numpy(scores, is_genuine)
+    codes, counts, order = selection.histogram(a)
+    g_counts = np.bincount(codes[y], minlength=order.size)[order]
+    i_counts = counts - g_counts
+    g_cum, i_cum = np.cumsum(g_counts), np.cumsum(i_counts)
+    n_gen, n_imp = int(g_cum[-1]), int(i_cum[-1])
+    d = (n_imp - i_cum).astype(np.float64) / n_imp - g_cum.astype(np.float64) / n_gen
+    r = int(np.argmax((d <= 0) & (counts > 0)))  # the top bin crosses (FAR 0, FRR 1)
+    earlier = np.flatnonzero(counts[:r])
+    first = int(earlier[-1]) if earlier.size else r  # the bins [first, r] hold both points
+    pick = codes == order[r]
+    if first != r:
+        pick |= codes == order[first]
+    vals, gen = a[pick], y[pick]
+    srt = np.argsort(vals, kind="stable")
+    vals, gen = vals[srt], gen[srt]
+    g_le = int(g_cum[first] - g_counts[first]) + np.cumsum(gen)
+    i_le = int(i_cum[first] - i_counts[first]) + np.cumsum(~gen)
+    last = np.r_[vals[1:] != vals[:-1], True]  # counts "<= t" at the last of equal values
+    cand_d = (n_imp - i_le[last]).astype(np.float64) / n_imp - g_le[last].astype(np.float64) / n_gen
+    j = int(np.argmax(cand_d <= 0))
+    points = [(0, 0) if j == 0 else (int(i_le[last][j - 1]), int(g_le[last][j - 1]))]  # (-inf: none)
+    points.append((int(i_le[last][j]), int(g_le[last][j])))
+    far = [_rate(n_imp - i, n_imp) for i, _ in points]
+    frr = [_rate(g, n_gen) for _, g in points]
+    d0, d1 = far[0] - frr[0], far[1] - frr[1]
+    if d1 == 0:
+        return far[1]
+    step = d0 / (d0 - d1)
+    return float(far[0] + step * (far[1] - far[0]))
+
+
+def tar_at_far_by_histogram(
+    scores: torch.Tensor, is_genuine: torch.Tensor, far: float
+) -> tuple[float | None, float | None]:
+    """``(TAR, threshold)`` at one FAR of validated CPU pair scores without sorting them.
+
+    The same order statistic as :func:`threshold_at_rate` (the ``j``-th smallest impostor score,
+    ``j = ceil(n - far n)``) and the same TAR as :func:`rates_at_targets`: the bin holding the
+    ``j``-th impostor is found from the histogram, its values partitioned; ``(None, None)`` when
+    the FAR is finer than one impostor.
+    """
+    a, y = _working_numpy(scores, is_genuine)
+    n_imp = int(y.size - np.count_nonzero(y))
+    n_gen = int(y.size - n_imp)
+    allowed = far * n_imp * (1 + 1e-12)
+    if allowed < 1:
+        return None, None
+    j = max(0, math.ceil(n_imp - allowed))
+    if j == 0:
+        return 1.0, -math.inf
+    codes, counts, order = selection.histogram(a)
+    g_counts = np.bincount(codes[y], minlength=order.size)[order]
+    i_cum = np.cumsum(counts - g_counts)
+    r = int(np.searchsorted(i_cum, j))  # first bin with j impostors at or below it
+    pick = codes == order[r]
+    vals, gen = a[pick], y[pick]
+    imp = vals[~gen]
+    q = j - int(i_cum[r - 1] if r else 0) - 1
+    t = np.partition(imp, q)[q]
+    g_le = int(np.sum(g_counts[:r])) + int(np.count_nonzero(vals[gen] <= t))
+    return float(n_gen - g_le) / n_gen, float(t)

@@ -35,7 +35,39 @@ def eer(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
         >>> eer(torch.tensor([0.6, 0.8, 0.2, 0.7]), torch.tensor([True, True, False, False]))
         0.5
     """
-    return _roc.eer(*_roc.sides(*check_pairs(scores, is_genuine)))
+    scores, is_genuine = check_pairs(scores, is_genuine)
+    if _roc.numpy_path(scores):  # no sort: a histogram of the float bits, then the crossing bin
+        return _roc.eer_by_histogram(scores, is_genuine)
+    return _roc.eer(*_roc.sides(scores, is_genuine))
+
+
+@accepts_arrays(scores="float", is_genuine="bool")
+def tar_at_far(
+    scores: torch.Tensor, is_genuine: torch.Tensor, far: float
+) -> tuple[float | None, float | None]:
+    r"""TAR at one FAR and its threshold (accept iff score > t): ``(tar, threshold)``.
+
+    The threshold is the exact order statistic of :func:`verification_metrics`: with ``n``
+    impostor scores, the smallest impostor score ``t`` with at most ``far * n`` impostors above
+    it (ties at ``t`` lie at or below it); TAR is the share of genuine scores above ``t``. Both
+    are ``None`` when ``far * n < 1`` (a FAR finer than one impostor cannot be measured). On the
+    CPU the order statistic is selected without sorting the scores; the values are identical to
+    ``verification_metrics(..., fars=(far,))``'s.
+
+    Example:
+        >>> import torch
+        >>> scores = torch.tensor([0.9, 0.4, 0.8, 0.3, 0.5])
+        >>> tar_at_far(scores, torch.tensor([True, True, False, False, False]), 0.4)
+        (0.5, 0.5)
+    """
+    scores, is_genuine = check_pairs(scores, is_genuine)
+    far = positive_float(far, "far")
+    if far >= 1:
+        raise ValueError(f"far must lie in (0, 1), got {far}")
+    if _roc.numpy_path(scores):
+        return _roc.tar_at_far_by_histogram(scores, is_genuine, far)
+    thresholds, tars = _roc.rates_at_targets(*_roc.sides(scores, is_genuine), (far,))
+    return tars[far], thresholds[far]
 
 
 @accepts_arrays(scores="float", is_genuine="bool")

@@ -18,6 +18,7 @@ import torch
 from marginkit._validation import choice, float_tensor, positive_float, positive_int
 from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import DISTANCES, distance_matrix, label_masks, prepare_pairs
+from marginkit.ops.selection import kth_smallest
 
 Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -35,12 +36,11 @@ def _local_select(
     """
     d = dist.detach()
     npos = pos.sum(1)
-    kk = min(k, d.shape[1])
     d_pos = d.masked_fill(~pos, math.inf)
     kth = (npos.clamp(max=k) - 1).clamp_min(0)
     # the k-th smallest positive distance (value), then its index with ties in index order:
     # the (kth - #smaller + 1)-th positive, counting in index order, whose distance equals it
-    value = torch.topk(d_pos, kk, dim=1, largest=False, sorted=True).values.gather(1, kth[:, None])
+    value = kth_smallest(d_pos, kth, k)
     smaller = (d_pos < value).sum(1, keepdim=True)
     tied = d_pos == value
     rank = tied.cumsum(1, dtype=torch.int32)
