@@ -29,10 +29,16 @@ resetting the counter (``/proc/self/clear_refs``), with glibc told to ``mmap`` e
 over 64 KiB and to trim on free (the script re-executes itself with those settings), so RSS
 follows live memory. Inputs exist before the measurement; outputs count.
 
-    python benchmarks/bench_metrics.py [--quick] [--only as-norm|eer] [--threads 2] [--repeats 3]
-        [--json out.json]
+3. Issue 39: the EER alone and the TAR at FAR = 1e-3 alone of the same 10⁷ scores — marginkit
+   selects the order statistics they need (a histogram of the float bits, then one bin) — against
+   scikit-learn's ``roc_curve`` + interpolation (goal: >= 30x at one thread), against the sorted
+   path they took before (which must give the bit-identical float), and their distance to
+   scikit-learn's value (within 1e-4).
 
-``--quick`` shrinks every size 10x (smoke run); ``--only`` runs one of the two parts.
+    python benchmarks/bench_metrics.py [--quick] [--only as-norm|eer|selection] [--threads 2]
+        [--repeats 3] [--json out.json]
+
+``--quick`` shrinks every size 10x (smoke run); ``--only`` runs one of the three parts.
 """
 
 from __future__ import annotations
@@ -263,10 +269,92 @@ def eer_min_dcf(args: argparse.Namespace, scale: int) -> list[dict[str, Any]]:
     )
 
 
+def eer_tar_selection(args: argparse.Namespace, scale: int) -> list[dict[str, Any]]:
+    """Issue 39: EER and TAR at FAR = 1e-3 alone, by selection (no sort) against scikit-learn."""
+    import numpy as np
+    import torch
+    from sklearn.metrics import roc_curve
+
+    from marginkit.metrics import _roc
+    from marginkit.metrics.verification import eer, tar_at_far
+
+    n, n_gen, far = 10_000_000 // scale, 100_000 // scale, 1e-3
+    g = torch.Generator().manual_seed(args.seed)
+    scores = torch.cat(
+        [0.5 + 0.2 * torch.randn(n_gen, generator=g), 0.2 * torch.randn(n - n_gen, generator=g)]
+    )
+    is_genuine = torch.zeros(n, dtype=torch.bool)
+    is_genuine[:n_gen] = True
+    perm = torch.randperm(n, generator=g)
+    scores, is_genuine = scores[perm].contiguous(), is_genuine[perm].contiguous()
+    s_np, y_np = scores.numpy(), is_genuine.numpy()
+
+    def sk_eer() -> float:
+        fpr, tpr, _ = roc_curve(y_np, s_np, drop_intermediate=False)
+        d = fpr - (1 - tpr)
+        j = int(np.nonzero(d >= 0)[0][0])
+        a = -d[j - 1] / (d[j] - d[j - 1])
+        return float(fpr[j - 1] + a * (fpr[j] - fpr[j - 1]))
+
+    def sk_tar() -> float:
+        fpr, tpr, _ = roc_curve(y_np, s_np, drop_intermediate=False)
+        return float(tpr[np.searchsorted(fpr, far, side="right") - 1])  # the last point with FAR <= far
+
+    def sorted_eer() -> float:  # the path before issue 39: both classes sorted, then searches
+        return _roc.eer(*_roc.sides(scores, is_genuine))
+
+    def sorted_tar() -> tuple[Any, Any]:
+        thresholds, tars = _roc.rates_at_targets(*_roc.sides(scores, is_genuine), (far,))
+        return tars[far], thresholds[far]
+
+    fns = {
+        "sk_eer": sk_eer,
+        "sorted_eer": sorted_eer,
+        "eer": lambda: eer(scores, is_genuine),
+        "sk_tar": sk_tar,
+        "sorted_tar": sorted_tar,
+        "tar": lambda: tar_at_far(scores, is_genuine, far),
+    }
+    timed = best_times(fns, args.repeats)
+    t = {k: v[0] for k, v in timed.items()}
+    out = {k: v[1] for k, v in timed.items()}
+    same_eer = out["eer"] == out["sorted_eer"]
+    same_tar = out["tar"] == out["sorted_tar"]
+    print(f"\n## EER and TAR at FAR = {far:g} of {n:,} scores ({n_gen:,} genuine), float32 (issue 39)\n")
+    print(
+        "| metric | scikit-learn (s) | sorted path (s) | marginkit (s) | sklearn / marginkit | goal |"
+        " bit-identical to the sorted path | |marginkit - sklearn| |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for name, key, same in (("EER", "eer", same_eer), (f"TAR@FAR={far:g}", "tar", same_tar)):
+        value = out[key] if key == "eer" else out[key][0]
+        ratio = t[f"sk_{key}"] / t[key]
+        diff = abs(value - out[f"sk_{key}"])
+        print(
+            f"| {name} | {t[f'sk_{key}']:.3f} | {t[f'sorted_{key}']:.3f} | {t[key]:.4f} | {ratio:.1f}x |"
+            f" >= 30x: {'holds' if ratio >= 30 else 'MISSED'} | {same} | {diff:.1e} |"
+        )
+        rows.append(
+            {
+                "metric": name,
+                "sklearn_s": t[f"sk_{key}"],
+                "sorted_s": t[f"sorted_{key}"],
+                "marginkit_s": t[key],
+                "ratio": ratio,
+                "bit_identical": same,
+                "diff_sklearn": diff,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="10x smaller sizes (smoke run)")
-    p.add_argument("--only", choices=("as-norm", "eer"), help="run only this part (default: both)")
+    p.add_argument(
+        "--only", choices=("as-norm", "eer", "selection"), help="run only this part (default: all)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -284,7 +372,11 @@ def main() -> None:
         f"# bench_metrics: torch {torch.__version__}, numpy {numpy.__version__}, scikit-learn "
         f"{sklearn.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}"
     )
-    parts = {"as_norm": ("as-norm", as_norm), "eer_min_dcf": ("eer", eer_min_dcf)}
+    parts = {
+        "as_norm": ("as-norm", as_norm),
+        "eer_min_dcf": ("eer", eer_min_dcf),
+        "eer_tar_selection": ("selection", eer_tar_selection),
+    }
     results = {key: fn(args, scale) for key, (name, fn) in parts.items() if args.only in (None, name)}
     if args.json:
         with open(args.json, "w") as f:

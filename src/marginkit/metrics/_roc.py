@@ -294,7 +294,7 @@ def eer_by_histogram(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     """
     a, y = _working_numpy(scores, is_genuine)
     codes, counts, order = selection.histogram(a)
-    g_counts = np.bincount(codes[y], minlength=order.size)[order]
+    g_counts = selection.bincount_at(codes, np.flatnonzero(y), order)
     i_counts = counts - g_counts
     g_cum, i_cum = np.cumsum(g_counts), np.cumsum(i_counts)
     n_gen, n_imp = int(g_cum[-1]), int(i_cum[-1])
@@ -344,7 +344,7 @@ def tar_at_far_by_histogram(
     if j == 0:
         return 1.0, -math.inf
     codes, counts, order = selection.histogram(a)
-    g_counts = np.bincount(codes[y], minlength=order.size)[order]
+    g_counts = selection.bincount_at(codes, np.flatnonzero(y), order)
     i_cum = np.cumsum(counts - g_counts)
     r = int(np.searchsorted(i_cum, j))  # first bin with j impostors at or below it
     pick = codes == order[r]

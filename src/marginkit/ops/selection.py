@@ -147,20 +147,28 @@ def stable_sort(x: torch.Tensor, *, descending: bool = False) -> tuple[torch.Ten
 def histogram(a: np.ndarray, bits: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Value-ordered histogram of the flat float32/float64 array ``a`` (finite values, no NaN).
 
-    The bin of a value is the top ``bits`` bits of its IEEE pattern (sign, exponent, leading
-    mantissa bits) after ``+0.0`` is added (``-0.0`` becomes ``+0.0``): every bin is an interval of
-    values, and the intervals are disjoint. Returns ``(codes, counts, order)``: ``codes[i]`` the
-    bin of ``a[i]`` (intp), ``counts[r]`` the number of values in the ``r``-th bin in ascending
-    value order, ``order[r]`` that bin's code. One pass to code, one to count.
+    The bin of a value is the top ``bits`` bits (``<= 31``) of its IEEE pattern (sign, exponent,
+    leading mantissa bits) after ``+0.0`` is added (``-0.0`` becomes ``+0.0``): every bin is an
+    interval of values, and the intervals are disjoint. Returns ``(codes, counts, order)``:
+    ``codes[i]`` the bin of ``a[i]`` (int32), ``counts[r]`` the number of values in the ``r``-th
+    bin in ascending value order, ``order[r]`` that bin's code. One pass to code (in place),
+    one to count (``torch.bincount``: about 2.5x numpy's, which first widens the codes to intp).
     """
     width = a.dtype.itemsize * 8
     canon = a + a.dtype.type(0)
-    codes = (canon.view(np.uint32 if width == 32 else np.uint64) >> (width - bits)).astype(np.intp)
+    raw = canon.view(np.uint32 if width == 32 else np.uint64)
+    np.right_shift(raw, raw.dtype.type(width - bits), out=raw)
+    codes = raw.view(np.int32) if width == 32 else raw.astype(np.int32)
     half = 1 << (bits - 1)
     # negative values: the larger the code, the smaller the value; then the positive codes
     order = np.concatenate([np.arange(2 * half - 1, half - 1, -1), np.arange(half)])
-    counts = np.bincount(codes, minlength=2 * half)[order]
+    counts = torch.bincount(torch.from_numpy(codes), minlength=2 * half).numpy()[order]
     return codes, counts, order
+
+
+def bincount_at(codes: np.ndarray, where: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Value-ordered counts (as :func:`histogram`'s) of the entries at the flat indices ``where``."""
+    return np.bincount(codes[where], minlength=order.size)[order]
 
 
 def _packed(a: np.ndarray, descending: bool) -> np.ndarray:
