@@ -1,10 +1,12 @@
 """Benchmark of marginkit.ops.mep against an O(n²) interval scan and one torch.sort.
 
-Usage:  python benchmarks/bench_mep.py [--quick] [--threads T] [--rounds R]
+Usage:  python benchmarks/bench_mep.py [--quick] [--threads T] [--rounds R] [--sizes 256x1000 ...]
 
 For each (B, n) it times, side by side and interleaved (round-robin; the best of the rounds
 is kept — on a shared, loaded machine the minimum is the least disturbed estimate):
 - ``sort``: one ``torch.sort`` of the same [B, n] tensor (the floor for any sort-based method);
+- ``np.sort``: numpy's sort of the same array (values only; the CPU's fastest sort here, and the
+  yardstick of issue 39: MEP L2 and L1 at (256, 1000) within 3x of it);
 - ``mep L2`` and ``mep L1`` (this library);
 - ``scan L2``: the source's algorithm, batched over rows but O(n²) work per row — f′ is
   evaluated at every breakpoint against every score, then the bracketing pair is
@@ -21,6 +23,7 @@ import math
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from marginkit.ops import mep
@@ -68,8 +71,9 @@ def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     lines = [
         f"positives: {kind}",
-        f"{'B':>4} {'n':>7} | {'sort ms':>8} | {'L2 ms':>8} {'L2/sort':>7} {'L2 err':>8} | {'scan L2 ms':>10}"
-        f" {'scan/L2':>8} {'scan err':>8} | {'L1 ms':>8} {'L1/sort':>7}",
+        f"{'B':>4} {'n':>7} | {'sort ms':>8} {'np ms':>7} | {'L2 ms':>8} {'L2/sort':>7} {'L2/np':>6}"
+        f" {'L2 err':>8} | {'scan L2 ms':>10} {'scan/L2':>8} {'scan err':>8} | {'L1 ms':>8} {'L1/sort':>7}"
+        f" {'L1/np':>6}",
     ]
     for b, n in sizes:
         x = 3 * torch.randn(b, n, generator=gen)
@@ -80,6 +84,7 @@ def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
             pos = mask = torch.rand(b, n, generator=gen) < 0.1
         fns = {
             "sort": lambda x=x: torch.sort(x, dim=-1),
+            "np": lambda x=x: np.sort(x.numpy(), axis=-1),
             "l2": lambda x=x, pos=pos: mep(x, pos, 1.0, "l2"),
             "l1": lambda x=x, pos=pos: mep(x, pos, 1.0, "l1"),
         }
@@ -108,8 +113,9 @@ def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
         else:
             scan = f"{'skipped':>10} {'':>8} {'':>8}"
         lines.append(
-            f"{b:>4} {n:>7} | {t['sort'] * 1e3:>8.2f} | {t['l2'] * 1e3:>8.2f} {t['l2'] / t['sort']:>6.2f}x"
-            f" {err:>8.1e} | {scan} | {t['l1'] * 1e3:>8.2f} {t['l1'] / t['sort']:>6.2f}x"
+            f"{b:>4} {n:>7} | {t['sort'] * 1e3:>8.2f} {t['np'] * 1e3:>7.2f} | {t['l2'] * 1e3:>8.2f}"
+            f" {t['l2'] / t['sort']:>6.2f}x {t['l2'] / t['np']:>5.2f}x {err:>8.1e} | {scan} |"
+            f" {t['l1'] * 1e3:>8.2f} {t['l1'] / t['sort']:>6.2f}x {t['l1'] / t['np']:>5.2f}x"
         )
     return lines
 
@@ -119,11 +125,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--rounds", type=int, default=15, help="timing rounds per size (best of)")
+    parser.add_argument(
+        "--sizes", nargs="+", metavar="BxN", help="sizes to run, e.g. 256x1000 (default: all)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else SIZES
+    if args.sizes:
+        sizes = [(int(b), int(n)) for b, n in (size.lower().split("x") for size in args.sizes)]
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s), float32, margin 1.0")
     print("ratios: L2/sort and L1/sort = time relative to one torch.sort (targets <= 2.5x and <= 2x);")
+    print(
+        "L2/np and L1/np = time relative to numpy's sort of the same array (issue 39: <= 3x at 256 x 1000);"
+    )
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        print("jax is not installed: the comparison with the blog's JAX reference is skipped")
+    else:
+        print("jax is installed, but the blog's JAX reference is not part of this script: not compared")
     print("scan/L2 = speed-up of mep L2 over the O(n²) scan (target >= 50x at n = 1000)\n")
     for kind in ("labels", "mask"):
         print("\n".join(bench(sizes, 3 if args.quick else args.rounds, kind)))

@@ -246,3 +246,15 @@ def test_knn_and_local_triplet_fast_path_equal_reference():
         v2 = reference(loss, x2, labels)
         v2.backward()
         assert torch.equal(v1, v2) and torch.equal(x1.grad, x2.grad)
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=matrices(), data=st.data())
+def test_sort_with_flags_equals_the_stable_sort_and_gather(x, data):
+    x = x.float()
+    flags = torch.tensor(data.draw(st.lists(st.booleans(), min_size=x.numel(), max_size=x.numel())))
+    flags = flags.reshape(x.shape)
+    ref = torch.sort(x, dim=-1, stable=True)
+    values, moved = selection.sort_with_flags(x, flags)
+    assert torch.equal(bits(torch.from_numpy(values)), bits(ref.values))
+    assert torch.equal(torch.from_numpy(moved), flags.gather(-1, ref.indices))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from marginkit._validation import choice, compute_dtype, float_tensor, label_tensor, real
-from marginkit.ops.selection import fast_path, sort_values, stable_sort
+from marginkit.ops.selection import fast_path, sort_values, sort_with_flags, stable_sort
 
 __all__ = ["margin_gap", "mep"]
 
@@ -329,7 +329,9 @@ def _l2_level_numpy(
     n = shape[-1]
     bn = b.detach().contiguous().numpy().reshape(-1, n)
     nn = n_neg.numpy().reshape(-1, 1)
-    if labels is None:
+    if labels is None and b.dtype == torch.float32:
+        u, pos = sort_with_flags(b, mask)
+    elif labels is None:
         u, order = (t.numpy().reshape(-1, n) for t in stable_sort(b))
         pos = np.take_along_axis(mask.numpy().reshape(-1, n), order, -1)
     else:
@@ -345,8 +347,8 @@ def _l2_level_numpy(
     total = torch.from_numpy(uc).reshape(shape).sum(-1, keepdim=True, dtype=torch.float64).numpy()
     neg_tot = 0.5 * (cum[:, -1:] - total.reshape(-1, 1))
     if labels is None:
-        cnt = torch.cumsum(torch.from_numpy(pos), -1).numpy()  # Σ_{j≤k} s_j = 2 #P − (k + 1)
-        cnt = 2 * cnt - np.arange(1, n + 1) + nn
+        cnt = np.cumsum(pos, -1, dtype=np.int32)  # Σ_{j≤k} s_j = 2 #P − (k + 1)
+        cnt = 2 * cnt - np.arange(1, n + 1, dtype=np.int32) + nn
     else:
         cnt = 2 * (np.arange(n) >= place) - np.arange(1, n + 1) + nn
     h = cnt * uc.astype(np.float64)

@@ -46,7 +46,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["FAST_CPU", "fast_path", "histogram", "kth_smallest", "sort_values", "stable_sort", "topk_stable"]
+__all__ = [
+    "FAST_CPU",
+    "fast_path",
+    "histogram",
+    "kth_smallest",
+    "sort_values",
+    "sort_with_flags",
+    "stable_sort",
+    "topk_stable",
+]
 
 #: The CPU fast path is on; tests switch it off (``monkeypatch``) to run the torch reference.
 FAST_CPU = True
@@ -171,16 +180,50 @@ def bincount_at(codes: np.ndarray, where: np.ndarray, order: np.ndarray) -> np.n
     return np.bincount(codes[where], minlength=order.size)[order]
 
 
-def _packed(a: np.ndarray, descending: bool) -> np.ndarray:
-    """uint64 keys ``(float order key << 32) | column``: their order is the stable order of ``a``'s rows."""
+def _packed(a: np.ndarray, descending: bool, flags: np.ndarray | None = None) -> np.ndarray:
+    """uint64 keys ``(float order key << 32) | column`` (``| column << 1 | flag`` with ``flags``):
+    their order is the stable order of ``a``'s rows."""
     key = _keys32(a)
     if descending:
         key = ~key
     packed = key.astype(np.uint64)
     del key
     packed <<= np.uint64(32)
-    packed |= np.arange(a.shape[1], dtype=np.uint64)
+    if flags is None:
+        packed |= np.arange(a.shape[1], dtype=np.uint64)
+    else:
+        packed |= np.arange(0, 2 * a.shape[1], 2, dtype=np.uint64)
+        packed |= flags
     return packed
+
+
+def _decode32(packed: np.ndarray) -> np.ndarray:
+    """The float32 values of packed ascending keys (``-0.0`` comes back as ``+0.0``, NaN canonical)."""
+    high = packed.view(np.uint32)[:, 1 if np.little_endian else 0 :: 2]
+    key = (high ^ _SIGN32).view(np.int32)
+    neg = key >> 31
+    return ((key + neg) ^ (neg & 0x7FFFFFFF)).view(np.float32)
+
+
+def sort_with_flags(x: torch.Tensor, flags: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of float32 CPU ``x`` in the stable ascending order, and bool ``flags`` moved alike.
+
+    ``(values, flags)`` as ``[rows, n]`` numpy arrays, equal to ``torch.sort(x, stable=True)``'s
+    values and ``flags.gather(-1, indices)``; for :func:`fast_path` float32 tensors. The flag
+    rides in the lowest bit of the packed key (under the column), so no gather is needed; the
+    values are decoded from the keys, or gathered where a ``-0.0`` or a NaN must keep its bits.
+    """
+    a = _rows(x)
+    f = flags.contiguous().numpy().reshape(a.shape)
+    packed = _packed(a, False, f)
+    packed.sort(axis=-1)
+    low = packed.view(np.uint32)[:, 0 if np.little_endian else 1 :: 2]
+    moved = (low & 1).astype(bool)
+    if np.isnan(a).any() or (np.signbit(a) & (a == 0)).any():
+        values = np.take_along_axis(a, (low >> 1).astype(np.int64), axis=-1)
+    else:
+        values = _decode32(packed)
+    return values, moved
 
 
 def _columns(packed: np.ndarray) -> np.ndarray:
