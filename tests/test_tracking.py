@@ -125,12 +125,12 @@ def test_a_missing_tracker_package_says_what_to_install(tmp_path, monkeypatch):
 
     def absent(name, *args, **kwargs):
         if name.split(".")[0] == "mlflow" or name == "torch.utils.tensorboard":
-            raise ImportError(f"No module named {name!r}")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", absent)
     for key in ("mlflow", "tensorboard"):
-        with pytest.raises(ConfigError, match=rf"tracking.{key} needs .*marginkit\[tracking\]"):
+        with pytest.raises(ImportError, match=rf"tracking.{key} needs .*marginkit\[tracking\]"):
             train(config(tracking={key: True}), tmp_path / key, quiet=True, report=False)
 
 

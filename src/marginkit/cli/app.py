@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from marginkit._lazy import missing_extra
 from marginkit.cli.compare import DEMO_LOSSES, DEMO_OPTIONS, demo_jobs
 from marginkit.cli.errors import EXIT_INTERRUPTED, EXIT_TRAINING, EXIT_USAGE, UserError
 from marginkit.train.config import TrainConfig
@@ -431,6 +432,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        missing = missing_extra(exc, f"`marginkit {args.command}`")
+        if missing is not None:  # the user's installation, not a bug: a usage error
+            print(f"marginkit: error: {missing}", file=sys.stderr)
+            return EXIT_USAGE
         from marginkit.train.trainer import TrainingError
 
         kind = "error" if isinstance(exc, TrainingError) else f"internal error ({type(exc).__name__})"

@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from marginkit._lazy import require
+
 __all__ = ["AUGMENTATIONS", "BatchAugment", "augment_options"]
 
 #: name -> (default, kinds it applies to, lowest, highest)
@@ -113,10 +115,7 @@ class BatchAugment:
         self._kornia = self._image_pipeline() if kind == "image" and self.options else None
 
     def _image_pipeline(self) -> Any:
-        try:
-            import kornia.augmentation as K
-        except ImportError:  # pragma: no cover - the augment extra installs it
-            raise ImportError("augmenting images needs kornia: pip install 'marginkit[augment]'") from None
+        K = require("kornia.augmentation", extra="augment", purpose="augmenting images")
         o = self.options
         steps: list[Any] = []
         if "flip" in o:

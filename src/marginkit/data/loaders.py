@@ -317,10 +317,33 @@ def _numpy_frombuffer() -> Any:
     return _frombuffer
 
 
-def _codecs_encode() -> Any:
+def _latin1_encode(text: Any, encoding: Any = "utf-8", errors: Any = "strict") -> bytes:
+    """``_codecs.encode`` as Python's protocol-2 pickles call it, ``encode(str, "latin1")``, and
+    nothing else: another codec (an unknown one, or one that compresses or decodes) is refused."""
     import codecs
 
-    return codecs.encode
+    if not isinstance(encoding, str) or not isinstance(text, str) or errors != "strict":
+        raise pickle.UnpicklingError(
+            f"refusing _codecs.encode({type(text).__name__}, {encoding!r}, {errors!r}): only "
+            "encode(str, 'latin1'), as Python writes bytes at protocol 2"
+        )
+    try:
+        latin1 = codecs.lookup(encoding).name == "iso8859-1"
+    except LookupError:
+        latin1 = False
+    if not latin1:
+        raise pickle.UnpicklingError(
+            f"refusing _codecs.encode with codec {encoding[:40]!r}: only 'latin1', as Python writes "
+            "bytes at protocol 2"
+        )
+    try:
+        return text.encode("latin1")
+    except UnicodeEncodeError as exc:
+        raise pickle.UnpicklingError(f"a bytes object is not latin1 text ({exc.reason})") from None
+
+
+def _codecs_encode() -> Any:
+    return _latin1_encode
 
 
 class _ArrayType:
@@ -404,8 +427,9 @@ def restricted_load(path: Path) -> Any:
             return RestrictedUnpickler(handle, encoding="bytes").load()
     except pickle.UnpicklingError as exc:
         raise ValueError(f"{path}: unsafe or corrupt pickle refused: {exc}") from exc
-    except (EOFError, ValueError, TypeError, IndexError, AttributeError, KeyError, OverflowError) as exc:
-        raise ValueError(f"{path}: corrupt pickle ({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:  # only the admitted globals run: any failure is the file's own
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: corrupt pickle ({type(exc).__name__}: {first})") from exc
 
 
 def _text(key: Any) -> Any:
@@ -737,6 +761,8 @@ def read_features(
             raise ValueError(f"{path}: 'class_names' must be a 1-D array of strings")
         class_names = [str(_text(n)) for n in names.tolist()]
     info: dict[str, Any] = {"source": str(path)}
+    if "x_test" not in out and len(out["y"]) == 0:
+        raise ValueError(f"{path}: 'x' and 'y' hold no samples")
     if "x_test" in out:
         x_train, y_train, x_test, y_test = out["x"], out["y"], out["x_test"], out["y_test"]
         info["split"] = "x_test/y_test as given"

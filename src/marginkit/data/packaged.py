@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from marginkit._lazy import MissingExtraError, install_hint
 from marginkit.data.loaders import RawSplits
 
 __all__ = ["japanese_vowels", "mnist_sample_arrays", "read_ts", "resample", "summary_stats"]
@@ -47,8 +48,10 @@ def _package_file(package: str, relative: str, extra: str = "study") -> Path:
     """A data file inside an installed package, found without importing the package."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            f"this data set is read from the {package!r} package's files: pip install 'marginkit[{extra}]'"
+        raise MissingExtraError(
+            f"this data set is read from the {package!r} package's files: {install_hint(extra)}",
+            extra=extra,
+            module=package,
         )
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():

@@ -111,6 +111,12 @@ def labelled_splits(
         raise ValueError(f"split must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
     seed = _seed(split_seed, "split_seed")
     labels, names = _label_space(raw, name)
+    empty = [side for side in SIDES if side in labels and not labels[side].size]
+    if len(empty) == len(labels):
+        raise ValueError(f"{name}: holds no samples (every split is empty)")
+    for side in ("train", "test"):  # the pooled modes re-split the other splits' samples
+        if mode == "source" and side in empty:
+            raise ValueError(f"{name}: the {'training' if side == 'train' else side} split holds no samples")
     info = dict(raw.info)
     xs = {"train": raw.x_train, "test": raw.x_test}
     if raw.x_val is not None:

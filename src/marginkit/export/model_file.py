@@ -21,28 +21,42 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["FORMATS", "INPUT_NAME", "MODEL_FILES", "OUTPUT_NAME", "load_model_file", "write_model_file"]
+from marginkit._lazy import require
+
+__all__ = [
+    "FORMATS",
+    "INPUT_NAME",
+    "MODEL_FILES",
+    "OUTPUT_NAME",
+    "load_model_file",
+    "require_runtime",
+    "write_model_file",
+]
 
 FORMATS = ("onnx", "torchscript")
 MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.ts"}
 INPUT_NAME, OUTPUT_NAME = "x", "embedding"
-EXPORT_HINT = "pip install 'marginkit[export]'"
 
 Embedder = Callable[[np.ndarray], np.ndarray]
 
 
-def _import(name: str) -> object:
-    try:
-        return __import__(name)
-    except ImportError as err:
-        raise ImportError(
-            f"ONNX export and inference need {name!r}, which is not installed: {EXPORT_HINT}"
-        ) from err
+def _import(name: str) -> Any:
+    return require(name, extra="export", purpose="the ONNX format (export and inference)")
+
+
+def require_runtime(fmt: str) -> None:
+    """Raise :class:`~marginkit._lazy.MissingExtraError` now, before any work, when writing and
+    checking a ``fmt`` model file needs a package that is not installed (ONNX: onnx, onnxscript
+    and onnxruntime, the ``export`` extra)."""
+    if fmt == "onnx":
+        for name in ("onnx", "onnxscript", "onnxruntime"):
+            _import(name)
 
 
 @contextlib.contextmanager
@@ -98,12 +112,10 @@ def load_model_file(path: str | os.PathLike[str], fmt: str, *, threads: int = 0)
     """
     if fmt == "onnx":
         ort = _import("onnxruntime")
-        options = ort.SessionOptions()  # type: ignore[attr-defined]
+        options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
         options.log_severity_level = 3
-        session = ort.InferenceSession(  # type: ignore[attr-defined]
-            os.fspath(path), options, providers=["CPUExecutionProvider"]
-        )
+        session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
 
         def run_onnx(x: np.ndarray) -> np.ndarray:
             return session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(x, dtype=np.float32)})[0]

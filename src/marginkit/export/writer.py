@@ -24,7 +24,14 @@ from marginkit.export.bundle import (
     load_bundle,
 )
 from marginkit.export.calibration import CALIBRATION_FARS, calibration_table
-from marginkit.export.model_file import FORMATS, INPUT_NAME, MODEL_FILES, OUTPUT_NAME, write_model_file
+from marginkit.export.model_file import (
+    FORMATS,
+    INPUT_NAME,
+    MODEL_FILES,
+    OUTPUT_NAME,
+    require_runtime,
+    write_model_file,
+)
 
 __all__ = ["ExportError", "export_model"]
 
@@ -92,6 +99,7 @@ def export_model(
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
         raise ValueError(f"examples must be an integer >= 0, got {examples!r}")
+    require_runtime(format)  # a missing package fails now, before the run is loaded
     run = load_run(run_dir, checkpoint, "cpu", model=model)
     out = Path(out) if out is not None else Path(run_dir) / f"bundle-{format}"
     if out.exists() and not overwrite:

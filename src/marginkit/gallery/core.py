@@ -216,6 +216,10 @@ class Gallery:
         timeout: float,
         dtype: str | None,
     ) -> None:
+        if self.backend != "exact":  # a missing FAISS fails now, naming its extra, not at the first search
+            from marginkit.knn import KNNClassifier
+
+            KNNClassifier(k=1, backend=self.backend)
         self._store = Store(path, model_fingerprint, embedding_dim, timeout, dtype)
         self.path = self._store.path
         self.model_fingerprint: str = self._store.model_fingerprint

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+from marginkit._lazy import install_hint, require
 from marginkit.gallery.core import Gallery, UnknownIdentityError
 from marginkit.gallery.results import Candidate
 from marginkit.gallery.store import GalleryError, check_model, require_facts
@@ -51,7 +52,7 @@ __all__ = ["FORMAT", "MILVUS_HINT", "MilvusGallery"]
 
 FORMAT = "marginkit.gallery.milvus"
 VERSION = 1
-MILVUS_HINT = "pip install 'marginkit[milvus]'"
+MILVUS_HINT = install_hint("milvus")
 DEFAULT_COLLECTION = "marginkit_gallery"
 _INDEXES = {
     "exact": ("FLAT", {}, {}),
@@ -102,10 +103,9 @@ class MilvusGallery(Gallery):
                 "storage are the SQLite gallery's)"
             )
         self.dtype = "float32"
-        try:
-            from pymilvus import DataType, MilvusClient, MilvusException
-        except ImportError as err:
-            raise ImportError(f"a Milvus gallery needs pymilvus and milvus-lite: {MILVUS_HINT}") from err
+        require("pymilvus", extra="milvus", purpose="a Milvus gallery")
+        from pymilvus import DataType, MilvusClient, MilvusException
+
         self._errors = (MilvusException,)
         text = os.fspath(path)
         self.path = text
@@ -119,6 +119,7 @@ class MilvusGallery(Gallery):
         else:
             if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
                 raise GalleryError(f"{text}: directory {os.path.dirname(text) or '.'} does not exist")
+            require("milvus_lite", extra="milvus", purpose="a milvus-lite gallery file")
             uri, token, collection, where = text, "", DEFAULT_COLLECTION, text
         if not collection.replace("_", "").isalnum():
             raise GalleryError(

@@ -18,21 +18,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from marginkit._lazy import require
 from marginkit.knn._search import candidate_margin, exact_search, neg_sqnorms, prepare, rerank, sqnorms
 
-FAISS_HINT = "pip install 'marginkit[faiss]'"
 _RERANK_BYTES = 64 * 2**20  # temporaries of HNSW's distance recomputation
 
 
 def import_faiss() -> Any:
-    """Import FAISS or raise an ImportError that names the extra to install."""
-    try:
-        import faiss
-    except ImportError as err:  # pragma: no cover - exercised with faiss hidden
-        raise ImportError(
-            f"the 'faiss', 'hnsw' and 'ivf' K-NN backends need FAISS, which is not installed: {FAISS_HINT}"
-        ) from err
-    return faiss
+    """Import FAISS or raise :class:`~marginkit._lazy.MissingExtraError` naming the extra to install."""
+    return require("faiss", extra="faiss", purpose="the 'faiss', 'hnsw' and 'ivf' K-NN backends")
 
 
 class Index(Protocol):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from marginkit._lazy import MissingExtraError
 from marginkit.models.base import EmbeddingModel
 
 __all__ = ["LIBRARIES", "ExternalBackbone", "import_library", "is_external", "split_name"]
@@ -58,7 +59,8 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def import_library(library: str) -> Any:
-    """Import ``timm`` or ``torchvision``; an ImportError that says why and what to install."""
+    """Import ``timm`` or ``torchvision``; a :class:`~marginkit._lazy.MissingExtraError` that says why
+    and what to install."""
     try:
         if library == "timm":
             import timm
@@ -70,9 +72,11 @@ def import_library(library: str) -> Any:
         return torchvision
     except Exception as exc:  # torchvision raises RuntimeError when its operators do not load
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ImportError(
+        raise MissingExtraError(
             f"{library} models need {library}, which cannot be imported here "
-            f"({type(exc).__name__}: {first}; torch {torch.__version__}): {INSTALL_HINT}"
+            f"({type(exc).__name__}: {first}; torch {torch.__version__}): {INSTALL_HINT}",
+            extra="vision",
+            module=library,
         ) from None
 
 

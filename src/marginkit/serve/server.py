@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from marginkit._lazy import require
 from marginkit.serve.inputs import Limits
 
 __all__ = ["app_from_env", "build_app", "read_token", "serve"]
 
-SERVE_HINT = "pip install 'marginkit[serve]'"
 _ENV = "MARGINKIT_SERVE_BUILD"  # build_app's arguments (JSON) for worker processes
 
 
@@ -50,10 +50,8 @@ def build_app(
     of a new gallery (:class:`~marginkit.gallery.Gallery`'s ``dtype``); ``gallery_backend``:
     its template search (``backend``).
     """
-    try:
-        import fastapi  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f"`marginkit serve` needs FastAPI and uvicorn: {SERVE_HINT}") from err
+    for name in ("fastapi", "fastapi_offline", "uvicorn", "orjson"):
+        require(name, extra="serve", purpose="`marginkit serve`")
     from marginkit.export import load_bundle
     from marginkit.gallery import Gallery
     from marginkit.serve.app import create_app

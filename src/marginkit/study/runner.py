@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from marginkit._lazy import require
 from marginkit.study.claims import verdicts
 from marginkit.study.jobs import run_job, stored_result
 from marginkit.study.plan import PEER_TRAIN_OPTIONS, StudyPlan, identity_rows, study_plan
@@ -342,6 +343,8 @@ def run_study(
     plan = study_plan(quick, jobs)
     (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")
     job_list = build_jobs(plan)
+    if not collect_only and any(job["kind"] == "tune" for job in job_list):
+        require("optuna", extra="study", purpose="the study's tuning")  # now, not after hours of jobs
     load_before = _load_average()
     log(f"study ({plan.mode}): {len(job_list)} jobs on {jobs} worker(s); load average {load_before}")
     missing: list[dict[str, Any]] = []

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from marginkit._lazy import require
+
 __all__ = ["PAPER", "QMARGIN_SPEAKER", "SPACES", "partial_result", "run_defaults", "run_tuning", "summarize"]
 
 # (name, kind, low, high) — kind: "log" (float, log-uniform), "float", "int_log", or a tuple of choices.
@@ -120,6 +122,7 @@ def _objective(job: dict[str, Any], splits: Any, params: dict[str, Any]) -> tupl
 
 
 def _distributions(space: list[tuple[str, Any, Any, Any]]) -> dict[str, Any]:
+    require("optuna", extra="study", purpose="the study's tuning")
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     out: dict[str, Any] = {}
@@ -178,7 +181,7 @@ def run_tuning(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """One loss's study: ``job["trials"]`` TPE trials (seed ``job["sampler_seed"]``)."""
     import json
 
-    import optuna
+    optuna = require("optuna", extra="study", purpose="the study's tuning")
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     splits = _development_splits(job)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from marginkit._lazy import require
 from marginkit.train.errors import CheckpointError, ConfigError
 
 __all__ = ["apply_starting_weights", "init_base", "read_state_dict"]
@@ -88,13 +89,10 @@ def read_state_dict(path: str | os.PathLike[str], *, max_bytes: int) -> tuple[di
         )
     where = f"weights file {str(p)!r}"
     if p.suffix == ".safetensors":
-        try:
-            from safetensors import SafetensorError
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ConfigError(
-                f"{where}: reading .safetensors needs pip install 'marginkit[weights]'"
-            ) from None
+        require("safetensors.torch", extra="weights", purpose=f"{where}: reading .safetensors")
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
         try:
             return load_file(str(p), device="cpu"), "safetensors"
         except (SafetensorError, OSError, ValueError) as exc:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from marginkit._lazy import MissingExtraError, require
 from marginkit.train.errors import ConfigError
 
 __all__ = ["Tracker", "flat_numbers", "flat_params", "open_tracker", "prepare_mlflow", "resolve_tracking"]
@@ -78,11 +79,10 @@ def resolve_tracking(tracking: Mapping[str, Any], run_dir: str | os.PathLike[str
 
 
 def _mlflow_client(uri: str) -> Any:
-    try:
-        from mlflow import MlflowClient
-    except ImportError:
-        raise ConfigError("tracking.mlflow needs mlflow: pip install 'marginkit[tracking]'") from None
+    require("mlflow", extra="tracking", purpose="tracking.mlflow")
     import logging
+
+    from mlflow import MlflowClient
 
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # its table-creation notes
     try:
@@ -127,12 +127,14 @@ class Tracker:
         self.client: Any = None
         self.run_id: str | None = None
         if "tensorboard" in settings:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError(
-                    "tracking.tensorboard needs the tensorboard package: pip install 'marginkit[tracking]'"
-                ) from None
+            require(
+                "torch.utils.tensorboard",
+                package="tensorboard",
+                extra="tracking",
+                purpose="tracking.tensorboard",
+            )
+            from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(settings["tensorboard"], purge_step=start_epoch + 1)
             if start_epoch == 0:
                 self.writer.add_text("config", "```\n" + config.to_yaml() + "```", 0)
@@ -219,7 +221,7 @@ def open_tracker(config: Any, run_dir: Path, *, start_epoch: int) -> Tracker | N
         return None
     try:
         return Tracker(settings, run_dir, config, start_epoch=start_epoch)
-    except ConfigError:
+    except (ConfigError, MissingExtraError):
         raise
     except Exception as exc:  # an unusable store or directory: before any epoch is trained
         raise ConfigError(f"tracking {settings}: {_first_line(exc)}") from None
