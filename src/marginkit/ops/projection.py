@@ -232,9 +232,11 @@ def project(
     # per row, "max_N b <= x_pos" is the same test as "max b <= x_pos" (b_pos = x_pos itself).
     lo_pos = hi_neg = None
     if norm == "l2":
-        level, b_max = _l2_level(b, mask, n_neg, labels, grad)
+        level, b_max, extremes = _l2_level(b, mask, n_neg, labels, grad)
         if labels is not None:
             lo_pos, hi_neg = x_pos, b_max
+        elif extremes is not None:
+            lo_pos, hi_neg = extremes
     elif labels is not None:
         # |N| = n - 1 in every row: u_(n-1) is the second largest breakpoint, no sort needed.
         top2 = torch.topk(b, 2, dim=-1).values
@@ -265,7 +267,7 @@ def project(
 
 def _l2_level(
     b: torch.Tensor, mask: torch.Tensor, n_neg: torch.Tensor, labels: torch.Tensor | None, grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., n]`` → ``[..., 1]``).
 
     ``b`` holds the breakpoints (``x_i`` on ``mask``, ``x_j + m`` elsewhere). After one sort,
@@ -286,7 +288,8 @@ def _l2_level(
     infeasible row) and ``acc`` is accumulated in float64, so the prefix sums do not lose
     digits to far-away negatives cancelling against ``Σ_N u``; counts are exact integers.
     Infeasible rows have ``cnt_{K−1} ≥ 1``; other rows get a finite value that the caller
-    discards. Also returns the largest breakpoint ``max b`` (the last sorted entry).
+    discards. Also returns the largest breakpoint ``max b`` (the last sorted entry), and, on the
+    numpy path with a mask, ``(min_P b, max_N b)`` read off the sorted rows (else ``None``).
     """
     n = b.shape[-1]
     if not grad and fast_path(b):
@@ -310,12 +313,12 @@ def _l2_level(
         k = (torch.addcmul(cum, cnt, uc, value=-1) > neg_tot).sum(-1, keepdim=True).sub_(1).clamp_(min=0)
     level = (centre + (cum.gather(-1, k) - neg_tot) / cnt.gather(-1, k).clamp(min=1.0)).to(b.dtype)
     top = u[..., -1:]
-    return level, top.detach() if grad else top
+    return level, top.detach() if grad else top, None
 
 
 def _l2_level_numpy(
     b: torch.Tensor, mask: torch.Tensor, n_neg: torch.Tensor, labels: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`_l2_level` on the CPU without a gradient, in numpy, with the same roundings.
 
     Every step is the same IEEE operation on the same operands in the same order (float32
@@ -323,7 +326,8 @@ def _l2_level_numpy(
     rounded difference per breakpoint, the level rounded once from float64); the one reduction
     whose order is torch's own (``Σ uc``) is torch's. With one positive per row, the stable
     order needs no permutation: the values are sorted alone and the positive's place is counted
-    (entries below it, plus entries equal to it at a smaller index).
+    (entries below it, plus entries equal to it at a smaller index). Returns ``(level, max b,
+    None)`` with labels, ``(level, None, (min_P b, max_N b))`` with a mask (from the sorted rows).
     """
     shape = b.shape
     n = shape[-1]
@@ -338,27 +342,48 @@ def _l2_level_numpy(
         u = sort_values(b).numpy().reshape(-1, n)
         lab = labels.numpy().reshape(-1, 1)
         xp = np.take_along_axis(bn, lab, -1)
-        place = (bn < xp).sum(-1, keepdims=True) + ((bn == xp) & (np.arange(n) < lab)).sum(-1, keepdims=True)
-        pos = np.arange(n) == place
+        place = (bn < xp).sum(-1, keepdims=True)
+        equal = bn == xp
+        tied = np.flatnonzero(equal.sum(-1) > 1)  # rows where another entry equals the positive
+        if tied.size:  # ... and precedes it when its index is smaller
+            place[tied] += (equal[tied] & (np.arange(n) < lab[tied])).sum(-1, keepdims=True)
+        pos = None
     centre = np.take_along_axis(u, np.clip(nn - 1, 0, n - 1), -1)
     uc = u - centre
-    signed = torch.from_numpy(np.where(pos, uc, -uc))
+    if pos is None:  # one positive per row, at `place`
+        rows = np.arange(u.shape[0])[:, None]
+        signed = np.negative(uc)
+        signed[rows, place] = uc[rows, place]
+        signed = torch.from_numpy(signed)
+    else:
+        signed = torch.from_numpy(np.where(pos, uc, -uc))
     cum = torch.cumsum(signed, -1, dtype=torch.float64).numpy()  # torch's is the faster scan
     total = torch.from_numpy(uc).reshape(shape).sum(-1, keepdim=True, dtype=torch.float64).numpy()
     neg_tot = 0.5 * (cum[:, -1:] - total.reshape(-1, 1))
     if labels is None:
         cnt = np.cumsum(pos, -1, dtype=np.int32)  # Σ_{j≤k} s_j = 2 #P − (k + 1)
-        cnt = 2 * cnt - np.arange(1, n + 1, dtype=np.int32) + nn
+        cnt *= 2
     else:
-        cnt = 2 * (np.arange(n) >= place) - np.arange(1, n + 1) + nn
-    h = cnt * uc.astype(np.float64)
+        cnt = 2 * (np.arange(n, dtype=np.int32) >= place).astype(np.int32)
+    cnt -= np.arange(1, n + 1, dtype=np.int32)
+    cnt += nn.astype(np.int32)
+    h = np.multiply(cnt, uc, dtype=np.float64)  # exact: a count times a float32
     np.subtract(cum, h, out=h)
     k = np.maximum((h > neg_tot).sum(-1, keepdims=True) - 1, 0)
     level = centre + (np.take_along_axis(cum, k, -1) - neg_tot) / np.maximum(
         np.take_along_axis(cnt, k, -1), 1
     )
     level = torch.from_numpy(level.astype(bn.dtype)).reshape(*shape[:-1], 1)
-    return level, torch.from_numpy(u[:, -1:].copy()).reshape(*shape[:-1], 1)
+    if labels is not None:
+        return level, torch.from_numpy(u[:, -1:].copy()).reshape(*shape[:-1], 1), None
+    # min_P b and max_N b from the sorted rows: the first positive, the last negative (±inf if none)
+    rows = np.arange(u.shape[0])
+    first_pos, last_neg = pos.argmax(-1), n - 1 - (~pos)[:, ::-1].argmax(-1)
+    inf = bn.dtype.type(np.inf)
+    lo_pos = np.where(pos[rows, first_pos], u[rows, first_pos], inf)
+    hi_neg = np.where(pos[rows, last_neg], -inf, u[rows, last_neg])
+    extremes = (torch.from_numpy(v).reshape(*shape[:-1], 1) for v in (lo_pos, hi_neg))
+    return level, None, tuple(extremes)
 
 
 def _below_margin(level: torch.Tensor, m: Any, grad: bool = True) -> torch.Tensor:
