@@ -169,6 +169,28 @@ def test_missing_extra_finds_the_cause_behind_a_wrapped_or_bare_import_error():
     assert missing_extra(RuntimeError("x")) is None
 
 
+@pytest.mark.parametrize("module", sorted(EXTRAS))
+def test_a_bare_import_of_any_optional_module_maps_to_its_extra(module):
+    """The CLI's fallback for imports not routed through require() (e.g. webdataset in wds: shards)."""
+    found = missing_extra(
+        ModuleNotFoundError(f"No module named {module!r}", name=f"{module}.sub"), "`marginkit x`"
+    )
+    assert found is not None and found.extra == EXTRAS[module]
+    _names_extra(str(found), EXTRAS[module], DISTRIBUTIONS.get(module, module))
+
+
+def test_audio_readers_without_the_audio_extra(tmp_path, monkeypatch):
+    pytest.importorskip("soundfile")
+    from marginkit.audio.io import audio_info, read_audio
+
+    wav = tmp_path / "a.wav"
+    wav.write_bytes(b"RIFF")
+    _absent(monkeypatch, "soundfile")
+    for read in (audio_info, lambda path: read_audio(path, 16000)):
+        with pytest.raises(MissingExtraError, match=r"reading audio needs 'soundfile'.*marginkit\[audio\]"):
+            read(wav)
+
+
 # ---------------------------------------------------------------------- every command, every extra
 @pytest.mark.parametrize("module", ["onnx", "onnxscript", "onnxruntime"])
 def test_export_without_the_export_extra(tmp_path, capsys, monkeypatch, module):

@@ -1,4 +1,9 @@
-"""User-facing errors of the command line: one line, exit code 2, no traceback (unless --debug)."""
+"""User-facing errors of the command line: one line, exit code 2, no traceback (unless --debug).
+
+A missing optional dependency is one of them: :func:`marginkit.cli.main` reports a
+:class:`~marginkit._lazy.MissingExtraError` (or a bare ``ModuleNotFoundError`` of a module of an
+extra, :func:`~marginkit._lazy.missing_extra`) with the extra to install, exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ from collections.abc import Iterator
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_TRAINING", "EXIT_USAGE", "UserError", "user_errors"]
 
-EXIT_USAGE = 2  # bad input: unknown names, missing/corrupt files, unwritable output, ...
-EXIT_TRAINING = 1  # training diverged / internal error
+EXIT_USAGE = 2  # bad input: unknown names, missing/corrupt files, unwritable output, a missing extra, ...
+EXIT_TRAINING = 1  # training diverged / internal error (a bug)
 EXIT_INTERRUPTED = 130
 
 
