@@ -11,6 +11,7 @@ __getattr__, __dir__, __all__ = attach(
         "pair_scores": "verification",
         "eer": "verification",
         "min_dcf": "verification",
+        "tar_at_far": "verification",
         "det_curve": "curves",
         "normal_deviate": "curves",
         "identification_metrics": "identification",
