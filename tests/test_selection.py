@@ -258,3 +258,25 @@ def test_sort_with_flags_equals_the_stable_sort_and_gather(x, data):
     values, moved = selection.sort_with_flags(x, flags)
     assert torch.equal(bits(torch.from_numpy(values)), bits(ref.values))
     assert torch.equal(torch.from_numpy(moved), flags.gather(-1, ref.indices))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kth_smallest_column_with_nan_and_zeros(dtype):
+    x = torch.tensor([[1.0, math.nan, -0.0, 0.0, math.inf, math.nan, -1.0]], dtype=dtype)
+    ref = torch.sort(x, dim=-1, stable=True).indices[0]
+    for i in range(x.shape[1]):
+        assert int(selection.kth_smallest_column(x, torch.tensor([i]), x.shape[1])) == int(ref[i])
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=matrices(), data=st.data())
+def test_kth_smallest_column_equals_the_stable_sort(x, data):
+    ref = torch.sort(x, dim=-1, stable=True).indices
+    bound = data.draw(st.integers(1, x.shape[1]))
+    index = torch.tensor([data.draw(st.integers(0, bound - 1)) for _ in range(x.shape[0])])
+    want = ref.gather(-1, index[:, None]).squeeze(-1)
+    assert torch.equal(selection.kth_smallest_column(x, index, bound), want)
+    assert torch.equal(
+        selection.kth_smallest_column(x.float(), index, bound),
+        torch.sort(x.float(), dim=-1, stable=True).indices.gather(-1, index[:, None]).squeeze(-1),
+    )

@@ -18,7 +18,7 @@ import torch
 from marginkit._validation import choice, float_tensor, positive_float, positive_int
 from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import DISTANCES, distance_matrix, label_masks, prepare_pairs
-from marginkit.ops.selection import kth_smallest
+from marginkit.ops.selection import kth_smallest_column
 
 Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -31,20 +31,14 @@ def _local_select(
 
     Returns ``(p_idx [B], n_idx [B], valid [B])`` where ``valid`` marks anchors that have a
     positive and a negative. Equal distances are taken in index order (as a stable sort
-    would): a top-k gives the k-th value, a cumulative count over the tied entries its index.
-    The nearest negative is the first minimal one.
+    would: :func:`marginkit.ops.selection.kth_smallest_column`). The nearest negative is the
+    first minimal one.
     """
     d = dist.detach()
     npos = pos.sum(1)
     d_pos = d.masked_fill(~pos, math.inf)
     kth = (npos.clamp(max=k) - 1).clamp_min(0)
-    # the k-th smallest positive distance (value), then its index with ties in index order:
-    # the (kth - #smaller + 1)-th positive, counting in index order, whose distance equals it
-    value = kth_smallest(d_pos, kth, k)
-    smaller = (d_pos < value).sum(1, keepdim=True)
-    tied = d_pos == value
-    rank = tied.cumsum(1, dtype=torch.int32)
-    p_idx = (tied & (rank == kth[:, None] - smaller + 1)).to(torch.uint8).argmax(1)
+    p_idx = kth_smallest_column(d_pos, kth, k)  # the k-th nearest positive, ties in index order
     n_idx = d.masked_fill(~neg, math.inf).min(dim=1).indices
     valid = (npos > 0) & neg.any(1)
     return p_idx, n_idx, valid
