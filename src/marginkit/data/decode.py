@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -171,7 +170,7 @@ def decode_image(
     if mode not in ("L", "RGB"):
         raise ValueError(f"mode must be 'L' or 'RGB', got {mode!r}")
     if where is None:
-        where = "<bytes>" if isinstance(source, (bytes, bytearray, memoryview)) else str(Path(source))
+        where = "<bytes>" if isinstance(source, (bytes, bytearray, memoryview)) else os.fspath(source)
     data = _bytes_of(source, where)
     limit = max_pixels if max_pixels is not None else max_image_pixels()
     image = _open(data, where, limit)
@@ -196,7 +195,8 @@ def decode_image(
         raise BadSampleError(where, f"truncated or corrupt image ({exc})") from exc
     finally:
         image.close()  # type: ignore[attr-defined]
-    array = array[None] if array.ndim == 2 else np.ascontiguousarray(array.transpose(2, 0, 1))
+    # a [C, H, W] view of Pillow's [H, W, C] pixels: the batch's stacking copies it once anyway
+    array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
     if expected is not None and array.shape != tuple(expected):
         raise BadSampleError(
             where,
