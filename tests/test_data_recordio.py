@@ -169,6 +169,11 @@ def test_malformed_idx_bad_labels_and_property(tmp_path):
     idx.write_text(good.replace("2\t", "2 x\t", 1))
     with pytest.raises(ValueError, match=rf"{idx}, line 3: expected 'key<TAB>byte offset'"):
         read_recordio(tmp_path)
+    idx.write_text(good.replace("3\t", "3\t1.5", 1).replace("\t1.5", "\t1.5 ", 1))
+    with pytest.raises(ValueError, match=rf"{idx}, line 4: expected"):
+        read_recordio(tmp_path)
+    idx.write_text("\n" + good.replace("\n", "\n\n"))  # blank lines are allowed
+    assert len(read_recordio(tmp_path, test_fraction=0.0).y_train) == 4
     idx.write_text(good)
     (tmp_path / "property").write_text("2,6,8")
     with pytest.raises(ValueError, match="num_classes=2 but a record has label 2"):

@@ -42,6 +42,7 @@ import mmap
 import os
 import struct
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,14 +142,17 @@ def _read_idx(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Keys and offsets of ``train.idx`` (``key<TAB>offset`` lines)."""
     from marginkit._files import InputBudget
 
-    InputBudget(path).take(path.stat().st_size * 8, "its index")  # tokens and int64 arrays
+    InputBudget(path).take(path.stat().st_size * 4, "its index")  # the file and the int64 pairs
     data = path.read_bytes()
-    tokens = data.split()
     body = data.strip()
+    lines = body.count(b"\n") + 1 if body else 0
     pairs = None
-    if len(tokens) % 2 == 0 and (not body or body.count(b"\n") + 1 == len(tokens) // 2):
-        with contextlib.suppress(ValueError, OverflowError):
-            pairs = np.array(tokens, dtype=np.bytes_).astype(np.int64).reshape(-1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy warns (or raises) where a token is not an integer
+        with contextlib.suppress(ValueError, DeprecationWarning):
+            flat = np.fromstring(body, dtype=np.int64, sep=" ") if body else np.zeros(0, np.int64)
+            if flat.size == 2 * lines:
+                pairs = flat.reshape(-1, 2)
     if pairs is None:  # blank lines, or a bad one to name: line by line
         rows = []
         for number, line in enumerate(data.splitlines(), 1):
