@@ -186,3 +186,31 @@ def test_malformed_idx_bad_labels_and_property(tmp_path):
         read_recordio(tmp_path)
     with pytest.raises(FileNotFoundError, match="train.idx"):
         read_recordio(tmp_path / "missing")
+
+
+_INHERITED: dict = {}
+
+
+def _read_in_child(i):
+    x = _INHERITED["x"]  # inherited through fork, not pickled
+    inherited = x._local_state["rec"]  # the parent's open handle came along ...
+    array = x.read(i)
+    own = x._local()["rec"]
+    return array, own is not inherited and own.fd != inherited.fd  # ... and is not the one read with
+
+
+def test_a_forked_worker_opens_its_own_handle(tmp_path):
+    import multiprocessing
+
+    _, items = _items(4)
+    write_recordio(tmp_path, {k: image_record(lab, d) for k, (lab, d) in enumerate(items)})
+    x = read_recordio(tmp_path, test_fraction=0.0).x_train
+    parent = x.read(1)
+    _INHERITED["x"] = x
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            child, reopened = pool.apply(_read_in_child, (1,))
+    finally:
+        _INHERITED.clear()
+    np.testing.assert_array_equal(child, parent)
+    assert reopened  # never the parent's descriptor (forked workers would share its file offset)
