@@ -97,9 +97,10 @@ def test_onnx_export_waveform_in_embedding_out(tmp_path, index: int) -> None:
     ort = pytest.importorskip("onnxruntime")
     model = small_models()[index].eval()
     example = 0.1 * torch.randn(2, 8000)
+    time = torch.export.Dim("time", min=model.min_input_length)
     program = torch.onnx.export(
         model, (example,), input_names=["x"], output_names=["embedding"], dynamo=True, verbose=False,
-        dynamic_shapes={"x": {0: torch.export.Dim("batch"), 1: torch.export.Dim("samples", min=2000)}},
+        dynamic_shapes={"x": {0: torch.export.Dim("batch"), model.variable_axes[0]: time}},
     )  # fmt: skip
     program.save(tmp_path / "m.onnx")
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])

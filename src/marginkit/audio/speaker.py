@@ -39,6 +39,9 @@ class SpeakerModel(EmbeddingModel):
 
     #: Fewest fbank frames the trunk accepts (subclasses raise it where pooling needs more).
     min_frames = 2
+    #: Axes of the batched input besides the batch whose size is free (the time axis): an exporter
+    #: makes them dynamic, with :attr:`min_input_length` as their minimum.
+    variable_axes = (1,)
 
     def __init__(
         self,
@@ -85,6 +88,11 @@ class SpeakerModel(EmbeddingModel):
         if isinstance(self.frontend, KaldiFbank):
             return self.frontend.frame_length + (self.min_frames - 1) * self.frontend.frame_shift
         return self.min_frames
+
+    @property
+    def min_input_length(self) -> int:
+        """The shortest input along the time axis: :attr:`min_samples` or :attr:`min_frames`."""
+        return self.min_samples if isinstance(self.frontend, KaldiFbank) else self.min_frames
 
     def check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
