@@ -16,7 +16,9 @@ identical for every source:
 4. keep ``train_per_class`` samples per class of what remains (:func:`stratified_subset`);
 5. standardise vector features with the mean / std of the *final* training split only (for
    sources that ask for it: ``breast_cancer``, ``features:``);
-6. convert: images to ``[N, C, H, W]`` in [0, 1], everything to float32 tensors.
+6. convert: images to ``[N, C, H, W]`` tensors — 8-bit images stay ``uint8`` (the model sees
+   them in [0, 1]: :func:`marginkit.data.device.to_model_input`, on the device, batch by
+   batch) —, everything else to float32 tensors.
 
 ``seed`` drives steps 3–4 only; fixed test splits (scikit-learn sets, ``folder:`` and
 ``features:`` without an explicit test split) use ``split_seed`` (default 0), so runs with
@@ -114,13 +116,39 @@ FILE_FORMAT_INFO: dict[str, str] = {
 
 @dataclass
 class Split:
-    """One split: ``x`` float32 ``[N, *input_shape]``, ``y`` int64 ``[N]``."""
+    """One split: ``data`` — its inputs ``[N, *input_shape]`` as the source stores them (a
+    ``uint8`` tensor for 8-bit images, float32 otherwise, or a lazy source read row by row when
+    the split is streamed) — and ``y``, int64 labels ``[N]``.
 
-    x: torch.Tensor
+    :attr:`x` is the model's input: float32, images in [0, 1]
+    (:func:`marginkit.data.device.to_model_input`). Training and evaluation read batches
+    through :mod:`marginkit.data.loading` and convert them on the device instead.
+    """
+
+    data: Any
     y: torch.Tensor
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the split is read from its files batch by batch (not held in memory)."""
+        from marginkit.data.loading import is_in_memory
+
+        return not is_in_memory(self.data)
+
+    @property
+    def x(self) -> torch.Tensor:
+        """The whole split as float32 model input (a new tensor for ``uint8`` data; a streamed
+        split is decoded whole here, in this process: prefer its batches)."""
+        from marginkit.data.device import to_model_input
+        from marginkit.data.loading import read_all
+
+        if not self.streamed:
+            return to_model_input(self.data)
+        decoded, _, _ = read_all(self.data, workers=0)
+        return to_model_input(torch.from_numpy(decoded))
 
     def class_counts(self, num_classes: int) -> torch.Tensor:
         """Samples per class, ``[num_classes]`` int64."""
@@ -525,14 +553,17 @@ def _resolve(spec: str) -> tuple[Callable[..., RawSplits], str | None]:
 
 
 def _image_tensor(x: np.ndarray) -> torch.Tensor:
-    if x.dtype == np.uint8:
-        return torch.from_numpy(x.astype(np.float32) / np.float32(255.0))
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    """Images as the model sees them (float32 in [0, 1])."""
+    from marginkit.data.device import to_model_input
+
+    return to_model_input(_to_tensor(x, "image"))
 
 
 def _to_tensor(x: np.ndarray, kind: str) -> torch.Tensor:
-    if kind == "image":
-        return _image_tensor(x)
+    """The split's stored inputs: 8-bit images stay ``uint8`` (converted to [0, 1] on the device,
+    batch by batch), everything else float32."""
+    if kind == "image" and x.dtype == np.uint8:
+        return torch.from_numpy(np.ascontiguousarray(x))
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
 

@@ -75,6 +75,15 @@ class DistContext:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return bool(t.item() > 0)
 
+    def gather_rows(self, row: Tensor) -> Tensor:
+        """Every rank's 1-D ``row`` as ``[world, len(row)]`` (one SUM all-reduce; no host read)."""
+        if not self.active:
+            return row[None]
+        rows = torch.zeros(self.world, row.numel(), dtype=row.dtype, device=comm_device(None, row.device))
+        rows[self.rank] = row.to(rows.device)
+        torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.SUM)
+        return rows
+
     def share(self, n: int) -> slice:
         """This rank's contiguous share of a global batch of ``n`` samples."""
         start, size = balanced_slices(n, self.world)[self.rank]

@@ -64,6 +64,7 @@ SELECTIONS = ("auto", "knn_accuracy", "precision_at_1", "eer")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
 RUNTIME_KEYS = frozenset(
     {"device", "num_threads", "eval_batch_size", "collective_timeout", "checkpoint_every", "tracking"}
+    | {"workers", "sync_every"}
 )
 
 
@@ -131,7 +132,18 @@ class TrainConfig:
         last epoch, a ``stop_after`` epoch and every epoch that improved ``best.pt`` are always
         committed, so ``--resume`` repeats at most N − 1 epochs, bit-identically;
         ``tracking`` — opt-in experiment tracking (``{tensorboard: true, mlflow: true}``:
-        :mod:`marginkit.train.tracking`).
+        :mod:`marginkit.train.tracking`); ``workers`` — data-loading worker processes of a streamed
+        source (default: :func:`marginkit.data.loading.default_workers`, the cores but one; an
+        in-memory source needs none); ``sync_every`` — read the device back every N training
+        steps (the loss for the progress bar, the non-finite checks: a divergence is reported
+        with the epoch and step of its first bad value at the next read, or at the epoch's end);
+        ``compile`` — ``torch.compile`` the model for the training step (off by default).
+    Data options of every source (``data_options``)
+        ``stream`` — ``true`` reads the training data from its files batch by batch in worker
+        processes, ``false`` holds it in memory, unset decides by ``memory_budget`` (bytes, or a
+        number with a unit: ``8GB``; default a share of the machine's memory); ``rec:`` and
+        ``wds:`` always stream; ``on_bad_sample`` — ``raise`` (default) or ``skip`` (counted and
+        reported in the log and ``metrics.json``).
     """
 
     data: str = "mnist1d"
@@ -179,6 +191,9 @@ class TrainConfig:
     num_threads: int | None = None
     deterministic: bool = True
     eval_batch_size: int = 1024
+    workers: int | None = None
+    sync_every: int = 50
+    compile: bool = False
     collective_timeout: float = 600.0
     checkpoint_every: int = 1
     tracking: dict[str, Any] = field(default_factory=dict)

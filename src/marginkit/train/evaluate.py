@@ -53,6 +53,7 @@ __all__ = [
     "confusion_matrix",
     "data_note",
     "embed",
+    "embed_split",
     "evaluate_model",
     "evaluate_run",
     "pca_2d",
@@ -70,22 +71,68 @@ MAX_PROJECTED = 2000
 
 @torch.no_grad()
 def embed(
-    model: nn.Module, x: torch.Tensor, *, batch_size: int = 1024, device: torch.device | str | None = None
+    model: nn.Module,
+    x: Any,
+    *,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
+    workers: int | None = None,
 ) -> torch.Tensor:
-    """Embeddings ``[N, D]`` (float32, on CPU) of inputs ``x`` in eval mode, in batches."""
+    """Embeddings ``[N, D]`` (float32, on CPU) of inputs ``x`` in eval mode, batch by batch.
+
+    ``x``: model input, a split's stored inputs (``uint8`` images are converted on the device:
+    :func:`marginkit.data.device.to_model_input`), or a streamed split's lazy source, read by
+    ``workers`` processes (:mod:`marginkit.data.loading`); only the ``[N, D]`` result is held.
+    """
+    return embed_rows(model, x, batch_size=batch_size, device=device, workers=workers)[0]
+
+
+@torch.no_grad()
+def embed_rows(
+    model: nn.Module,
+    x: Any,
+    *,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
+    workers: int | None = None,
+    on_bad_sample: str = "raise",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`embed`, and the rows embedded (all of them, unless ``on_bad_sample="skip"`` dropped
+    bad samples of a streamed source)."""
+    from marginkit.data.device import to_model_input
+    from marginkit.data.loading import evaluation_loader
+
     if device is None:
         device = next(model.parameters()).device
+    n = len(x)
+    loader = evaluation_loader(
+        x, torch.arange(n), batch_size=batch_size, device=device, workers=workers, on_bad_sample=on_bad_sample
+    )
     was_training = model.training
     model.eval()
+    chunks, rows = [], []
     try:
-        chunks = [
-            model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, x.shape[0], batch_size)
-        ]
+        for batch in loader.epoch():
+            chunks.append(model(to_model_input(batch.x, device)).float().cpu())
+            rows.append(batch.y)
     finally:
         model.train(was_training)
+        loader.close()
     if not chunks:
-        return torch.empty(0, int(getattr(model, "embedding_dim", 0)))
-    return torch.cat(chunks)
+        return torch.empty(0, int(getattr(model, "embedding_dim", 0))), torch.zeros(0, dtype=torch.long)
+    return torch.cat(chunks), torch.cat(rows)
+
+
+def embed_split(
+    model: nn.Module, split: Any, config: TrainConfig, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split's embeddings ``[N', D]`` and labels ``[N']``, batch by batch from its loader
+    (``N' < N`` only when a streamed split skipped bad samples, ``on_bad_sample=skip``)."""
+    emb, rows = embed_rows(
+        model, split.data, batch_size=config.eval_batch_size, device=device, workers=config.workers,
+        on_bad_sample=str(config.data_options.get("on_bad_sample", "raise")),
+    )  # fmt: skip
+    return emb, (split.y if rows.numel() == len(split) else split.y[rows])
 
 
 def confusion_matrix(predicted: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -252,28 +299,27 @@ def validation_metrics(
     """Per-epoch validation: ``val_selection`` is the model-selection score (higher is better)."""
     if len(splits.val) == 0:
         return {}
-    bs = config.eval_batch_size
     what = selection_metric(config, splits)
-    val = embed(model, splits.val.x, batch_size=bs, device=device)
+    val, y_val = embed_split(model, splits.val, config, device)
     out: dict[str, Any] = {}
     if not splits.val_open_set:
-        train = embed(model, splits.train.x, batch_size=bs, device=device)
-        pred = _knn(config).fit(train, splits.train.y).predict(val)
-        out["val_knn_accuracy"] = float((pred.cpu() == splits.val.y).double().mean())
+        train, y_train = embed_split(model, splits.train, config, device)
+        pred = _knn(config).fit(train, y_train).predict(val)
+        out["val_knn_accuracy"] = float((pred.cpu() == y_val).double().mean())
         if head is not None:
             with torch.no_grad():
                 head_pred = head(val.to(device)).argmax(-1).cpu()
-            out["val_head_accuracy"] = float((head_pred == splits.val.y).double().mean())
+            out["val_head_accuracy"] = float((head_pred == y_val).double().mean())
     if what == "precision_at_1" or splits.val_open_set:
         from marginkit.metrics import knn_accuracy
 
         # leave-one-out 1-NN within validation = precision@1
-        p1 = knn_accuracy(val, splits.val.y, k=1, metric=config.knn_metric) if len(splits.val) > 1 else None
+        p1 = knn_accuracy(val, y_val, k=1, metric=config.knn_metric) if len(y_val) > 1 else None
         out["val_precision_at_1"] = p1
     if what == "eer":
         from marginkit.metrics import eer, pair_scores
 
-        scores, genuine = pair_scores(val, splits.val.y, max_impostors=config.max_impostors, seed=config.seed)
+        scores, genuine = pair_scores(val, y_val, max_impostors=config.max_impostors, seed=config.seed)
         out["val_eer"] = eer(scores, genuine)
         out["val_selection"] = -out["val_eer"]
     else:
@@ -323,10 +369,8 @@ def evaluate_model(
     from marginkit.train.registry import LOSSES
 
     k = k or config.k
-    bs = config.eval_batch_size
-    train_emb = embed(model, splits.train.x, batch_size=bs, device=device)
-    test_emb = embed(model, splits.test.x, batch_size=bs, device=device)
-    y_train, y_test = splits.train.y, splits.test.y
+    train_emb, y_train = embed_split(model, splits.train, config, device)
+    test_emb, y_test = embed_split(model, splits.test, config, device)
     metrics: dict[str, Any] = {
         "loss": config.loss,
         "data": str(splits.name),
@@ -381,10 +425,10 @@ def evaluate_model(
     if protocol is not None:
         from marginkit.train.protocols import evaluate_protocol
 
-        val_emb = embed(model, splits.val.x, batch_size=bs, device=device)
+        val_emb, y_val = embed_split(model, splits.val, config, device)
         embs = {"train": train_emb, "val": val_emb, "test": test_emb}
         found, curves = evaluate_protocol(
-            protocol, embs, {"train": y_train, "val": splits.val.y, "test": y_test}, seed=config.seed,
+            protocol, embs, {"train": y_train, "val": y_val, "test": y_test}, seed=config.seed,
             metric=config.knn_metric, max_impostors=config.max_impostors, fars=FARS,
         )  # fmt: skip
         metrics.update(_jsonable(found))

@@ -1,6 +1,8 @@
 """Progress on stderr: a tqdm bar on a terminal, plain lines (or nothing) elsewhere.
 
 - :class:`ProgressBar` — the steps of one training run (epoch, running loss, throughput, ETA).
+- :class:`StepMeter` — what the training steps report (loss sum, first non-finite step), kept on
+  the device and read back only at the read points.
 - :class:`RunsProgress` — the runs of a comparison, demo or study: one overall bar with ETA
   that advances with every finished epoch of any run (read from the runs' ``metrics.jsonl``,
   so it also sees runs trained in worker processes), and one line per finished run. Off a
@@ -17,9 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, NamedTuple, TextIO, TypeVar
 
-__all__ = ["ProgressBar", "RunsProgress", "format_duration"]
+import torch
+
+__all__ = ["MeterReading", "ProgressBar", "RunsProgress", "StepMeter", "format_duration"]
 
 T = TypeVar("T")
 
@@ -115,10 +119,88 @@ class ProgressBar:
         self._bar.postfix = f"{loss_text}{rate:,.0f} samples/s"
         self._bar.update(steps)
 
+    def show_loss(self, loss: float) -> None:
+        """Show ``loss`` (the mean since the last read point) as the running loss."""
+        if self.active and loss == loss:
+            self._loss = loss
+            rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
+            self._bar.postfix = f"loss {loss:.4f} {rate:,.0f} samples/s"
+
     def close(self, *, clear: bool = False) -> None:
         """Finish the line (only if anything was drawn), or erase it with ``clear``."""
         self._bar.leave = not clear
         self._bar.close()
+
+
+class MeterReading(NamedTuple):
+    """A :class:`StepMeter` read back: the loss sum of the epoch so far and of the steps since the
+    previous read, and the first non-finite step (0-based, ``None`` if none), what was non-finite
+    there (``"embeddings"`` or ``"loss"``) and the loss's value at it."""
+
+    loss_sum: float
+    window_sum: float
+    window_steps: int
+    first_bad: int | None
+    what: str
+    value: float
+
+
+class StepMeter:
+    """What the training steps report, accumulated on the device without a host read.
+
+    Per step :meth:`add` adds the loss to a float64 sum (the same sum, bit for bit, as adding each
+    step's float32 loss on the host) and records — with ``torch.where``, so nothing waits — the
+    index of the first step whose embeddings or loss were not finite, which of the two, and the
+    loss there. :meth:`read` is the one place the host waits for them: one copy of five numbers,
+    every ``sync_every`` steps and at the epoch's end. Under data parallelism ``gather`` (one
+    collective) puts every rank's five numbers in one tensor first, and the earliest bad step of
+    any rank is reported on all of them.
+    """
+
+    _EMBEDDINGS, _LOSS = 0, 1
+
+    def __init__(self, device: torch.device) -> None:
+        f64 = {"dtype": torch.float64, "device": device}
+        self.loss_sum = torch.zeros((), **f64)
+        self.window_sum = torch.zeros((), **f64)
+        self.first_bad = torch.full((), -1.0, **f64)
+        self.what = torch.zeros((), **f64)
+        self.value = torch.zeros((), **f64)
+        self.steps = 0
+        self._window_start = 0
+
+    @torch.no_grad()
+    def add(self, loss: torch.Tensor, embeddings: torch.Tensor) -> None:
+        """Account for one step (``loss`` a scalar, ``embeddings`` the model's output)."""
+        emb_ok = torch.isfinite(embeddings).all()
+        loss_ok = torch.isfinite(loss)
+        value = loss.detach().to(torch.float64)
+        first = (self.first_bad < 0) & ~(emb_ok & loss_ok)
+        self.first_bad = torch.where(first, float(self.steps), self.first_bad)
+        what = torch.where(emb_ok, float(self._LOSS), float(self._EMBEDDINGS))
+        self.what = torch.where(first, what, self.what)
+        self.value = torch.where(first, value, self.value)
+        self.loss_sum += value
+        self.window_sum += value
+        self.steps += 1
+
+    @torch.no_grad()
+    def read(
+        self, gather: Callable[[torch.Tensor], torch.Tensor] | None = None, rank: int = 0
+    ) -> MeterReading:
+        """The accumulators on the host (the read point); the window starts anew. ``gather``
+        maps this rank's packed ``[5]`` to every rank's ``[world, 5]`` (one collective)."""
+        packed = torch.stack([self.loss_sum, self.window_sum, self.first_bad, self.what, self.value])
+        rows = (gather(packed) if gather is not None else packed[None]).cpu().tolist()
+        own = rows[rank if gather is not None else 0]
+        bad = [r for r in rows if r[2] >= 0]
+        mine = min(bad, key=lambda r: r[2]) if bad else own
+        window_steps = self.steps - self._window_start
+        self.window_sum.zero_()
+        self._window_start = self.steps
+        first = int(mine[2]) if mine[2] >= 0 else None
+        what = "embeddings" if int(mine[3]) == self._EMBEDDINGS else "loss"
+        return MeterReading(own[0], own[1], window_steps, first, what, mine[4])
 
 
 class RunsProgress:

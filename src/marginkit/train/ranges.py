@@ -135,6 +135,8 @@ FIELD_RANGES: dict[str, Spec] = {
     "max_impostors": _int(1, 10**8),  # impostor scores are held in memory (8 bytes each)
     "num_threads": _int(1, 1024),
     "eval_batch_size": _int(1, 10**7),
+    "workers": _int(0, 256),
+    "sync_every": _int(1, 10**6),
     "collective_timeout": _real(0, 7 * 86_400, open_lo=True, unit="seconds"),  # a stalled peer ends the run
     "backbone_lr_mult": _real(0, 100),  # 0: the trunk does not move (as freeze: trunk, but in the optimiser)
 }

@@ -28,15 +28,16 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
+from marginkit.data.device import prefetched, to_model_input
+from marginkit.data.loading import Loader, ShuffledBatches, epoch_seed, evaluation_loader, worker_failure
 from marginkit.models.base import is_frozen
 from marginkit.train import _ddp
 from marginkit.train import runtime as _runtime
@@ -61,7 +62,7 @@ from marginkit.train.evaluate import (
     selection_note,
     validation_metrics,
 )
-from marginkit.train.progress import ProgressBar
+from marginkit.train.progress import ProgressBar, StepMeter
 from marginkit.train.registry import LOSSES
 from marginkit.train.rundir import (
     RunDir,
@@ -104,29 +105,8 @@ class RunResult:
 
 
 # ---------------------------------------------------------------------- batches
-def _epoch_seed(seed: int, epoch: int) -> int:
-    return int(np.random.SeedSequence([int(seed), int(epoch), 0x6D6B]).generate_state(1)[0])
-
-
-class _ShuffledBatches:
-    """Seeded shuffled mini-batches (drop-last, so BatchNorm never sees a batch of one)."""
-
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
-        self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.epoch = 0
-        self.size = min(batch_size, n)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return max(1, self.n // self.size)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        g = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
-        perm = torch.randperm(self.n, generator=g)
-        for i in range(len(self)):
-            yield perm[i * self.size : (i + 1) * self.size]
+_epoch_seed = epoch_seed  # the batch plans live in marginkit.data.loading
+_ShuffledBatches = ShuffledBatches
 
 
 def _batches(config: TrainConfig, labels: torch.Tensor) -> Any:
@@ -148,13 +128,21 @@ def _batches(config: TrainConfig, labels: torch.Tensor) -> Any:
 
 @torch.no_grad()
 def recalibrate_batchnorm(
-    model: nn.Module, x: torch.Tensor, *, batch_size: int, max_samples: int, seed: int, device: torch.device
+    model: nn.Module,
+    x: Any,
+    *,
+    batch_size: int,
+    max_samples: int,
+    seed: int,
+    device: torch.device,
+    workers: int | None = None,
 ) -> None:
     """Set every batch-norm layer's running statistics to exact averages over training data.
 
     "Precise BN": the running mean / variance become the average of the per-batch
-    statistics of up to ``max_samples`` training samples (a fixed seeded subset, batches of
-    ``batch_size``), instead of an exponential average that lags the weights. Only the
+    statistics of up to ``max_samples`` training samples ``x`` (a tensor in its source's dtype, or
+    a streamed split's lazy source; a fixed seeded subset, batches of ``batch_size``), instead of
+    an exponential average that lags the weights. Only the
     batch-norm layers run in training mode (dropout stays off), so no RNG is consumed. Layers
     of a frozen part of the model (``freeze``) keep their statistics.
     """
@@ -165,7 +153,7 @@ def recalibrate_batchnorm(
     ]
     if not bns or max_samples <= 0:
         return
-    n = x.shape[0]
+    n = len(x)
     g = torch.Generator().manual_seed(_epoch_seed(seed, 2**31 - 1))
     idx = torch.randperm(n, generator=g)[: min(n, max_samples)]
     size = min(batch_size, idx.numel())
@@ -178,10 +166,13 @@ def recalibrate_batchnorm(
         m.reset_running_stats()
         m.momentum = None  # cumulative average
         m.train()
+    loader = evaluation_loader(x, torch.zeros(n, dtype=torch.long), batch_size=size, device=device,
+                               workers=workers, rows=idx, drop_last=True)  # fmt: skip
     try:
-        for i in range(0, idx.numel() - size + 1, size):
-            model(x[idx[i : i + size]].to(device))
+        for batch in loader.epoch():
+            model(to_model_input(batch.x, device))
     finally:
+        loader.close()
         for m, mom in zip(bns, momenta, strict=True):
             m.momentum = mom
         model.train(was_training)
@@ -203,6 +194,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     batches: Any
+    loader: Loader
     rundir: RunDir | None
     run_dir: Path
     log: Callable[[str], None]
@@ -215,6 +207,7 @@ class _Run:
     augment: Any = None  # marginkit.data.augment.BatchAugment of the training batches, or None
     margin: Any = None  # large_margin's HyperparameterScheduler of the loss's margin, or None
     tracker: Any = None  # marginkit.train.tracking.Tracker (rank 0, opt-in), or None
+    compiled: Any = None  # torch.compile of par.model (config.compile), built at the first step
 
     @property
     def spec_norms(self) -> bool:
@@ -288,6 +281,12 @@ def train(
         )  # fmt: skip
     except BaseException as exc:
         ctx.close(clean=False)
+        died = worker_failure(exc)
+        if died is not None:
+            raise TrainingError(
+                f"{died}; the run stopped, its last.pt (the last completed epoch) is intact: "
+                "continue with --resume"
+            ) from None
         failure = _ddp.peer_failure(ctx, exc)
         if failure is not None:
             raise TrainingError(
@@ -348,7 +347,10 @@ def _train(
 
                 run.tracker = tracker = open_tracker(config, run_dir, start_epoch=run.epoch)
             end_epoch = config.epochs if stop_after is None else min(config.epochs, stop_after)
-            _epochs(run, end_epoch, quiet=quiet)
+            try:
+                _epochs(run, end_epoch, quiet=quiet)
+            finally:
+                run.loader.close()
             result = RunResult(run_dir, config, end_epoch, end_epoch >= config.epochs, history=run.history)
             if result.finished:
                 result.metrics = _final_evaluation(run, report=report)
@@ -427,8 +429,16 @@ def _restore(
                 "samples per process; raise batch_size or use fewer processes"
             )
     scheduler = lr_scheduler(config, optimizer, len(batches))
-    run = _Run(ctx, config, splits, facts, device, model, head, par, optimizer, scheduler, batches, rundir,
-               run_dir, log)  # fmt: skip
+    augment = _augmenter(config, splits)
+    loader = Loader(
+        splits.train.data, splits.train.y, batches, device=device, workers=config.workers, seed=config.seed,
+        # with augment every rank reads the global batch and augments it as one process would
+        share=ctx.share if ctx.active and augment is None else None,
+        on_bad_sample=getattr(splits, "on_bad_sample", "raise"),
+    )  # fmt: skip
+    log(_loader_note(splits, loader, config))
+    run = _Run(ctx, config, splits, facts, device, model, head, par, optimizer, scheduler, batches, loader,
+               rundir, run_dir, log)  # fmt: skip
     from marginkit.train.finetune import large_margin_scheduler
 
     run.margin = large_margin_scheduler(config, loss_fn, len(batches))
@@ -438,7 +448,7 @@ def _restore(
             f"large-margin phase: margin {run.margin.values()['margin']:g} -> {lm['margin']:g} over the "
             f"last {lm['epochs']} epoch(s) (ramp {lm['ramp_epochs']})"
         )
-    run.augment = _augmenter(config, splits)
+    run.augment = augment
     if run.augment is not None:
         shown = ", ".join(f"{k} {v:g}" for k, v in run.augment.options.items())
         log(f"augmentation of the training batches ({run.augment.kind}s): {shown}; none at evaluation")
@@ -472,6 +482,17 @@ def _restore(
         rundir.write_config(config)
     log(f"resuming {run_dir} after epoch {run.epoch}/{config.epochs}")
     return run
+
+
+def _loader_note(splits: Any, loader: Loader, config: TrainConfig) -> str:
+    """The log's line on how the training data is read."""
+    how = splits.info.get("pipeline") if isinstance(getattr(splits, "info", None), dict) else None
+    if loader.lazy:
+        chosen = "--workers" if config.workers is not None else "the default: the available cores but one"
+        where = f"streamed from its files by {loader.workers} worker process(es) ({chosen})"
+    else:
+        where = f"held in memory as {splits.train.data.dtype}".replace("torch.", "")
+    return f"training data {where}; {how}" if how else f"training data {where}"
 
 
 def _augmenter(config: TrainConfig, splits: Any) -> Any:
@@ -544,82 +565,121 @@ def mixed_precision(
     return context, torch.amp.GradScaler(device.type)
 
 
+def _deferred_checks() -> contextlib.AbstractContextManager[Any]:
+    """The losses' input checks that need a host read, turned into on-device flags
+    (:func:`marginkit._validation.deferred_checks`) read at the meter's read points."""
+    from marginkit import _validation
+
+    make = getattr(_validation, "deferred_checks", None)
+    return make() if make is not None else contextlib.nullcontext(None)
+
+
+def _read_point(run: _Run, meter: StepMeter, checks: Any, bar: ProgressBar, epoch: int) -> float:
+    """Read the step meter back (one copy, one collective under DDP) and fail fast on what the
+    steps since the last read saw; returns the epoch's loss sum so far."""
+    ctx = run.ctx
+    reading = meter.read(ctx.gather_rows if ctx.active else None, ctx.rank)
+    if reading.first_bad is not None:
+        step = reading.first_bad + 1
+        if reading.what == "embeddings":
+            raise TrainingError(
+                f"embeddings became non-finite at epoch {epoch + 1}, step {step} "
+                "(the weights diverged); lower lr or set grad_clip"
+            )
+        raise TrainingError(
+            f"loss became {reading.value} at epoch {epoch + 1}, step {step}; lower lr or set grad_clip"
+        )
+    if checks is not None:
+        checks.raise_if_failed()
+    if reading.window_steps:
+        bar.show_loss(reading.window_sum / reading.window_steps)
+    return reading.loss_sum
+
+
+def _step_model(run: _Run) -> Any:
+    """The module the training step calls: the (data-parallel) model, compiled with ``compile``."""
+    if not run.config.compile:
+        return run.par.model
+    if run.compiled is None:
+        run.compiled = torch.compile(run.par.model)
+    return run.compiled
+
+
 def _one_epoch(run: _Run, bar: ProgressBar) -> dict[str, Any]:
-    """One pass over the training batches; returns the epoch's loss sum, steps, samples, lr, time."""
+    """One pass over the training batches; returns the epoch's loss sum, steps, samples, lr, time.
+
+    The step never reads the device back: the loss and the non-finite checks accumulate in a
+    :class:`~marginkit.train.progress.StepMeter`, read every ``sync_every`` steps and at the end
+    (with fp16, torch's ``GradScaler`` reads its overflow flag every step; bf16 has no scaler).
+    """
     ctx, config, par, optimizer = run.ctx, run.config, run.par, run.optimizer
     epoch = run.epoch
     run.model.train()
     if run.head is not None:
         run.head.train()
-    run.batches.set_epoch(epoch)
-    train_x, train_y = run.splits.train.x, run.splits.train.y
     autocast, scaler = mixed_precision(config.amp, run.device, sharded=par.sharded)
     if scaler is not None:  # one scaler for the run: its scale carries over between epochs
         run.scaler = scaler = run.scaler or scaler
     params = [p for g in optimizer.param_groups for p in g["params"]]
     shards = list(run.head.parameters()) if par.sharded else []
     others = [p for p in params if not any(p is q for q in shards)]
+    model = _step_model(run)
     t0 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the rate of the epoch's first step
     margin = {"margin": run.margin.values()["margin"]} if run.margin is not None else {}
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    meter = StepMeter(run.device)
     n_steps, n_samples = 0, 0
-    for idx in run.batches:
-        idx = torch.as_tensor(idx, dtype=torch.long)
-        batch_samples = int(idx.numel())
-        share = ctx.share(batch_samples) if ctx.active else slice(None)  # this rank's part of the batch
-        if run.augment is None:
-            xb = train_x[idx[share]].to(run.device, non_blocking=True)
-        else:  # the global batch, as one process would augment it: N ranks train as one
-            xb = train_x[idx].to(run.device, non_blocking=True)
-            xb = run.augment(xb, seed=config.seed, epoch=epoch, step=n_steps)[share]
-        yb = train_y[idx[share]].to(run.device, non_blocking=True)
-        with autocast:
-            emb = par.model(xb)
-            if ctx.any(not bool(torch.isfinite(emb).all()), run.device):
-                raise TrainingError(
-                    f"embeddings became non-finite at epoch {epoch + 1}, step {n_steps + 1} "
-                    "(the weights diverged); lower lr or set grad_clip"
-                )
-            if par.head is None:
-                out = emb
-            else:  # a norm-adaptive loss (AdaFace) gets the embedding norms along
-                out = par.head(emb, with_norms=True) if run.spec_norms else par.head(emb)
-        loss = par.loss(out.float() if isinstance(out, torch.Tensor) else out, yb)
-        if not torch.isfinite(loss):
-            raise TrainingError(
-                f"loss became {loss.item()} at epoch {epoch + 1}, step {n_steps + 1}; "
-                "lower lr or set grad_clip"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is None:
-            loss.backward()
-        else:  # fp16: scaled backward; a step with inf/NaN gradients is skipped, the scale lowered
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-        if config.grad_clip is not None:
-            _ddp.clip_grad_norm(ctx, others, shards, config.grad_clip)
-        if scaler is None:
-            optimizer.step()
-            run.scheduler.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-            with warnings.catch_warnings():  # the schedule counts iterations, skipped fp16 steps too
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+    device = run.device
+    reads_global = ctx.active and run.augment is not None  # the loader did not take this rank's share
+
+    def move(batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return to_model_input(batch.x, device), batch.y.to(device, non_blocking=True), batch.total
+
+    with _deferred_checks() as checks:
+        for xb, yb, batch_samples in prefetched(run.loader.epoch(epoch), move):
+            if run.augment is not None:  # the global batch, as one process would: N ranks train as one
+                xb = run.augment(xb, seed=config.seed, epoch=epoch, step=n_steps)
+            if reads_global:
+                share = ctx.share(batch_samples)
+                xb, yb = xb[share], yb[share]
+            with autocast:
+                emb = model(xb)
+                if par.head is None:
+                    out = emb
+                else:  # a norm-adaptive loss (AdaFace) gets the embedding norms along
+                    out = par.head(emb, with_norms=True) if run.spec_norms else par.head(emb)
+            loss = par.loss(out.float() if isinstance(out, torch.Tensor) else out, yb)
+            meter.add(loss, emb)
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is None:
+                loss.backward()
+            else:  # fp16: scaled backward; a step with inf/NaN gradients is skipped, the scale lowered
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            if config.grad_clip is not None:
+                _ddp.clip_grad_norm(ctx, others, shards, config.grad_clip)
+            if scaler is None:
+                optimizer.step()
                 run.scheduler.step()
-        if run.margin is not None:
-            run.margin.step()
-        run.global_step += 1
-        n_steps += 1
-        n_samples += batch_samples
-        value = float(loss.detach())
-        loss_sum += value
-        bar.update(samples=batch_samples, loss=value, prefix=f"epoch {epoch + 1}/{config.epochs}")
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+                with warnings.catch_warnings():  # the schedule counts iterations, skipped fp16 steps too
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+                    run.scheduler.step()
+            if run.margin is not None:
+                run.margin.step()
+            run.global_step += 1
+            n_steps += 1
+            n_samples += batch_samples
+            bar.update(samples=batch_samples, prefix=f"epoch {epoch + 1}/{config.epochs}")
+            if n_steps % config.sync_every == 0:
+                _read_point(run, meter, checks, bar, epoch)
+        loss_sum = _read_point(run, meter, checks, bar, epoch)
     seconds = time.perf_counter() - t0
     return {
-        "loss_sum": float(loss_sum), "steps": n_steps, "samples": n_samples, "lr": lr, "seconds": seconds,
-        **margin,
+        "loss_sum": loss_sum, "steps": n_steps, "samples": n_samples, "lr": lr, "seconds": seconds,
+        "skipped": len(run.loader.skipped), **margin,
     }  # fmt: skip
 
 
@@ -631,8 +691,8 @@ def _end_epoch(run: _Run, stats: dict[str, Any], end_epoch: int) -> dict[str, An
     validate = epoch % config.eval_every == 0 or epoch == config.epochs
     if validate and ctx.is_main:  # DDP copies rank 0's buffers to the others
         recalibrate_batchnorm(
-            run.model, run.splits.train.x, batch_size=config.batch_size, max_samples=config.precise_bn,
-            seed=config.seed, device=run.device,
+            run.model, run.splits.train.data, batch_size=config.batch_size, max_samples=config.precise_bn,
+            seed=config.seed, device=run.device, workers=config.workers,
         )  # fmt: skip
     head_sd = _ddp.head_state(run.head, run.par.sharded)  # collective when sharded
     val: dict[str, Any] = {}

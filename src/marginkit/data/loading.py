@@ -1,0 +1,380 @@
+"""The loader policy: the only module that builds a ``torch.utils.data.DataLoader``.
+
+Every split, in memory or streamed from disk, reaches the model through one :class:`Loader`:
+
+- a map-style dataset (:class:`SplitDataset`) over the split's rows — a tensor in its source's
+  dtype (``uint8`` images) or a lazy source (:class:`~marginkit.data.samples.LazySamples`). Its
+  batched ``__getitems__`` is one gather for a tensor (in the training process: no worker, the
+  speed of indexing the tensor directly) and ``read(i, rng)`` per row for a lazy source (in
+  worker processes, which open their files themselves);
+- a batch sampler: the seeded shuffled batches of class losses (:class:`ShuffledBatches`) or the
+  P×K batches of pair losses (:class:`~marginkit.data.PKSampler`), wrapped by :class:`Batches`,
+  which carries the epoch to the readers (the random crop of an audio row is drawn from a
+  generator seeded with ``(seed, epoch, index)``: the same in any worker, after ``--resume``, and
+  for any worker count) and, under data parallelism, keeps this rank's share of each batch, so a
+  rank reads only its part and every rank takes the same number of steps;
+- pinned host memory when the device is CUDA, and the next batches prefetched by the workers
+  (:func:`marginkit.data.device.prefetched` keeps the next device copy in flight);
+- ``on_bad_sample``: ``raise`` (a :class:`~marginkit.data.samples.BadSampleError` naming the file
+  ends the run) or ``skip`` (the row is dropped from its batch and :attr:`Loader.skipped` counts it
+  for the log and ``metrics.json``);
+- a worker that dies (``kill -9``, the out-of-memory killer) or a read that hangs: torch raises
+  ``DataLoader worker (pid X) is killed by signal`` / ``exited unexpectedly`` / ``timed out``
+  (after :data:`READ_TIMEOUT` seconds), which :func:`worker_failure` recognises and the trainer
+  turns into a clear error.
+
+Workers: a streamed source gets :func:`default_workers` processes unless told (``--workers``);
+in-memory tensors none (a gather in the training process is faster than any hand-over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from marginkit.data.samples import BAD_SAMPLE_POLICIES, read_or_skip
+
+__all__ = [
+    "ON_BAD_SAMPLE",
+    "READ_TIMEOUT",
+    "Batch",
+    "Batches",
+    "Loader",
+    "ShuffledBatches",
+    "SplitDataset",
+    "default_workers",
+    "epoch_seed",
+    "is_in_memory",
+    "worker_failure",
+]
+
+#: What a reader does with a sample it cannot decode (:func:`marginkit.data.samples.read_or_skip`).
+ON_BAD_SAMPLE = BAD_SAMPLE_POLICIES
+#: Seconds the training process waits for one batch from its workers before the run ends.
+READ_TIMEOUT = 600.0
+_MAX_DEFAULT_WORKERS = 8
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of ``epoch``'s batch order (one 32-bit word from ``(seed, epoch)``)."""
+    return int(np.random.SeedSequence([int(seed), int(epoch), 0x6D6B]).generate_state(1)[0])
+
+
+class ShuffledBatches:
+    """Seeded shuffled mini-batches (drop-last, so BatchNorm never sees a batch of one)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch = 0
+        self.size = min(batch_size, n)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return max(1, self.n // self.size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        perm = torch.randperm(self.n, generator=g)
+        for i in range(len(self)):
+            yield perm[i * self.size : (i + 1) * self.size]
+
+
+def is_in_memory(data: Any) -> bool:
+    """Whether ``data`` is an array held in memory (else a lazy source read row by row)."""
+    return isinstance(data, (torch.Tensor, np.ndarray))
+
+
+def default_workers(cores: int | None = None) -> int:
+    """Worker processes for a streamed source: the available cores but the one the training
+    process keeps, at least 1 and at most 8."""
+    if cores is None:
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(_MAX_DEFAULT_WORKERS, int(cores) - 1))
+
+
+class Request(NamedTuple):
+    """What :class:`Batches` hands a reader: the rows of one batch (this rank's share), the
+    epoch (``None`` at evaluation: no random draw) and the global batch's size."""
+
+    epoch: int | None
+    index: torch.Tensor
+    total: int
+
+
+class Batch(NamedTuple):
+    """One batch as it leaves a reader: inputs in the source's dtype, int64 labels, the global
+    batch's size, and where the rows skipped as bad came from (``on_bad_sample=skip``)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    total: int
+    skipped: tuple[str, ...] = ()
+
+
+def _identity(batch: Batch) -> Batch:  # module level: workers pickle the collate function
+    return batch
+
+
+class SplitDataset(Dataset):
+    """One split as a map-style dataset: the rows of ``data`` with their ``labels``.
+
+    ``data`` is a tensor (or numpy array) in the source's dtype, or a lazy source with
+    ``read(i, rng)`` / ``where(i)`` (:class:`~marginkit.data.samples.LazySamples`).
+    ``__getitems__`` takes a :class:`Request` and returns a :class:`Batch`.
+    """
+
+    def __init__(
+        self, data: Any, labels: torch.Tensor, *, seed: int = 0, on_bad_sample: str = "raise"
+    ) -> None:
+        if on_bad_sample not in ON_BAD_SAMPLE:
+            choices = ", ".join(ON_BAD_SAMPLE)
+            raise ValueError(f"on_bad_sample must be one of {choices}, got {on_bad_sample!r}")
+        self.data = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+        if len(self.data) != len(self.labels):
+            raise ValueError(f"{len(self.data)} samples but {len(self.labels)} labels; they must match")
+        self.seed, self.on_bad_sample = int(seed), on_bad_sample
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.__getitems__(Request(None, torch.tensor([int(i)]), 1))
+
+    def __getitems__(self, request: Request) -> Batch:  # type: ignore[override]
+        index = request.index
+        if is_in_memory(self.data):
+            return Batch(self.data[index], self.labels[index], request.total)
+        return self._read(request)
+
+    def _read(self, request: Request) -> Batch:
+        rows, kept, skipped = [], [], []
+        for i in request.index.tolist():
+            rng = None if request.epoch is None else np.random.default_rng([self.seed, request.epoch, i])
+            row = read_or_skip(self.data, i, rng, self.on_bad_sample)
+            if row is None:
+                skipped.append(self.data.where(i))
+                continue
+            rows.append(row)
+            kept.append(i)
+        y = self.labels[torch.tensor(kept, dtype=torch.long)]
+        if not rows:
+            empty = torch.empty((0, *getattr(self.data, "sample_shape", ())), dtype=_torch_dtype(self.data))
+            return Batch(empty, y, request.total, tuple(skipped))
+        return Batch(torch.from_numpy(np.stack(rows)), y, request.total, tuple(skipped))
+
+
+def _torch_dtype(data: Any) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=getattr(data, "dtype", np.uint8))).dtype
+
+
+class Batches(Sampler):
+    """A batch plan (an iterable of index batches with ``set_epoch``) as :class:`Request` s: the
+    epoch carried along, and with ``share`` (``n -> slice``) only this rank's part of each batch."""
+
+    def __init__(self, plan: Any, *, share: Callable[[int], slice] | None = None, epoch: bool = True) -> None:
+        self.plan, self.share, self.with_epoch = plan, share, epoch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        if hasattr(self.plan, "set_epoch"):
+            self.plan.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[Request]:
+        epoch = self.epoch if self.with_epoch else None
+        for idx in self.plan:
+            idx = torch.as_tensor(idx, dtype=torch.long)
+            total = int(idx.numel())
+            yield Request(epoch, idx[self.share(total)] if self.share is not None else idx, total)
+
+
+class _Fixed:
+    """Consecutive batches of ``size`` over ``index`` (the last one shorter): evaluation's order."""
+
+    def __init__(self, index: torch.Tensor, size: int, *, drop_last: bool = False) -> None:
+        self.index, self.size, self.drop_last = index, max(1, int(size)), drop_last
+
+    def __len__(self) -> int:
+        n = int(self.index.numel())
+        return n // self.size if self.drop_last else -(-n // self.size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(len(self)):
+            yield self.index[i * self.size : (i + 1) * self.size]
+
+
+class WorkerDied(RuntimeError):
+    """A data-loading worker's connection closed mid-batch (torch reports most deaths itself)."""
+
+
+class Loader:
+    """The batches of one split: a ``DataLoader`` over :class:`SplitDataset` with ``plan``'s batches.
+
+    Args:
+        data, labels: the split (see :class:`SplitDataset`).
+        plan: the batch plan (:class:`ShuffledBatches`, :class:`~marginkit.data.PKSampler`, or
+            any iterable of index batches, with ``set_epoch`` when it depends on the epoch).
+        device: where the batches go (pinned host memory when it is CUDA).
+        workers: worker processes for a lazy source (``None``: :func:`default_workers`); an
+            in-memory tensor is always gathered in the calling process.
+        share: this rank's slice of a global batch of ``n`` (data parallelism), or ``None``.
+        seed: the readers' seed (with the epoch and the row: the ``rng`` of ``read``).
+        training: draw per-row generators (``False``: evaluation, ``rng=None``).
+        on_bad_sample: ``raise`` or ``skip`` (:data:`ON_BAD_SAMPLE`).
+        timeout: seconds to wait for one batch from the workers.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        labels: torch.Tensor,
+        plan: Any,
+        *,
+        device: torch.device | str = "cpu",
+        workers: int | None = None,
+        share: Callable[[int], slice] | None = None,
+        seed: int = 0,
+        training: bool = True,
+        on_bad_sample: str = "raise",
+        timeout: float = READ_TIMEOUT,
+    ) -> None:
+        self.dataset = SplitDataset(data, labels, seed=seed, on_bad_sample=on_bad_sample)
+        self.batches = Batches(plan, share=share, epoch=training)
+        self.device = torch.device(device)
+        self.lazy = not is_in_memory(self.dataset.data)
+        if workers is not None and (isinstance(workers, bool) or int(workers) < 0):
+            raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
+        self.workers = (default_workers() if workers is None else int(workers)) if self.lazy else 0
+        self.timeout = float(timeout)
+        self.skipped: list[str] = []
+        self._loader: DataLoader | None = None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def _dataloader(self) -> DataLoader:
+        if self._loader is None:
+            self._loader = DataLoader(
+                self.dataset,
+                batch_sampler=self.batches,
+                collate_fn=_identity,
+                num_workers=self.workers,
+                pin_memory=self.device.type == "cuda",
+                persistent_workers=self.workers > 0,
+                timeout=self.timeout if self.workers > 0 else 0,
+                prefetch_factor=2 if self.workers > 0 else None,
+                # the workers' base seed from its own generator: iterating never draws from torch's
+                # global one (the run's random stream, checkpointed); readers draw from (seed, epoch, row)
+                generator=torch.Generator().manual_seed(self.dataset.seed),
+            )
+        return self._loader
+
+    def epoch(self, epoch: int = 0) -> Iterator[Batch]:
+        """The batches of ``epoch`` (host tensors in the source's dtype, pinned for CUDA)."""
+        self.batches.set_epoch(epoch)
+        batches = iter(self._dataloader())
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (EOFError, ConnectionError) as exc:  # a worker killed while it sent a batch
+                raise WorkerDied(f"DataLoader worker exited unexpectedly: its pipe closed ({exc!r})") from exc
+            if batch.skipped:
+                self.skipped.extend(batch.skipped)
+            yield batch
+
+    def close(self) -> None:
+        """Stop the worker processes (they stop too when the loader is garbage-collected)."""
+        loader, self._loader = self._loader, None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+def evaluation_loader(
+    data: Any,
+    labels: torch.Tensor,
+    *,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    workers: int | None = None,
+    on_bad_sample: str = "raise",
+    rows: torch.Tensor | None = None,
+    drop_last: bool = False,
+) -> Loader:
+    """A :class:`Loader` over ``rows`` (default: all) of a split in order, ``batch_size`` at a
+    time, without random draws (evaluation, embedding, prediction, batch-norm statistics)."""
+    index = torch.arange(len(labels)) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    return Loader(
+        data, labels, _Fixed(index, batch_size, drop_last=drop_last), device=device, workers=workers,
+        training=False, on_bad_sample=on_bad_sample,
+    )  # fmt: skip
+
+
+def read_all(
+    data: Any, *, workers: int | None = None, on_bad_sample: str = "raise", batch_size: int = 256,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray, list[str]]:  # fmt: skip
+    """Decode every row of a lazy source into one array (the in-memory path of a small source).
+
+    Returns ``(array [N', *sample_shape] in the source's dtype, kept row indices [N'], skipped)``;
+    ``N' < N`` only with ``on_bad_sample="skip"``. ``progress(n)`` is called with the rows done.
+    """
+    n = len(data)
+    labels = torch.arange(n)
+    loader = evaluation_loader(
+        data, labels, batch_size=batch_size, workers=workers, on_bad_sample=on_bad_sample
+    )
+    shape = tuple(int(s) for s in getattr(data, "sample_shape", ()))
+    out: np.ndarray | None = None
+    kept: list[np.ndarray] = []
+    done = 0
+    try:
+        for batch in loader.epoch():
+            x = batch.x.numpy()
+            if out is None:
+                out = np.empty((n, *(shape or x.shape[1:])), dtype=x.dtype)
+            out[done : done + len(x)] = x
+            kept.append(batch.y.numpy())
+            done += len(x)
+            if progress is not None:
+                progress(done)
+    finally:
+        loader.close()
+    if out is None:
+        out = np.empty((0, *shape), dtype=getattr(data, "dtype", np.uint8))
+    index = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+    return out[:done], index, loader.skipped
+
+
+_WORKER_FAILURES = ("DataLoader worker (pid", "DataLoader timed out after")
+
+
+def worker_failure(exc: BaseException) -> str | None:
+    """What happened, if ``exc`` is torch's report of a data-loading worker that died or stalled
+    (``None`` otherwise)."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if not isinstance(exc, WorkerDied) and not any(marker in text for marker in _WORKER_FAILURES):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "timed out" in first:
+        return f"a data-loading worker sent no batch for {READ_TIMEOUT:g} s ({first})"
+    return (
+        f"a data-loading worker process died ({first}); the likely causes are the out-of-memory "
+        "killer (fewer --workers or a smaller batch_size) or a signal sent to it"
+    )

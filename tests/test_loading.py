@@ -1,0 +1,171 @@
+"""The loader policy (marginkit.data.loading) and the device conversion (marginkit.data.device)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from marginkit.data.device import prefetched, to_model_input
+from marginkit.data.loading import (
+    Batches,
+    Loader,
+    ShuffledBatches,
+    default_workers,
+    evaluation_loader,
+    read_all,
+    worker_failure,
+)
+from marginkit.data.samples import BadSampleError, LazySamples
+
+
+class Rows(LazySamples):
+    """A lazy source of ``n`` uint8 rows ``[3, 4, 4]`` whose pixels encode the row (and, given a
+    generator, one draw from it); rows in ``bad`` raise BadSampleError; reading row ``kill`` kills
+    the reading process (a worker dying as the out-of-memory killer would end it)."""
+
+    sample_shape = (3, 4, 4)
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, n: int, *, bad: tuple[int, ...] = (), kill: int | None = None) -> None:
+        super().__init__()
+        self.n, self.bad, self.kill = n, bad, kill
+        self.parent = os.getpid()
+
+    def _num_keys(self) -> int:
+        return self.n
+
+    def _read_key(self, key: int, rng: np.random.Generator | None) -> np.ndarray:
+        if key in self.bad:
+            raise BadSampleError(self._where_key(key), "truncated JPEG")
+        if key == self.kill and os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        draw = 0 if rng is None else int(rng.integers(0, 50))
+        return np.full(self.sample_shape, (key + draw) % 256, dtype=np.uint8)
+
+    def _where_key(self, key: int) -> str:
+        return f"/data/rows/{key}.jpg"
+
+    def _relative_key(self, key: int) -> str:
+        return f"rows/{key}.jpg"
+
+
+def test_uint8_over_255_is_bit_identical_to_numpy():
+    """Every 8-bit value converts on the device exactly as numpy's x.astype(float32) / 255 did."""
+    values = np.arange(256, dtype=np.uint8)
+    ref = values.astype(np.float32) / np.float32(255.0)
+    got = to_model_input(torch.from_numpy(np.tile(values, 67)), "cpu").numpy()  # past one SIMD width
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.tile(ref, 67))
+    x = torch.rand(5, 3, dtype=torch.float64)
+    mean, std = torch.tensor([0.1, 0.2, 0.3]), torch.tensor([2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(to_model_input(x, mean=mean, std=std), (x.float() - mean) / std)
+
+
+def test_prefetched_moves_each_batch_once_in_order():
+    moved = []
+    out = list(prefetched(iter(range(5)), lambda b: moved.append(b) or b * 10))
+    assert out == [0, 10, 20, 30, 40] and moved == [0, 1, 2, 3, 4]
+    assert list(prefetched(iter([]), lambda b: b)) == []
+
+
+def test_in_memory_batches_are_todays_gathers():
+    x = torch.randint(0, 256, (50, 1, 2, 2), dtype=torch.uint8)
+    y = torch.arange(50) % 7
+    plan = ShuffledBatches(50, 16, seed=3)
+    loader = Loader(x, y, plan, workers=4)
+    assert loader.workers == 0 and not loader.lazy  # a gather needs no worker
+    for epoch in (0, 1):
+        plan_copy = ShuffledBatches(50, 16, seed=3)
+        plan_copy.set_epoch(epoch)
+        got = list(loader.epoch(epoch))
+        want = list(plan_copy)
+        assert len(got) == len(want) == 3
+        for batch, idx in zip(got, want, strict=True):
+            assert batch.x.dtype == torch.uint8 and torch.equal(batch.x, x[idx])
+            assert torch.equal(batch.y, y[idx])
+            assert batch.total == 16
+
+
+def test_a_rank_reads_its_share_of_each_batch():
+    x, y = torch.arange(40).reshape(40, 1), torch.arange(40)
+    plan = ShuffledBatches(40, 10, seed=0)
+    whole = [b.y for b in Loader(x, y, plan).epoch(2)]
+    shares = [[0, 3], [3, 6], [6, 10]]
+    parts = [[b.y for b in Loader(x, y, plan, share=lambda n, s=s: slice(*s)).epoch(2)] for s in shares]
+    for i, batch in enumerate(whole):
+        assert torch.equal(torch.cat([p[i] for p in parts]), batch)  # same steps, disjoint shares
+
+
+def test_lazy_rows_read_in_workers_with_per_row_generators():
+    data, y = Rows(30), torch.arange(30) % 3
+    plan = ShuffledBatches(30, 8, seed=1)
+    ref = {}
+    for workers in (0, 2):
+        loader = Loader(data, y, plan, workers=workers, seed=5)
+        try:
+            batches = list(loader.epoch(4))
+        finally:
+            loader.close()
+        assert loader.lazy and loader.workers == workers
+        ref[workers] = torch.cat([b.x for b in batches])
+    # row i of epoch 4 drew from default_rng([seed, epoch, i]): the worker count does not matter
+    assert torch.equal(ref[0], ref[2])
+    plan.set_epoch(4)
+    order = torch.cat(list(plan))
+    draws = [int(np.random.default_rng([5, 4, int(i)]).integers(0, 50)) for i in order]
+    assert ref[0][:, 0, 0, 0].tolist() == [(int(i) + d) % 256 for i, d in zip(order, draws, strict=True)]
+    # evaluation: no generator, rows in order
+    ev = torch.cat([b.x for b in evaluation_loader(data, y, batch_size=7, workers=0).epoch()])
+    assert ev[:, 0, 0, 0].tolist() == list(range(30))
+
+
+def test_bad_samples_raise_naming_the_file_or_are_skipped_and_counted():
+    data, y = Rows(12, bad=(3, 8)), torch.arange(12)
+    with pytest.raises(BadSampleError, match="/data/rows/3.jpg: truncated JPEG"):
+        list(evaluation_loader(data, y, batch_size=5, workers=0).epoch())
+    loader = evaluation_loader(data, y, batch_size=5, workers=2, on_bad_sample="skip")
+    try:
+        batches = list(loader.epoch())
+    finally:
+        loader.close()
+    kept = torch.cat([b.y for b in batches]).tolist()
+    assert kept == [i for i in range(12) if i not in (3, 8)]
+    assert sorted(loader.skipped) == ["/data/rows/3.jpg", "/data/rows/8.jpg"]
+    array, rows, skipped = read_all(data, workers=0, on_bad_sample="skip")
+    assert array.shape == (10, 3, 4, 4) and rows.tolist() == kept and len(skipped) == 2
+    with pytest.raises(ValueError, match="on_bad_sample must be one of raise, skip"):
+        Loader(data, y, ShuffledBatches(12, 4, 0), on_bad_sample="ignore")
+
+
+def test_a_killed_worker_is_a_clear_error_within_bounds():
+    data, y = Rows(40, kill=17), torch.arange(40)
+    loader = evaluation_loader(data, y, batch_size=4, workers=2)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        try:
+            for _ in loader.epoch():
+                pass
+        finally:
+            loader.close()
+    assert time.monotonic() - t0 < 30
+    message = worker_failure(info.value)
+    assert message is not None and "data-loading worker process died" in message
+    assert worker_failure(RuntimeError("something else")) is None
+
+
+def test_default_workers_keep_a_core_for_training():
+    assert default_workers(1) == 1 and default_workers(2) == 1 and default_workers(5) == 4
+    assert default_workers(64) == 8 and default_workers() >= 1
+
+
+def test_batches_carry_the_epoch_only_in_training():
+    plan = ShuffledBatches(9, 3, seed=0)
+    assert {r.epoch for r in Batches(plan, epoch=True)} == {0}
+    b = Batches(plan, epoch=False)
+    b.set_epoch(3)
+    assert {r.epoch for r in b} == {None} and plan.epoch == 3
