@@ -127,32 +127,41 @@ def _sparse_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None,
     """The backward of :class:`_CosineFn` for a sparse COO gradient ``[B, C]`` (possibly uncoalesced).
 
     A sparse loss (:class:`marginkit.losses.QMarginLoss` and the other alpha losses, see
-    :func:`accepts_sparse_grad`) sends only its support and the label entries: the embedding
-    gradient is a sparse × dense product (instead of a ``[B, C] × [C, D]`` GEMM) and the centre
-    gradient gathers one embedding row per entry (instead of ``[C, B] × [B, D]``). Same formulas
-    as the dense path.
+    :func:`accepts_sparse_grad`) sends only its candidates and the label entries: the embedding
+    gradient gathers one centre row per entry (instead of a ``[B, C] × [C, D]`` GEMM) and the
+    centre gradient one embedding row per entry (instead of ``[C, B] × [B, D]``). Same formulas
+    as the dense path. Entries with a zero value (padding of a fixed-size buffer) are processed
+    like the others: no read of which are zero, and a number of ops fixed by the shapes (the
+    entries go in chunks of at most ``_SPARSE_CHUNK`` values of ``[chunk, D]``).
     """
     e_hat, e_inv, e_live, w, w_inv, w_live, cos = ctx.saved_tensors
     e2, c2 = e_hat.reshape(-1, e_hat.shape[-1]), cos.reshape(-1, w.shape[0])
     values = grad._values().to(cos.dtype)
-    index = grad._indices()
-    live = (values != 0).nonzero().squeeze(1)  # padding and inactive entries carry exact zeros
-    if live.numel() < values.numel():
-        index, values = index.index_select(1, live), values.index_select(0, live)
-    row, col = index
+    row, col = grad._indices()
     g_scaled = values * w_inv.index_select(0, col)  # g_bj / ‖w_j‖
+    chunk = max(1, _SPARSE_CHUNK // max(1, w.shape[1]))
+    parts = list(zip(row.split(chunk), col.split(chunk), g_scaled.split(chunk), strict=True))
     grad_e = grad_w = None
     if ctx.needs_input_grad[0]:
-        scaled = torch.sparse_coo_tensor(index, g_scaled, c2.shape, check_invariants=False)
-        d_hat = torch.sparse.mm(scaled, w).reshape(e_hat.shape)  # ∂L/∂ê
+        d_hat = torch.zeros_like(e2)  # ∂L/∂ê
+        for r, c, g in parts:
+            d_hat.index_add_(0, r, w.index_select(0, c).mul_(g.unsqueeze(1)))
+        d_hat = d_hat.reshape(e_hat.shape)
         radial = (d_hat * e_hat).sum(dim=-1, keepdim=True) * e_live
         grad_e = (d_hat - radial * e_hat) * e_inv
     if ctx.needs_input_grad[1]:
-        k_scaled = torch.zeros_like(w_inv).index_add_(0, col, g_scaled * c2[row, col])
+        k_scaled = torch.zeros_like(w_inv).index_add_(
+            0, col, g_scaled * c2.view(-1).index_select(0, row * c2.shape[1] + col)
+        )
         # the radial part is the one dense [C, D] pass; the entries are added on top of it
         grad_w = w * (-(w_inv * k_scaled) * w_live).unsqueeze(1)
-        grad_w.index_add_(0, col, e2.index_select(0, row).mul_(g_scaled.unsqueeze(1)))
+        for r, c, g in parts:
+            grad_w.index_add_(0, c, e2.index_select(0, r).mul_(g.unsqueeze(1)))
     return grad_e, grad_w, None
+
+
+# Values per chunk of the sparse backward's [entries, D] temporaries (64 MiB of float32).
+_SPARSE_CHUNK = 1 << 24
 
 
 def accepts_sparse_grad(cosines: torch.Tensor) -> bool:

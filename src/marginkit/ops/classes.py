@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from marginkit._validation import float_tensor, label_tensor, same_batch
+from marginkit._validation import active_checks, float_tensor, label_tensor, same_batch
 
 __all__ = ["ONE_PROCESS", "ClassAxis", "ClassBlock", "LocalAxis", "class_block"]
 
@@ -247,6 +247,8 @@ def class_block(
     # a [B, C] input is used as is (no view node: a sparse gradient can reach its producer)
     flat = scores if scores.dim() == 2 else scores.reshape(-1, num_classes)
     y = labels.reshape(-1).to(device=scores.device, dtype=torch.long)
+    if active_checks() is not None:  # a deferred range check: keep the step well-defined until it is read
+        y = y.clamp(0, num_classes - 1)
     if keep is not None:
         keep = keep.reshape(-1).to(scores.device)
     return ClassBlock(flat, y, y, None, LocalAxis(num_classes), tuple(scores.shape[:-1]), keep)

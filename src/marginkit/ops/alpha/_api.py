@@ -415,7 +415,7 @@ def qmargin_loss(
         lo, hi, theta_y = _label_bounds(others, x_y, scale, beta, cdt, logq_y, axis.num_classes, shift)
         # the label's weight on the entries of this block: q = 1 (no override) on rows it does not own
         logq_label = logq_y if logq_y is None or owned is None else torch.where(owned, logq_y, 0.0)
-    on = _OnAxis(axis, (lo, hi), theta_y, logq_y, owned, shift)
+    on = _OnAxis(axis, (lo, hi), theta_y, logq_y, owned, shift, min(0.0, log_q_label))
     beta_scalar = None if scalar_alpha is None else scalar_alpha - 1.0
     return _LossFunction.apply(
         x2d, None, column, blocks, beta, beta_scalar, scale, logq_label, k, candidates, sparse_grad, on

@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from marginkit._validation import compute_dtype
+from marginkit._validation import active_checks, compute_dtype
 from marginkit.ops.alpha._candidates import _Blocks, _Entries, _logits, _offset
 from marginkit.ops.alpha._memory import _serial
 from marginkit.ops.alpha._solve import _Solution, _solve
+from marginkit.ops.alpha._static import _solve_static, budgets
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
 
 # Below this |v| the series of v + log(1 − v) is summed (the direct form cancels).
@@ -83,10 +84,9 @@ class _SoftargmaxFunction(torch.autograd.Function):
         k: int | None,
         candidates: bool,
     ) -> Tensor:
-        sol = _solve(
-            x, blocks, scale=1.0, beta=beta, beta_scalar=beta_scalar, logq=logq, k=k, candidates=candidates,
-            shift=blocks.rowmax,
-        )  # fmt: skip
+        kw: dict[str, Any] = {"scale": 1.0, "beta": beta, "beta_scalar": beta_scalar, "k": k}
+        kw.update(candidates=candidates, shift=blocks.rowmax)
+        sol = _solve(x, blocks, logq=logq, **kw) if logq is not None else _exact(x, blocks, **kw)
         ctx.shape = x.shape
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
         ctx.save_for_backward(sol.p, sol.w, *sol.entries.saved())
@@ -114,6 +114,37 @@ class _SoftargmaxFunction(torch.autograd.Function):
         return grad_x, grad_logq, None, grad_beta, None, None, None
 
 
+def _exact(x: Tensor, blocks: _Blocks | None, *, logq_label_min: float = 0.0, **kw: Any) -> _Solution:
+    """The solution of every row (q ≡ 1 but the label): the fixed-shape solver, verified on the device.
+
+    When its flag says "not exact" (a candidate budget overflowed, or the root did not converge
+    in the fixed iterations): in a library call the flag is read now and the exact host-driven
+    solver (:func:`marginkit.ops.alpha._solve._solve`) redoes the batch; inside
+    :func:`marginkit._validation.deferred_checks` (the trainer) nothing is read: the flag is
+    recorded and the error raised at the next read point (an on-device fallback for every step
+    would cost what the candidate filter saves).
+    """
+    blocks = _Blocks(x) if blocks is None else blocks
+    sol, not_exact = _solve_static(x, blocks, logq_label_min=logq_label_min, **kw)
+    checks = active_checks()
+    if checks is None:
+        if bool(not_exact):
+            return _solve(x, blocks, **kw)
+        return sol
+    size, n_blocks = budgets(x.shape[0], x.shape[1], kw.get("k"))
+    checks.record("alpha solver", not_exact, lambda: _NOT_EXACT.format(size=size, blocks=n_blocks))
+    return sol
+
+
+_NOT_EXACT = (
+    "the alpha-divergence solver (Q-Margin, entmax, sparsemax losses) was not exact for a batch: more "
+    "candidate classes than its fixed budget ({size} entries, {blocks} blocks of 64 classes over the batch) "
+    "or a threshold not converged in its fixed iterations, so that step's loss and gradient were wrong; "
+    "pass topk=K (the budget per row) above the number of active classes per row, or run the loss outside "
+    "deferred_checks(), where the exact solver redoes such a batch"
+)
+
+
 class _OnAxis(NamedTuple):
     """What a loss on a class axis computed before the solve (over every class of the axis).
 
@@ -128,6 +159,7 @@ class _OnAxis(NamedTuple):
     logq_y: Tensor | None
     owned: Tensor | None
     shift: Tensor
+    logq_min: float = 0.0  # a lower bound of logq_y (a Python float: the solver reads nothing)
 
 
 def _loss_value(
@@ -241,12 +273,14 @@ class _LossFunction(torch.autograd.Function):
             else:
                 logq_y = None if logq_label is None else logq_label.to(cdt)
         else:
-            axis, bounds, theta_y, logq_y, owned, shift = on
-        sol = _solve(
-            x, blocks, scale=scale, beta=beta, beta_scalar=beta_scalar, logq=logq, label=label,
-            logq_label=logq_label, k=k, candidates=candidates, bounds=bounds, axis=axis, theta_y=theta_y,
-            shift=shift,
-        )  # fmt: skip
+            axis, bounds, theta_y, logq_y, owned, shift, _ = on
+        kw: dict[str, Any] = {"scale": scale, "beta": beta, "beta_scalar": beta_scalar, "k": k}
+        kw.update(label=label, logq_label=logq_label, candidates=candidates, bounds=bounds)
+        kw.update(axis=axis, theta_y=theta_y, shift=shift)
+        if logq is not None:
+            sol = _solve(x, blocks, logq=logq, **kw)
+        else:
+            sol = _exact(x, blocks, logq_label_min=0.0 if on is None else on.logq_min, **kw)
         if theta_y is None:  # in the frame the solve settled on (per row)
             theta_y = _logits(x.gather(1, label.unsqueeze(1)).squeeze(1), sol.shift, scale, cdt)
         with _serial(sol.p.numel(), sol.p.device):

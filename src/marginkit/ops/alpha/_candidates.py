@@ -68,9 +68,8 @@ class _Blocks:
         values = windows.index_select(0, offsets)
         if self.tail is None:
             return values
-        with _serial(bi.numel(), bi.device):
-            in_tail = (bj == self.nb).nonzero().squeeze(1)
-            return values.index_copy_(0, in_tail, self.tail.index_select(0, bi.index_select(0, in_tail)))
+        with _serial(bi.numel(), bi.device):  # (a where over [k, _BLOCK]: no read of which are tails)
+            return torch.where((bj == self.nb).unsqueeze(1), self.tail.index_select(0, bi), values)
 
     def max_excluding(self, column: Tensor) -> Tensor:
         """Per row, the largest value outside ``column[row]`` (``-inf`` if there is none).
@@ -195,9 +194,9 @@ class _Entries:
             if gradient
             else torch.zeros(shape, dtype=dtype, device=e.device)
         )
-        if self.flat is not None:
+        if self.flat is not None:  # (add: the padding of a fixed-size layout repeats a position, with 0)
             with _serial(e.numel(), e.device):
-                out.view(-1).index_copy_(0, self.flat, e.to(dtype))
+                out.view(-1).index_add_(0, self.flat, e.to(dtype))
             return out
         # add, not assign: the padding of a padded candidate layout repeats a column with value 0
         with _serial(e.numel(), e.device):

@@ -1,0 +1,370 @@
+r"""The alpha solver with shapes fixed by the input's shape: no host read, a data-independent op count.
+
+For a measure that is 1 except at the label (``q ≡ 1``: entmax / sparsemax; Q-Margin's
+:math:`q_y = e^{-sm}`), every row is solved as follows (SPEC §2; issue 36):
+
+1. **Candidates with fixed-size outputs.** The exact filter :math:`\theta_j > \tau_{lo} - 1/\beta` is
+   applied to the 64-column block maxima, then to the values of the selected blocks, each time
+   with ``torch.nonzero_static``: the positions come out sorted in a buffer of a size fixed in
+   advance (a *budget* over the whole batch, so rows with many candidates borrow from rows with
+   few), the unused tail marked as padding (an inactive :math:`-\infty` logit). When the budget
+   would cover the whole matrix the rows are solved in full instead.
+2. **A fixed number of Newton steps** from :math:`\tau_{lo}` (mass :math:`\ge 1`): for
+   :math:`1 < \alpha \le 2` the mass is convex and decreasing in τ, so Newton on
+   :math:`h = (M^\beta - 1)/\beta` rises monotonically to the root and converges quadratically
+   near it; ``_ITERATIONS`` is measured per dtype with margin. For α > 2 (or a per-row α, which
+   may be) the safeguarded Newton–bisection of :func:`marginkit.ops.alpha._newton._find_tau`
+   runs a fixed number of rounds, and in float32 a float64 refinement follows.
+3. **Exactness verified on the device**: the result is exact when the candidates fitted their
+   budgets (then they contain the support) and the Newton step at the final iterate is within a
+   few ulps (the root converged in the working precision). :func:`_solve_static` returns that
+   flag (0-d, ``True`` = not exact); the caller reads it now (a library call: the exact
+   host-driven solver then redoes the batch) or defers it (:func:`marginkit._validation.deferred_checks`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from marginkit._validation import compute_dtype
+from marginkit.ops.alpha._candidates import (
+    _BLOCK,
+    _BLOCK_BITS,
+    _Blocks,
+    _Entries,
+    _entry_logq,
+    _logits,
+    _row_bounds,
+    _threshold,
+)
+from marginkit.ops.alpha._memory import _serial
+from marginkit.ops.alpha._newton import _int_pow, _newton_step, _Problem, _Stats
+from marginkit.ops.alpha._solve import _Solution
+from marginkit.ops.classes import ONE_PROCESS, ClassAxis
+
+# Candidate entries per row of the batch, on average (the budget is shared by the rows).
+ROW_BUDGET = 1024
+# Candidate blocks (of _BLOCK columns) per row, on average.
+BLOCK_BUDGET = 512
+# Newton steps from τ_lo for 1 < α <= 2 (measured worst cases: 5 in float32, 6 in float64 for
+# random rows of 10 to 2·10^4 classes at α in [1.01, 2], 9 for sparsemax on 2·10^4 near-ties).
+_ITERATIONS = {torch.float32: 6, torch.float64: 8}
+# α = 2 (sparsemax): the mass is piecewise linear, Newton crosses one kink per step (9 measured
+# for 2·10^4 near-equal logits in float32).
+_SPARSEMAX_ITERATIONS = {torch.float32: 12, torch.float64: 14}
+# Safeguarded rounds for α > 2 or a per-row α (measured worst: 20 / 30 at α = 4).
+_HYBRID_ITERATIONS = {torch.float32: 32, torch.float64: 48}
+# Rounds of the float64 refinement of an α > 2 float32 root (a bracket of 128 float32 ulps).
+_REFINE_ITERATIONS = 40
+# The root is converged when the next Newton step is at most this many ulps of (1 + |τ|).
+_CONVERGED_ULPS = 16.0
+
+
+def budgets(n_rows: int, n: int, k: int | None) -> tuple[int, int]:
+    """``(candidate entries, candidate blocks)`` of a batch: per row ``k`` (default ``ROW_BUDGET``)."""
+    per_row = min(n, ROW_BUDGET if k is None else k)
+    n_blocks = -(-n // _BLOCK)
+    return n_rows * per_row, n_rows * min(n_blocks, BLOCK_BUDGET if k is None else max(1, k))
+
+
+def _candidates(
+    x: Tensor,
+    blocks: _Blocks,
+    thr: Tensor,
+    shift: Tensor | None,
+    scale: float,
+    cdt: torch.dtype,
+    k: int | None,
+) -> tuple[_Entries, Tensor, Tensor] | None:
+    """Entries ``x[i, j] > thr[i]`` in fixed-size buffers: ``(entries, θ, overflow)``, or ``None``
+    when the budget would hold every entry (the caller solves the full rows).
+
+    Padding entries sit at the last position of the matrix with a ``-inf`` logit (sorted order
+    kept); ``overflow`` (0-d bool) is true when some candidate did not fit.
+    """
+    n_rows, n = x.shape
+    size, block_size = budgets(n_rows, n, k)
+    if size >= x.numel():
+        return None
+    last = x.numel() - 1
+    if block_size * _BLOCK >= x.numel():  # the blocks would be the whole matrix: filter it directly
+        mask = (x > thr.unsqueeze(1)).view(-1)
+        overflow = mask.sum() > size
+        pos = torch.nonzero_static(mask, size=size, fill_value=-1).squeeze(1)
+        valid = pos >= 0
+        flat = torch.where(valid, pos, last)
+    else:
+        bmax = blocks.bmax
+        n_blocks = bmax.shape[1]
+        selected = (bmax > thr.unsqueeze(1)).view(-1)
+        picked = torch.nonzero_static(selected, size=block_size, fill_value=-1).squeeze(1)
+        real_block = picked >= 0
+        picked = picked.clamp_min(0)
+        bi = torch.div(picked, n_blocks, rounding_mode="floor")
+        bj = picked - bi * n_blocks
+        values = blocks._values(bi, bj)
+        thr_b = torch.where(real_block, thr.index_select(0, bi), math.inf)
+        mask = (values > thr_b.unsqueeze(1)).view(-1)
+        overflow = (selected.sum() > block_size) | (mask.sum() > size)
+        pos = torch.nonzero_static(mask, size=size, fill_value=-1).squeeze(1)
+        valid = pos >= 0
+        block = torch.bitwise_right_shift(pos.clamp_min(0), _BLOCK_BITS)
+        start = bi.index_select(0, block) * n + bj.index_select(0, block) * _BLOCK
+        flat = torch.where(valid, start + torch.bitwise_and(pos, _BLOCK - 1), last)
+    entries = _Entries(n_rows, n, flat=flat)
+    theta = _logits(
+        x.view(-1).index_select(0, flat), None if shift is None else entries.per_entry(shift), scale, cdt
+    )
+    return entries, theta.masked_fill_(~valid, -math.inf), overflow
+
+
+# Newton steps of the block-maxima lower bound (see _subset_bound).
+_SUBSET_ITERATIONS = 2
+
+
+def _subset_bound(
+    blocks: _Blocks,
+    x: Tensor,
+    scale: float,
+    beta: Tensor,
+    beta_scalar: float | None,
+    label: Tensor | None,
+    logq_label: Tensor | None,
+    lo: Tensor,
+    hi: Tensor,
+    shift: Tensor | None,
+    logq_label_min: float,
+) -> Tensor:
+    r"""A tighter lower bound on τ for 1 < α <= 2: Newton on the problem restricted to the block maxima.
+
+    The block maxima (with the label override: the label out of its block, plus the label as
+    one more entry with its own :math:`q_y`) are a subset of the row with the same weights, so
+    their mass is at most the full mass at every τ and their root is at most the full root;
+    Newton from ``lo`` rises monotonically towards it. The last iterate is kept where its mass
+    was verified :math:`\ge 1` (``lo`` elsewhere). It is close to the full root when the support
+    is spread over many blocks, exactly when :math:`\tau_{lo}` is loose (the start of training).
+    (:func:`marginkit.ops.alpha._solve._block_subset_bound` is the host-driven solver's version.)
+    """
+    n_rows = x.shape[0]
+    cdt = compute_dtype(x.dtype)
+    row_shift = None if shift is None else shift.unsqueeze(1)
+    with_label = label is not None and logq_label is not None
+    if with_label:
+        assert label is not None and logq_label is not None
+        bmax = getattr(blocks, "bmax_excluding", None)
+        if bmax is None:
+            blocks.max_excluding(label)
+            bmax = blocks.bmax_excluding
+    else:
+        bmax = blocks.bmax
+    logq = None
+    if with_label:  # the label as one more column, with its own q
+        assert label is not None and logq_label is not None
+        bmax = torch.cat([bmax, x.gather(1, label.unsqueeze(1))], 1)
+        logq = torch.cat([torch.zeros_like(bmax[:, 1:], dtype=cdt), logq_label.to(cdt).unsqueeze(1)], 1)
+    del hi
+    assert beta_scalar is not None
+    theta = _logits(bmax, row_shift, scale, cdt)
+    base = _Problem(_Entries(n_rows, bmax.shape[1]), theta, logq, beta, beta_scalar, logq_label_min)
+    tau, mass, _, _, _ = _lean_newton(_Lean(base), lo, beta_scalar, _SUBSET_ITERATIONS)
+    return torch.where(mass >= 1, tau, lo)
+
+
+class _Lean:
+    r"""The evaluations of a compact problem for a scalar β, in the scaled variable :math:`z = \beta\tau`.
+
+    :math:`u_j = [a_j - z]_+` with :math:`a_j = 1 + \beta\theta_j` precomputed: per evaluation
+    one broadcast, one subtraction and a clamp before the powers (a Newton step of
+    :func:`_newton_static` costs about fourteen ops).
+    """
+
+    def __init__(self, problem: _Problem) -> None:
+        assert problem.beta_scalar is not None
+        self.problem, self.entries = problem, problem.entries
+        self.a = problem.btheta + 1.0
+
+    def support(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(p, w, u)`` per entry at ``z`` (unnormalised p; as :meth:`_Problem.support`)."""
+        pr = self.problem
+        u = (self.a - self.entries.per_entry(z)).clamp_min_(0.0)
+        power = pr.int_power
+        if power is not None:
+            w = (u > 0).to(u.dtype) if power == 1 else _int_pow(u, power - 1)
+            if pr.q is not None:
+                w = w * pr.q
+            return w * u, w, u
+        return pr.support(z / pr.beta_scalar)  # (general powers: the exp/log form)
+
+
+def _lean_newton(
+    lean: _Lean, lo: Tensor, beta: float, iterations: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """Plain Newton steps for 1 < α <= 2 and a scalar β from ``lo``.
+
+    Returns ``(τ, mass, slope, converged, (p, w, u))``, the last at τ (unnormalised p).
+    """
+    tol = _CONVERGED_ULPS * torch.finfo(lo.dtype).eps
+    rowsum = lean.entries.rowsum
+
+    def step(mass: Tensor, slope: Tensor) -> Tensor:  # β·(Newton step of h = (M^β − 1)/β)
+        return torch.expm1(mass.log().mul_(-beta)).mul_(mass).div_(slope)
+
+    z = lo * beta
+    for it in range(iterations + 1):
+        support = lean.support(z)
+        mass, slope = rowsum(support[0]), rowsum(support[1])
+        if it < iterations:
+            z = z - step(mass, slope)
+    tau = z / beta
+    converged = step(mass, slope).abs_() <= (tau.abs() + 1.0).mul_(tol * beta)
+    return tau, mass, slope, converged, support
+
+
+def _newton_static(
+    problem: _Problem,
+    lo: Tensor,
+    hi: Tensor,
+    *,
+    hybrid: bool,
+    iterations: int,
+    axis: ClassAxis,
+    theta_y: Tensor | None,
+) -> tuple[Tensor, _Stats, Tensor]:
+    r"""``iterations`` Newton steps from ``lo`` (safeguarded rounds when ``hybrid``); no host read.
+
+    Returns the root, the row sums there (one SUM over ``axis`` per evaluation; with ``theta_y``
+    they carry the loss terms) and the per-row "converged" flag: the next Newton step is within
+    ``_CONVERGED_ULPS`` ulps of :math:`1 + |\tau|` (or, safeguarded, the bracket is that narrow).
+    """
+    beta = problem.beta
+    tol = _CONVERGED_ULPS * torch.finfo(lo.dtype).eps
+
+    def evaluate(x: Tensor) -> _Stats:
+        parts = problem.mass_slope(x) if theta_y is None else problem.loss_terms(x, theta_y)
+        return _Stats(*axis.sum_(*parts))
+
+    x = lo
+    stats = evaluate(x)
+    if not hybrid:  # monotone from the left (1 < α <= 2): plain steps
+        for _ in range(iterations):
+            x = x + _newton_step(stats.mass, stats.slope, beta)
+            stats = evaluate(x)
+        step = _newton_step(stats.mass, stats.slope, beta)
+        return x, stats, step.abs() <= tol * (1.0 + x.abs())
+    slow_rows = beta > 1
+    dx = dx_old = hi - lo  # the last two steps (rtsafe's progress test)
+    done = torch.zeros_like(lo, dtype=torch.bool)
+    for _ in range(iterations):  # (_find_tau's rounds, converged rows frozen, without its reads)
+        step = _newton_step(stats.mass, stats.slope, beta)
+        proposal = x + step
+        bisect = ~((proposal >= lo) & (proposal <= hi)) | (slow_rows & (step.abs() > 0.5 * dx_old))
+        proposal = torch.where(bisect, 0.5 * (lo + hi), proposal)
+        width = tol * (1.0 + x.abs())
+        done = done | ((step.abs() <= width) & ~bisect) | (hi - lo <= width)
+        dx_old, dx = dx, torch.where(done, dx, (proposal - x).abs())
+        x = torch.where(done, x, proposal)
+        stats = evaluate(x)
+        above = stats.mass >= 1
+        lo = torch.where(above & ~done, x, lo)
+        hi = torch.where(~above & ~done, x, hi)
+    return x, stats, done
+
+
+def _solve_static(
+    x: Tensor,
+    blocks: _Blocks,
+    *,
+    scale: float,
+    beta: Tensor,
+    beta_scalar: float | None,
+    label: Tensor | None = None,
+    logq_label: Tensor | None = None,
+    logq_label_min: float = 0.0,
+    k: int | None = None,
+    candidates: bool = True,
+    bounds: tuple[Tensor, Tensor] | None = None,
+    axis: ClassAxis = ONE_PROCESS,
+    theta_y: Tensor | None = None,
+    shift: Tensor | None = None,
+) -> tuple[_Solution, Tensor]:
+    """Solve every row of ``x`` (``[N, n]``, θ = scale·(x − shift), q = 1 but the label override).
+
+    The arguments are :func:`marginkit.ops.alpha._solve._solve`'s (no general measure);
+    ``logq_label_min``: a lower bound of ``logq_label`` (a Python float: no read). Returns the
+    solution and its 0-d "not exact" flag (over every process of ``axis``).
+    """
+    n_rows, n = x.shape
+    cdt = compute_dtype(x.dtype)
+    if bounds is None:
+        lo, hi = _row_bounds(x, blocks, scale, beta, cdt, None, label, logq_label, shift)
+        assert hi is not None
+    else:
+        lo, hi = bounds
+    hi = torch.maximum(hi, lo)
+    hybrid = beta_scalar is None or beta_scalar > 1
+    picked = None
+    if candidates and budgets(n_rows, n, k)[0] < x.numel():
+        with _serial(blocks.bmax.numel(), x.device):
+            if not hybrid and not axis.partitioned:
+                lo = _subset_bound(
+                    blocks,
+                    x,
+                    scale,
+                    beta,
+                    beta_scalar,
+                    label,
+                    logq_label,
+                    lo,
+                    hi,
+                    shift,
+                    min(0.0, logq_label_min),
+                )
+            picked = _candidates(x, blocks, _threshold(lo, beta, scale, shift), shift, scale, cdt, k)
+    if picked is None:
+        entries = _Entries(n_rows, n)
+        theta = _logits(x, None if shift is None else shift.unsqueeze(1), scale, cdt)
+        overflow = None
+    else:
+        entries, theta, overflow = picked
+    with _serial(theta.numel(), x.device):
+        lq = _entry_logq(entries, cdt, None, label, logq_label)
+        problem = _Problem(entries, theta, lq, beta, beta_scalar, min(0.0, logq_label_min))
+        table = _HYBRID_ITERATIONS if hybrid else _ITERATIONS if beta_scalar < 1 else _SPARSEMAX_ITERATIONS
+        fused = theta_y if axis.partitioned else None
+        lean = None
+        if not hybrid and not axis.partitioned:
+            assert beta_scalar is not None
+            tau, mass, slope, converged, lean = _lean_newton(_Lean(problem), lo, beta_scalar, table[cdt])
+            stats = _Stats(mass, slope)
+        else:
+            tau, stats, converged = _newton_static(
+                problem, lo, hi, hybrid=hybrid, iterations=table[cdt], axis=axis, theta_y=fused
+            )
+        if hybrid and cdt != torch.float64:  # (docs: _solve._refined)
+            eps = torch.finfo(cdt).eps
+            width = 64.0 * eps * (1.0 + tau.abs())
+            lo64 = torch.maximum(lo, tau - width).double()
+            hi64 = torch.maximum(torch.minimum(hi, tau + width), tau).double()
+            problem64 = problem.to(torch.float64)
+            tau64, stats, converged64 = _newton_static(
+                problem64, lo64, hi64, hybrid=True, iterations=_REFINE_ITERATIONS, axis=axis,
+                theta_y=None if fused is None else fused.double(),
+            )  # fmt: skip
+            converged = converged & converged64
+            p, w, u = problem64.support(tau64)
+            p = p / entries.per_entry(stats.mass)
+            p, w, u, tau = p.to(cdt), w.to(cdt), u.to(cdt), tau64.to(cdt)
+            stats = _Stats(*(None if v is None else v.to(cdt) for v in stats))
+        else:
+            p, w, u = problem.support(tau) if lean is None else lean
+            p = p / entries.per_entry(stats.mass)
+        not_exact = ~converged.all()
+        if overflow is not None:
+            not_exact = not_exact | overflow
+        if axis.partitioned:  # the same verdict on every process (one MAX of one number)
+            (flag,) = axis.max_(not_exact.to(cdt).reshape(1))
+            not_exact = flag.reshape(()) > 0
+    return _Solution(tau, p, w, u, problem.theta, entries, stats, shift), not_exact
