@@ -388,7 +388,7 @@ def model_options(name: str) -> tuple[str, ...]:
     from marginkit.models.external import is_external
 
     if is_external(name):
-        return ("image_size",)
+        return ("image_size", "mean", "std") if name.startswith("onnx:") else ("image_size",)
     if name not in _BUILDERS:
         raise _unregistered(name) or ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
     params = inspect.signature(_BUILDERS[name]).parameters.values()

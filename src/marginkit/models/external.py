@@ -1,4 +1,5 @@
-"""Image models of timm and torchvision as embedding backbones: ``timm:NAME`` and ``torchvision:NAME``.
+"""Image models of timm and torchvision as embedding backbones: ``timm:NAME`` and ``torchvision:NAME``
+(and the naming of ``onnx:FILE``, an ONNX graph converted by :mod:`marginkit.models.onnx_backbone`).
 
 The library's model, without its classifier, is the trunk (``net``); marginkit's linear
 projection and L2 normalisation go on top, as for the built-in backbones. The input is adapted
@@ -11,8 +12,9 @@ inside the module, so that export and serving see the data set's own input shape
    ``timm.data.resolve_data_config`` and torchvision's ``weights.transforms()``.
 
 Both libraries are imported only when such a model is built. timm imports torchvision, and
-torchvision's compiled operators work only beside the torch build they were made for: where
-that torchvision cannot be installed, neither library works (the error says so). Nothing here
+torchvision's compiled operators work only beside the torch build they were made for: the
+project pins the pair (torch 2.14.1 with torchvision 0.29.1, ``constraints.txt``); where no
+matching torchvision is installed, neither library works (the error says so). Nothing here
 downloads weights: the trainer loads starting weights (``weights``, ``pretrained``;
 :mod:`marginkit.train.starting`).
 """
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +35,19 @@ from torch import nn
 from marginkit._lazy import MissingExtraError
 from marginkit.models.base import EmbeddingModel
 
-__all__ = ["LIBRARIES", "ExternalBackbone", "import_library", "is_external", "split_name"]
+__all__ = [
+    "LIBRARIES",
+    "ExternalBackbone",
+    "adapt_images",
+    "canonical_name",
+    "image_size_option",
+    "import_library",
+    "is_external",
+    "split_name",
+]
 
-#: Libraries whose models ``LIBRARY:NAME`` names.
-LIBRARIES = ("timm", "torchvision")
+#: Libraries whose models ``LIBRARY:NAME`` names (``onnx:FILE``: a file, not a library's model).
+LIBRARIES = ("timm", "torchvision", "onnx")
 _NAME = re.compile(r"^(timm|torchvision):([A-Za-z0-9][A-Za-z0-9_.\-]{0,127})$")
 INSTALL_HINT = (
     "pip install 'marginkit[vision]' with a torch that this torchvision was built for "
@@ -43,19 +56,38 @@ INSTALL_HINT = (
 
 
 def is_external(name: Any) -> bool:
-    """Whether ``name`` names a library model (``timm:NAME`` or ``torchvision:NAME``)."""
+    """Whether ``name`` names a library model (``timm:NAME``, ``torchvision:NAME``) or an ONNX
+    file (``onnx:FILE``)."""
     return isinstance(name, str) and name.split(":", 1)[0] in LIBRARIES and ":" in name
 
 
 def split_name(name: str) -> tuple[str, str]:
-    """``"timm:resnet18"`` -> ``("timm", "resnet18")``; ValueError for a malformed name."""
+    """``"timm:resnet18"`` -> ``("timm", "resnet18")``, ``"onnx:r50.onnx"`` -> ``("onnx", "r50.onnx")``;
+    ValueError for a malformed name."""
+    if isinstance(name, str) and name.startswith("onnx:"):
+        path = name[len("onnx:") :]
+        if not path.strip() or "\x00" in path or len(path) > 4096:
+            raise ValueError(
+                f"model {name!r}: an ONNX backbone is named onnx:FILE, e.g. onnx:models/w600k_r50.onnx"
+            )
+        return "onnx", path
     match = _NAME.match(name) if isinstance(name, str) else None
     if match is None:
         raise ValueError(
             f"model {name!r}: a library model is named timm:NAME or torchvision:NAME "
-            "(letters, digits, '._-'), e.g. timm:resnet18, torchvision:mobilenet_v3_small"
+            "(letters, digits, '._-'), e.g. timm:resnet18, torchvision:mobilenet_v3_small; "
+            "an ONNX file is onnx:FILE"
         )
     return match.group(1), match.group(2)
+
+
+def canonical_name(name: str) -> str:
+    """``name`` checked; an ``onnx:`` file's path made absolute (a run must find it again from
+    any directory)."""
+    library, arch = split_name(name)
+    if library == "onnx":
+        return f"onnx:{Path(arch).expanduser().absolute()}"
+    return name
 
 
 def import_library(library: str) -> Any:
@@ -67,6 +99,11 @@ def import_library(library: str) -> Any:
             import timm.data
 
             return timm
+        if library in ("onnx", "onnx2torch"):  # onnx: backbones (onnx_backbone)
+            import onnx
+            import onnx2torch
+
+            return onnx if library == "onnx" else onnx2torch
         import torchvision
 
         return torchvision
@@ -121,7 +158,8 @@ def _torchvision_net(arch: str) -> tuple[nn.Module, dict[str, Any], int, list[st
     return net, data, int(linear.in_features), [name]
 
 
-def _image_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
+def image_size_option(value: Any, default: tuple[int, int]) -> tuple[int, int]:
+    """``model_options.image_size`` (an int or ``[H, W]`` in 8..1024) as ``(H, W)``; ``default`` if None."""
     if value is None:
         return default
     if isinstance(value, int) and not isinstance(value, bool):
@@ -133,6 +171,18 @@ def _image_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
     ):
         raise ValueError(f"image_size must be an integer or [height, width] in 8..1024, got {value!r}")
     return int(value[0]), int(value[1])
+
+
+def adapt_images(
+    x: torch.Tensor, channels: int, size: tuple[int, int], mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """Images ``[B, c, h, w]`` -> ``[B, channels, H, W]``: grey repeated to ``channels``, resized
+    (bilinear, no antialiasing) to ``size``, then ``(x - mean) / std`` (``[1, channels, 1, 1]``)."""
+    if x.shape[1] != channels:
+        x = x.expand(-1, channels, -1, -1)
+    if tuple(x.shape[2:]) != tuple(size):
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    return (x - mean.to(x.dtype)) / std.to(x.dtype)
 
 
 class ExternalBackbone(EmbeddingModel):
@@ -171,7 +221,7 @@ class ExternalBackbone(EmbeddingModel):
                 f"{self.input_shape[0]} channels"
             )
         self.channels = channels
-        self.image_size = _image_size(image_size, (height, width))
+        self.image_size = image_size_option(image_size, (height, width))
         self.net = net
         self.classifier_keys = classifier
         self.register_buffer("mean", torch.tensor(data["mean"], dtype=torch.float32).view(1, -1, 1, 1), False)
@@ -181,14 +231,21 @@ class ExternalBackbone(EmbeddingModel):
 
     def adapt(self, x: torch.Tensor) -> torch.Tensor:
         """Data-set images ``[B, C, h, w]`` in [0, 1] -> the library model's input ``[B, 3, H, W]``."""
-        if x.shape[1] != self.channels:
-            x = x.expand(-1, self.channels, -1, -1)
-        if tuple(x.shape[2:]) != self.image_size:
-            x = F.interpolate(x, size=self.image_size, mode="bilinear", align_corners=False)
-        return (x - self.mean.to(x.dtype)) / self.std.to(x.dtype)
+        return adapt_images(x, self.channels, self.image_size, self.mean, self.std)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self.adapt(x))
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """As :meth:`torch.nn.Module.load_state_dict`; a plain dict (a checkpoint's, without the
+        per-module ``_metadata`` of ``state_dict()``) is read with this model's own module versions:
+        torchvision's MNASNet refuses a state dict that does not say its version."""
+        if getattr(state_dict, "_metadata", None) is None:
+            state_dict = OrderedDict(state_dict)
+            state_dict._metadata = getattr(self.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
+        return super().load_state_dict(state_dict, strict, assign)
 
     def trunk_modules(self) -> list[nn.Module]:
         return [self.net]
@@ -223,9 +280,14 @@ class ExternalBackbone(EmbeddingModel):
 
 def build_external(
     name: str, input_shape: tuple[int, ...], embedding_dim: int, normalize: bool, **options: Any
-) -> ExternalBackbone:
-    """:class:`ExternalBackbone` for ``name`` (``timm:NAME`` / ``torchvision:NAME``)."""
+) -> EmbeddingModel:
+    """:class:`ExternalBackbone` for ``name`` (``timm:NAME`` / ``torchvision:NAME``), or an
+    :class:`~marginkit.models.onnx_backbone.OnnxBackbone` for ``onnx:FILE``."""
     library, arch = split_name(name)
+    if library == "onnx":
+        from marginkit.models.onnx_backbone import build_onnx_backbone
+
+        return build_onnx_backbone(arch, input_shape, embedding_dim, normalize, **options)
     unknown = [k for k in options if k != "image_size"]
     if unknown:
         raise ValueError(f"unknown option {unknown[0]!r} for model {name!r}; valid options: image_size")

@@ -84,7 +84,8 @@ class TrainConfig:
     Model
         ``model`` — backbone name (``auto`` picks ``cnn1d`` for mnist1d, ``cnn2d`` for
         images, ``mlp`` otherwise; ``custom``: your own module, ``train(..., model=module)``;
-        ``timm:NAME`` / ``torchvision:NAME`` for those libraries' image models); ``embedding_dim``;
+        ``timm:NAME`` / ``torchvision:NAME`` for those libraries' image models, ``onnx:FILE`` for an
+        ONNX image model); ``embedding_dim``;
         ``normalize`` — L2-normalised output; ``model_options`` — extra keyword arguments for the
         backbone.
     Fine-tuning (:mod:`marginkit.train.starting`, ``docs/finetune.md``)
@@ -250,8 +251,8 @@ class TrainConfig:
         from marginkit.train.registry import LOSSES, check_loss_options
 
         for name, choices in {**_CHOICES, "loss": tuple(LOSSES)}.items():
-            if name == "model" and self.model.split(":", 1)[0] in ("timm", "torchvision"):
-                _external_name(self.model)
+            if name == "model" and self.model.split(":", 1)[0] in ("timm", "torchvision", "onnx"):
+                self.model = _external_name(self.model)
                 continue
             _choice(getattr(self, name), name, choices)
         for name, spec in FIELD_RANGES.items():
@@ -313,11 +314,11 @@ def _ranged_options(options: Mapping[str, Any], ranges: Mapping[str, Any], prefi
             _in_range(value, ranges[key], f"{prefix}.{key}")
 
 
-def _external_name(name: str) -> None:
-    from marginkit.models.external import split_name
+def _external_name(name: str) -> str:
+    from marginkit.models.external import canonical_name
 
     try:
-        split_name(name)
+        return canonical_name(name)  # an onnx: file's path made absolute
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

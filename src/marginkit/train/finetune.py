@@ -65,6 +65,11 @@ def check_finetune(config: Any) -> str:
         )
     if config.pretrained and config.weights is not None:
         raise ConfigError("give either pretrained: true (the library's weights) or weights: PATH, not both")
+    if config.pretrained and str(config.model).startswith("onnx:"):
+        raise ConfigError(
+            "pretrained: true takes a timm / torchvision model's published weights; an onnx: backbone "
+            "starts from the file's own weights already: drop pretrained"
+        )
     if config.pretrained and _builtin(config.model):
         raise ConfigError(
             f"pretrained: true takes the weights of a timm / torchvision model; model {config.model!r} "

@@ -6,7 +6,12 @@
   torchvision model the file may hold the library model's own state dict (keys without the
   ``net.`` prefix, as the libraries save them); the removed classifier's tensors are ignored.
 - ``pretrained: true`` (timm / torchvision) takes the library's own pretrained weights through
-  its download and cache; without network access the error names the file and where to put it.
+  its download and cache: timm's from the Hugging Face Hub (``$HF_HOME/hub``; with
+  ``HF_HUB_OFFLINE=1`` the cache alone), torchvision's through ``torch.hub``
+  (``$TORCH_HOME/hub/checkpoints/FILE``), read with ``weights_only=True`` (no pickled code) and
+  checked against the hash in the file's name when downloaded. Without network access and
+  without the file the error names it and where to put it. (An ``onnx:`` backbone starts from
+  its file's own weights.)
 - ``init_from: RUN`` starts the trunk **and the projection** from a trained run (its
   ``best.pt``): the run continues on new data and classes with a new head.
 
@@ -164,7 +169,8 @@ def _pretrained_state(model: nn.Module) -> dict[str, torch.Tensor]:
         import torchvision
 
         weights = torchvision.models.get_model_weights(arch).DEFAULT
-        return weights.get_state_dict(progress=False)
+        # torch.hub unpickles by default: a file in the cache is read as tensors only
+        return weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(
