@@ -25,7 +25,8 @@ OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
         "--model",
         "model",
         str,
-        "backbone: auto (by the data's shape), mlp, cnn1d, cnn2d, resnet, timm:NAME, torchvision:NAME",
+        "backbone: auto (by the data's shape), mlp, cnn1d, cnn2d, resnet, timm:NAME, torchvision:NAME, "
+        "onnx:FILE",
     ),
     ("--backbone", "model", str, "the same as --model (default: auto)"),
     (

@@ -1,4 +1,5 @@
-"""Embedding backbones: ``mlp``, ``cnn1d``, ``cnn2d``, ``resnet``, ``timm:NAME``, ``torchvision:NAME``."""
+"""Embedding backbones: ``mlp``, ``cnn1d``, ``cnn2d``, ``resnet``, ``timm:NAME``, ``torchvision:NAME``,
+``onnx:FILE``."""
 
 from marginkit._lazy import attach
 
