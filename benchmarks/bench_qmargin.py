@@ -24,6 +24,7 @@ load drifting between rounds). ``torch.set_num_threads(--threads)`` is fixed.
 
     python benchmarks/bench_qmargin.py            # C = 1e4, 1e5, 1e6 (minutes)
     python benchmarks/bench_qmargin.py --quick    # tiny smoke run
+    python benchmarks/bench_qmargin.py --issue36  # issue 36's table: ms, aten ops, device reads
 """
 
 from __future__ import annotations
@@ -245,6 +246,62 @@ def run(num_classes: int, dim: int, args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def count_ops(step: Step) -> tuple[int, int]:
+    """Aten ops and device reads of one call, inside ``deferred_checks()`` (the trainer's setting)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from dispatch_counts import DispatchCounter
+
+    try:
+        from marginkit._validation import deferred_checks
+    except ImportError:  # (before issue 36)
+        import contextlib
+
+        deferred_checks = contextlib.nullcontext  # type: ignore[assignment]
+    with deferred_checks(), DispatchCounter() as counter:
+        step()
+    return counter.ops, counter.reads
+
+
+def issue36_table(args: argparse.Namespace) -> list[str]:
+    """Issue 36's table on the CPU: Q-Margin (auto, top-5 %) vs CosFace vs ArcFace with a CosineHead."""
+    sizes = [(128, 5994, 256, 1.5, 10.0), (128, 100_000, 512, args.alpha, 35.0)]
+    if args.quick:
+        sizes = [(16, 1000, 32, 1.5, 10.0), (16, 5000, 32, args.alpha, 35.0)]
+    lines = ["| B | C | D | α, s | method | median ms | × CosFace | aten ops | device reads |"]
+    lines.append("|---|---|---|---|---|---:|---:|---:|---:|")
+    for batch, num_classes, dim, alpha, scale in sizes:
+        head, emb, labels = make_inputs(num_classes, dim, batch, args.seed)
+        steps: dict[str, Step] = {}
+        for name, loss in (
+            ("QMargin", QMarginLoss(alpha=alpha, scale=scale, margin=0.2)),
+            ("QMargin topk=5%", QMarginLoss(alpha=alpha, scale=scale, margin=0.2, topk=0.05)),
+            ("CosFace", CosFaceLoss(scale=64.0, margin=0.4)),
+            ("ArcFace", ArcFaceLoss(scale=64.0, margin=0.5)),
+        ):
+            h = CosineHead(num_classes, dim)
+            h.weight.data.copy_(head.weight.detach())
+            e = emb.detach().clone().requires_grad_(True)
+
+            def step(
+                h: CosineHead = h, e: torch.Tensor = e, loss: torch.nn.Module = loss, y: torch.Tensor = labels
+            ) -> None:
+                e.grad = None
+                h.weight.grad = None
+                loss(h(e), y).backward()
+
+            steps[name] = step
+        counts = {name: count_ops(step) for name, step in steps.items()}
+        times = measure(steps, args.repeats, {})
+        for name, ts in times.items():
+            ops, reads = counts[name]
+            lines.append(
+                f"| {batch} | {num_classes:,} | {dim} | {alpha:g}, {scale:g} | {name} | "
+                f"{1e3 * statistics.median(ts):.1f} | {paired_ratio(times, name, 'CosFace'):.3f} "
+                f"| {ops} | {reads} |"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -260,7 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--entmax-max-classes", type=int, default=100_000)
     parser.add_argument("--entmax-repeats", type=int, default=3, help="rounds for the (slow) entmax row")
+    parser.add_argument("--issue36", action="store_true", help="only issue 36's table, with op / read counts")
     args = parser.parse_args(argv)
+    if args.issue36:
+        torch.set_num_threads(args.threads)
+        if args.quick:
+            args.repeats = min(args.repeats, 2)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, CPU")
+        print("\n".join(issue36_table(args)))
+        return
     if args.quick:
         args.classes = args.classes or [1000, 5000]
         args.batch = min(args.batch, 16)

@@ -190,7 +190,8 @@ def _head_grads(loss_fn, head, e, y, *, detour: bool):
 def test_sparse_gradient_path_equals_the_dense_one(gen, dtype, monkeypatch):
     from marginkit.heads import cosine as cosine_module
     from marginkit.losses import EntmaxLoss, QMarginLoss, SparsemaxLoss
-    from marginkit.ops.alpha._static import ROW_BUDGET
+    from marginkit.ops.alpha._autograd import _SPARSE_FRACTION
+    from marginkit.ops.alpha._static import budgets
 
     calls = []
     sparse_backward = cosine_module._sparse_backward
@@ -215,8 +216,10 @@ def test_sparse_gradient_path_equals_the_dense_one(gen, dtype, monkeypatch):
         for loss_fn in losses:
             calls.clear()
             sparse = _head_grads(loss_fn, head, e, y, detour=False)
-            # rows that fit the fixed candidate budget are solved in full: a dense gradient then
-            expected = [torch.sparse_coo] if n_classes > ROW_BUDGET or loss_fn.topk is not None else []
+            # a sparse gradient when the fixed candidate budget is a small part of the scores
+            k = None if loss_fn.topk is None else loss_fn.topk
+            size, _ = budgets(20, n_classes, k)
+            expected = [torch.sparse_coo] if size * _SPARSE_FRACTION <= 20 * n_classes else []
             assert calls == expected
             dense = _head_grads(loss_fn, head, e, y, detour=True)
             assert len(calls) == len(expected)  # the detour got a dense gradient

@@ -145,6 +145,10 @@ _NOT_EXACT = (
 )
 
 
+# A sparse gradient goes to the head only when its entries are at most this fraction of the scores.
+_SPARSE_FRACTION = 64
+
+
 class _OnAxis(NamedTuple):
     """What a loss on a class axis computed before the solve (over every class of the axis).
 
@@ -305,7 +309,9 @@ class _LossFunction(torch.autograd.Function):
             at_label = -gs if owned is None else torch.where(owned, -gs, 0.0)  # −s·g·e_y on its owner
             with _serial(p.numel(), p.device):
                 values = (p * entries.per_entry(gs)).to(x_dtype)
-            if ctx.sparse_grad and (entries.is_flat or entries.col is not None):
+            # the head gathers a row of D per entry (padding included): worth it only for few entries
+            few = p.numel() * _SPARSE_FRACTION <= ctx.shape[0] * ctx.shape[1]
+            if ctx.sparse_grad and few and (entries.is_flat or entries.col is not None):
                 with _serial(p.numel(), p.device):
                     grad_x = entries.sparse(values, label, at_label.to(x_dtype))
             else:
