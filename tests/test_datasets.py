@@ -321,10 +321,12 @@ def test_bad_arguments_name_themselves(tmp_path):
 
 def test_dataset_options_lists_keywords():
     split = ("split", "test_classes", "val_classes", "folds", "fold")
-    assert dataset_options("mnist1d") == ("cache_dir", *split, "split_seed", "test_fraction")
+    pipeline = ("stream", "memory_budget", "on_bad_sample")  # how any source is read
+    assert dataset_options("mnist1d") == ("cache_dir", *split, "split_seed", "test_fraction", *pipeline)
     assert "nuisance_strength" in dataset_options("identities")
     assert not set(split) & set(dataset_options("identities"))  # disjoint identities by construction
-    assert dataset_options("folder:/x") == ("image_size", "color", "test_fraction", "split_seed", *split)
+    folder = ("image_size", "color", "test_fraction", "split_seed", "cache_dir", *split, *pipeline)
+    assert dataset_options("folder:/x") == folder
 
 
 # --------------------------------------------------------------------------------------------

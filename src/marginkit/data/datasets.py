@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import inspect
+import math
 import os
 import random
 import tempfile
@@ -69,7 +70,9 @@ DATASETS: tuple[str, ...] = (
     "mnist1d", "digits", "breast_cancer", "identities", "mnist-sample", "japanese-vowels",
 )  # fmt: skip
 #: ``scheme:PATH`` prefixes for users' own files.
-FILE_FORMATS: tuple[str, ...] = ("npz", "mnist-idx", "cifar10", "folder", "features")
+FILE_FORMATS: tuple[str, ...] = ("npz", "mnist-idx", "cifar10", "folder", "features", "csv", "rec")
+#: Schemes always streamed from their files (never decoded whole into memory).
+STREAMED_FORMATS: tuple[str, ...] = ("rec",)
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,11 @@ FILE_FORMAT_INFO: dict[str, str] = {
     "npz": "MedMNIST-style .npz: train_images, train_labels, test_images, test_labels (val_* optional)",
     "mnist-idx": "a directory of MNIST's IDX files, gzipped or not (MNIST, Fashion-MNIST, KMNIST)",
     "cifar10": "a directory of CIFAR-10's python batches, read by a restricted unpickler",
-    "folder": "images in DIR/<class>/ (or DIR/train/<class>/ and DIR/test/<class>/), read by Pillow",
+    "folder": "images in DIR/<class>/ (or DIR/train/<class>/ and DIR/test/<class>/, nested class folders "
+    "too), read by Pillow; streamed from disk when larger than the memory budget",
+    "csv": "a CSV manifest in OML's convention: path, label, split (is_query, is_gallery optional), "
+    "paths relative to the file",
+    "rec": "insightface's train.rec + train.idx (+ property) in DIR, read without mxnet; always streamed",
     "features": "feature vectors in an .npz: x [N, D], y [N] (x_test, y_test, x_val, y_val optional)",
 }
 
@@ -189,6 +196,7 @@ class DatasetSplits:
     mean: torch.Tensor | None = None
     std: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    on_bad_sample: str = "raise"
 
     @property
     def val_open_set(self) -> bool:
@@ -473,13 +481,37 @@ def _cifar10(rest: str) -> RawSplits:
 
 def _folder(
     rest: str, *, image_size: int | tuple[int, int] | None = None, color: str = "auto",
+    test_fraction: float = 0.2, split_seed: int = 0, cache_dir: str | None = None,
+) -> RawSplits:  # fmt: skip
+    from marginkit.data.folder import scan_folder
+
+    return scan_folder(
+        _path(rest, "folder"), image_size=image_size, color=color, test_fraction=test_fraction,
+        split_seed=_seed(split_seed, "split_seed"), cache_dir=cache_dir,
+    )  # fmt: skip
+
+
+def _csv(
+    rest: str, *, image_size: int | tuple[int, int] | None = None, color: str = "auto",
     test_fraction: float = 0.2, split_seed: int = 0,
 ) -> RawSplits:  # fmt: skip
-    from marginkit.data.loaders import read_folder
+    from marginkit.data.manifest import read_manifest
 
-    return read_folder(
-        _path(rest, "folder"), image_size=image_size, color=color, test_fraction=test_fraction,
+    return read_manifest(
+        _path(rest, "csv"), image_size=image_size, color=color, test_fraction=test_fraction,
         split_seed=_seed(split_seed, "split_seed"),
+    )  # fmt: skip
+
+
+def _rec(
+    rest: str, *, image_size: int | tuple[int, int] | None = None, color: str = "auto",
+    test_fraction: float = 0.2, split_seed: int = 0, cache_dir: str | None = None,
+) -> RawSplits:  # fmt: skip
+    from marginkit.data.recordio import read_recordio
+
+    return read_recordio(
+        _path(rest, "rec"), image_size=image_size, color=color, test_fraction=test_fraction,
+        split_seed=_seed(split_seed, "split_seed"), cache_dir=cache_dir,
     )  # fmt: skip
 
 
@@ -508,6 +540,8 @@ _FILE_READERS: dict[str, Callable[..., RawSplits]] = {
     "cifar10": _cifar10,
     "folder": _folder,
     "features": _features,
+    "csv": _csv,
+    "rec": _rec,
 }
 
 
@@ -519,6 +553,8 @@ def _options_of(reader: Callable[..., RawSplits]) -> tuple[str, ...]:
 #: :mod:`marginkit.data.class_splits`); ``split_seed`` and ``test_fraction`` are taken too when
 #: ``split`` pools the source.
 SPLIT_OPTIONS: tuple[str, ...] = ("split", "test_classes", "val_classes", "folds", "fold", "split_seed")
+#: Options of how a source is read, which every source takes (:func:`load_dataset`).
+PIPELINE_OPTIONS: tuple[str, ...] = ("stream", "memory_budget", "on_bad_sample")
 
 
 def dataset_options(spec: str) -> tuple[str, ...]:
@@ -526,8 +562,8 @@ def dataset_options(spec: str) -> tuple[str, ...]:
     reader = _resolve(spec)[0]
     own = _options_of(reader)
     if reader is _identities:  # disjoint identities by construction: no re-splitting
-        return own
-    return own + tuple(o for o in (*SPLIT_OPTIONS, "test_fraction") if o not in own)
+        return own + PIPELINE_OPTIONS
+    return own + tuple(o for o in (*SPLIT_OPTIONS, "test_fraction") if o not in own) + PIPELINE_OPTIONS
 
 
 def _unknown_spec(spec: str) -> ValueError:
@@ -668,7 +704,10 @@ def load_dataset(
         fraction = positive_float(options["test_fraction"], "test_fraction", allow_zero=True)
         if fraction >= 1:
             raise ValueError(f"test_fraction must be in [0, 1), got {fraction}")
-    split_options, reader_options = _split_options(reader, options)
+    pipeline = {k: options[k] for k in PIPELINE_OPTIONS if k in options}
+    split_options, reader_options = _split_options(
+        reader, {k: v for k, v in options.items() if k not in PIPELINE_OPTIONS}
+    )
     raw = reader(**reader_options) if rest is None else reader(rest, **reader_options)
     parts = labelled_splits(raw, spec, **split_options)
     num_classes, class_names = parts.num_classes, parts.class_names
@@ -729,6 +768,38 @@ def load_dataset(
     if len(y_train) == 0:
         raise ValueError(f"{spec}: the training split is empty")
 
+    on_bad_sample = str(pipeline.get("on_bad_sample", "raise"))
+    if on_bad_sample not in ("raise", "skip"):
+        raise ValueError(f"on_bad_sample must be raise or skip, got {on_bad_sample!r}")
+    from marginkit.data.samples import is_lazy
+
+    if is_lazy(x_train):
+        _check_row_size(spec, x_train)
+        stream, info["pipeline"] = _stream_decision(spec, x_train, pipeline)
+        if not stream:  # decoded once, by the loader's workers, into uint8 arrays
+            decoded = {}
+            for name, (xs, ys) in {"train": (x_train, y_train), "val": (x_val, y_val),
+                                   "test": (parts.x["test"], parts.y["test"])}.items():  # fmt: skip
+                decoded[name] = _decode_whole(xs, ys, on_bad_sample, info)
+            (x_train, y_train), (x_val, y_val) = decoded["train"], decoded["val"]
+            parts.x["test"], parts.y["test"] = decoded["test"]
+        else:
+            splits = {
+                "train": Split(x_train, torch.from_numpy(np.ascontiguousarray(y_train, dtype=np.int64))),
+                "val": Split(x_val, torch.from_numpy(np.ascontiguousarray(y_val, dtype=np.int64))),
+                "test": Split(
+                    parts.x["test"], torch.from_numpy(np.ascontiguousarray(parts.y["test"], np.int64))
+                ),
+            }
+            if len(splits["test"]) == 0:
+                raise ValueError(f"{spec}: the test split is empty")
+            info["sizes"] = {k: len(v) for k, v in splits.items()}
+            return DatasetSplits(
+                **splits, num_classes=num_classes, input_shape=tuple(int(s) for s in x_train.shape[1:]),
+                name=spec, open_set=parts.open_set, class_names=class_names, kind=raw.kind, info=info,
+                on_bad_sample=on_bad_sample,
+            )  # fmt: skip
+
     mean = std = None
     if raw.standardize:  # statistics of the final training split only, computed in float64
         x64 = torch.from_numpy(np.asarray(x_train, dtype=np.float64))
@@ -757,4 +828,93 @@ def load_dataset(
     return DatasetSplits(
         **splits, num_classes=num_classes, input_shape=tuple(int(s) for s in train_x.shape[1:]), name=spec,
         open_set=parts.open_set, class_names=class_names, kind=raw.kind, mean=mean, std=std, info=info,
+        on_bad_sample=on_bad_sample,
     )  # fmt: skip
+
+
+#: Share of the machine's memory the decoded training split may take on the in-memory path.
+MEMORY_SHARE = 0.25
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def memory_budget(value: Any = None) -> int:
+    """Bytes of ``memory_budget`` (an integer, or a number with a unit: ``"8GB"``, ``"512MiB"``);
+    ``None``: :data:`MEMORY_SHARE` of the machine's physical memory."""
+    if value is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 8 * 10**9
+        return int(total * MEMORY_SHARE)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number) :]
+        try:
+            amount = float(number)
+        except ValueError:
+            amount = -1.0
+        if unit in _UNITS and amount > 0:
+            return int(amount * _UNITS[unit])
+    raise ValueError(
+        f"memory_budget must be a positive number of bytes or a size such as '8GB', got {value!r}"
+    )
+
+
+def _check_row_size(spec: str, x: Any) -> None:
+    """Refuse, before anything is decoded, samples that one by one exceed the input memory limit."""
+    from marginkit._files import INPUT_LIMIT_ENV, input_limit_bytes
+
+    row = math.prod(x.sample_shape) * np.dtype(x.dtype).itemsize
+    limit = input_limit_bytes()
+    if row > limit:
+        raise ValueError(
+            f"{spec}: one decoded sample of {list(x.sample_shape)} needs {row:,} bytes, above the input "
+            f"memory limit ({limit:,} bytes, ${INPUT_LIMIT_ENV}): choose a smaller image_size"
+        )
+
+
+def _stream_decision(spec: str, x_train: Any, pipeline: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a lazy source's splits stream from disk, and the log's reason."""
+    size = x_train.nbytes_decoded()
+    scheme = spec.partition(":")[0]
+    forced = pipeline.get("stream")
+    if forced is not None:
+        if isinstance(forced, str):
+            forced = {"true": True, "false": False}.get(forced.strip().lower(), forced)
+        if not isinstance(forced, bool):
+            raise ValueError(f"stream must be true or false, got {pipeline['stream']!r}")
+        if not forced and scheme in STREAMED_FORMATS:
+            raise ValueError(f"stream=false: {scheme}: sources are always streamed")
+        return forced, f"stream={str(forced).lower()} (data_options.stream)"
+    if scheme in STREAMED_FORMATS:
+        return True, f"streamed: {scheme}: sources always are"
+    budget = memory_budget(pipeline.get("memory_budget"))
+    how = (
+        "memory_budget"
+        if "memory_budget" in pipeline
+        else f"default memory_budget, {MEMORY_SHARE:.0%} of RAM"
+    )
+    decoded = f"the decoded training split ({size / 1e6:,.1f} MB)"
+    if size > budget:
+        return True, f"streamed: {decoded} exceeds {budget / 1e6:,.0f} MB ({how})"
+    return False, (
+        f"in memory: {decoded} fits {budget / 1e6:,.0f} MB ({how}); decoded once by the loader's workers"
+    )
+
+
+def _decode_whole(
+    x: Any, y: np.ndarray, on_bad_sample: str, info: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of a lazy split decoded into one array (bad rows dropped with ``skip``)."""
+    from marginkit.data.loading import read_all
+
+    if len(x) == 0:
+        return np.empty((0, *x.sample_shape), dtype=x.dtype), np.asarray(y)[:0]
+    array, kept, skipped = read_all(x, on_bad_sample=on_bad_sample)
+    if skipped:
+        info.setdefault("skipped_samples", []).extend(skipped)
+    return array, np.asarray(y)[kept]

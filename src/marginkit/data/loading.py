@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from marginkit.data.samples import BAD_SAMPLE_POLICIES, read_or_skip
+from marginkit.data.samples import BAD_SAMPLE_POLICIES, BadSampleError, read_or_skip
 
 __all__ = [
     "ON_BAD_SAMPLE",
@@ -215,6 +215,19 @@ class _Fixed:
             yield self.index[i * self.size : (i + 1) * self.size]
 
 
+def _unwrapped(exc: BadSampleError) -> BadSampleError:
+    """A worker's :class:`BadSampleError` as the worker raised it (``where: problem``), without the
+    traceback torch puts into the message of the copy it re-raises."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return exc
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    name = f"{BadSampleError.__module__}.{BadSampleError.__name__}: "
+    last = last.split(name, 1)[1] if name in last else last
+    where, sep, problem = last.partition(": ")
+    return BadSampleError(where, problem) if sep else BadSampleError(last)
+
+
 class WorkerDied(RuntimeError):
     """A data-loading worker's connection closed mid-batch (torch reports most deaths itself)."""
 
@@ -292,6 +305,8 @@ class Loader:
                 return
             except (EOFError, ConnectionError) as exc:  # a worker killed while it sent a batch
                 raise WorkerDied(f"DataLoader worker exited unexpectedly: its pipe closed ({exc!r})") from exc
+            except BadSampleError as exc:  # a worker's: torch wrapped its traceback into the message
+                raise _unwrapped(exc) from None
             if batch.skipped:
                 self.skipped.extend(batch.skipped)
             yield batch

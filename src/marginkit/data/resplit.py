@@ -123,7 +123,7 @@ def labelled_splits(
         xs["val"] = raw.x_val
     if mode == "source":
         return _source(xs, labels, names, name, info, seed, classes)
-    pool_x = np.concatenate([xs[s] for s in SIDES if s in xs])
+    pool_x = _concatenate([xs[s] for s in SIDES if s in xs])
     pool_y = np.concatenate([labels[s] for s in SIDES if s in labels])
     info["split"] = f"split={mode!r}, split_seed={seed}: the source's {len(pool_y)} samples pooled"
     if classes.get("val_classes") is not None:
@@ -155,6 +155,13 @@ def labelled_splits(
 
 
 _WHOLE = "whole classes, none trained on"
+
+
+def _concatenate(parts: list[Any]) -> Any:
+    """``np.concatenate`` of arrays, :func:`~marginkit.data.samples.concat_samples` of lazy rows."""
+    from marginkit.data.samples import concat_samples, is_lazy
+
+    return concat_samples(parts) if any(is_lazy(p) for p in parts) else np.concatenate(parts)
 
 
 def _source(

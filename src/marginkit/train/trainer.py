@@ -733,6 +733,12 @@ def _final_evaluation(run: _Run, *, report: bool) -> dict[str, Any]:
         metrics, arrays, knn, _ = evaluate_checkpoint(
             run.run_dir, splits=run.splits, device=run.device, model=own
         )
+        skipped = sorted(set(run.splits.info.get("skipped_samples", [])) | set(run.loader.skipped))
+        if skipped or run.splits.on_bad_sample == "skip":  # never silently: counted, the first named
+            metrics["skipped_samples"] = len(skipped)
+            metrics["skipped_examples"] = skipped[:20]
+            if skipped:
+                run.log(f"skipped {len(skipped)} bad sample(s) (on_bad_sample=skip), e.g. {skipped[0]}")
         run.rundir.write_results(metrics, arrays, knn, report=report)
     return run.ctx.broadcast(metrics)
 
