@@ -37,6 +37,12 @@ OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
         f"{AUTO_MIN_SAMPLES:,} training samples seen)",
     ),
     ("--lr", "lr", float, "learning rate"),
+    (
+        "--workers",
+        "workers",
+        int,
+        "data-loading worker processes of a streamed source (default: the available cores but one)",
+    ),
     ("--batch-size", "batch_size", int, "mini-batch size (P×K for pair losses)"),
     ("--embedding-dim", "embedding_dim", int, "embedding dimension"),
     ("--seed", "seed", int, "random seed (data split, init, batch order)"),
@@ -165,6 +171,13 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
     parallel = "--nproc" if with_loss else "--jobs"  # train / compare
     g.add_argument(
         "--num-threads", dest="opt_num_threads", type=int, metavar="NUM_THREADS", help=_threads_help(parallel)
+    )
+    g.add_argument(
+        "--compile",
+        dest="opt_compile",
+        action="store_true",
+        default=None,
+        help="torch.compile the model for the training step (default: off)",
     )
     g.add_argument(
         "--amp",
