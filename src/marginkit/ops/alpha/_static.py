@@ -46,7 +46,7 @@ from marginkit.ops.alpha._solve import _Solution
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
 
 # Candidate entries per row of the batch, on average (the budget is shared by the rows).
-ROW_BUDGET = 1024
+ROW_BUDGET = 512
 # Candidate blocks (of _BLOCK columns) per row, on average.
 BLOCK_BUDGET = 512
 # Newton steps from τ_lo for 1 < α <= 2 (measured worst cases: 5 in float32, 6 in float64 for
