@@ -425,7 +425,7 @@ def _write_output(path: Path, write: Any) -> None:
 def cmd_embed(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from marginkit.train.evaluate import embed
+    from marginkit.train.evaluate import embed_split
 
     out = _writable_file(args.out, overwrite=args.overwrite, suffix=".npz")
     run = _load_run(args.run_dir, args.checkpoint, args.device)
@@ -434,9 +434,12 @@ def cmd_embed(args: argparse.Namespace) -> int:
     arrays: dict[str, Any] = {}
     for name in names:
         split = getattr(splits, name)
-        emb = embed(run["model"], split.x, batch_size=run["config"].eval_batch_size, device=args.device)
+        # batch by batch from the split's loader (a streamed source's files read by workers)
+        emb, labels = embed_split(run["model"], split, run["config"], args.device)
         arrays[f"{name}_embeddings"] = emb.numpy()
-        arrays[f"{name}_labels"] = split.y.numpy()
+        arrays[f"{name}_labels"] = labels.numpy()
+        if split.streamed and len(labels) == len(split):  # the files, relative to the data's root
+            arrays[f"{name}_paths"] = np.array([split.data.relative_path(i) for i in range(len(split))])
     arrays["fingerprint"] = np.array(run["fingerprint"])
     _write_output(out, lambda fh: np.savez_compressed(fh, **arrays))
     sizes = ", ".join(f"{n} {arrays[f'{n}_embeddings'].shape}" for n in names)
