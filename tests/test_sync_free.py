@@ -135,7 +135,9 @@ def test_qmargin_with_a_head_at_1e5_classes_reads_nothing_and_its_op_count_is_da
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 36 goal not met yet: about 520 ops against CosFace's 150 (2x = 300)")
+@pytest.mark.xfail(
+    strict=True, reason="issue 36 goal not met yet: about 520 ops against CosFace's 150 (2x = 300)"
+)
 def test_qmargin_dispatches_at_most_twice_cosface_ops():
     head, e, y = _head_batch(100_000, 16, 128, 0, 0.5)
     q = _count(QMarginLoss(), head, e, y).ops
@@ -195,3 +197,28 @@ def test_budget_overflow_is_exact_in_a_library_call_and_a_deferred_error_in_the_
     ):
         small(cos, y)
         checks.raise_if_failed()
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_alpha_ops_read_nothing_inside_deferred_checks_and_defer_their_errors(alpha):
+    from marginkit.ops import alpha_divergence_loss, alpha_softargmax
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 3000, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 3000, (16,), generator=g)
+    expected_p, expected_loss = alpha_softargmax(logits, alpha), alpha_divergence_loss(logits, y, alpha)
+    with deferred_checks() as checks, DispatchCounter() as counter:
+        p = alpha_softargmax(logits, alpha)
+        loss = alpha_divergence_loss(logits, y, alpha)
+        (p.sum() * 0 + (p * logits).sum() + loss.sum()).backward()
+    assert counter.reads == 0, dict(counter.read_names)
+    checks.raise_if_failed()
+    torch.testing.assert_close(p, expected_p, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-13)
+    bad = logits.detach().clone()
+    bad[3, :] = -math.inf
+    immediate = _message(lambda: alpha_softargmax(bad, alpha))
+    with pytest.raises(ValueError) as err, deferred_checks() as checks:
+        alpha_softargmax(bad, alpha)
+        checks.raise_if_failed()
+    assert str(err.value) == immediate and "all -inf" in immediate

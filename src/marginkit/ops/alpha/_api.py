@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marginkit._validation import compute_dtype, float_tensor, positive_int, real
+from marginkit._validation import check_flag, compute_dtype, float_tensor, positive_int, real
 from marginkit.ops.alpha._autograd import _LossFunction, _OnAxis, _SoftargmaxFunction
 from marginkit.ops.alpha._candidates import (
     _F64_MAX_EXPONENT,
@@ -37,9 +37,16 @@ def _checked_blocks(x2d: Tensor, name: str) -> _Blocks:
     ``-inf`` row; :func:`float_tensor` then produces the error message for the first two.
     """
     blocks = _Blocks(x2d)
-    if blocks.rowmax.numel() and not bool(torch.isfinite(blocks.rowmax).all()):
-        float_tensor(x2d, name, allow_inf=True)
-        raise ValueError(f"{name} has a row whose entries are all -inf; at least one class must be finite")
+    if blocks.rowmax.numel():
+        top = blocks.rowmax.detach()
+        nan_or_inf = (torch.isnan(top) | (top == math.inf)).any()
+
+        def text(nan_or_posinf: float) -> str:
+            if nan_or_posinf:
+                return f"{name} contains NaN or +inf values (only -inf is allowed, for masked entries)"
+            return f"{name} has a row whose entries are all -inf; at least one class must be finite"
+
+        check_flag(f"{name} values", ~torch.isfinite(top).all(), text, nan_or_inf)
     return blocks
 
 
@@ -299,8 +306,12 @@ def alpha_divergence_loss(
     cdt = compute_dtype(logits.dtype)
     beta, scalar_alpha = _alpha_rows(alpha, logits.shape[:-1], cdt, logits.device)
     blocks = _checked_blocks(x2d, "logits")
-    if y.numel() and not bool(torch.isfinite(x2d.gather(1, y.unsqueeze(1))).all()):
-        raise ValueError("logits must be finite at the labels (a label points at a class masked with -inf)")
+    if y.numel():
+        check_flag(
+            "logits at labels",
+            ~torch.isfinite(x2d.detach().gather(1, y.unsqueeze(1))).all(),
+            lambda: "logits must be finite at the labels (a label points at a class masked with -inf)",
+        )
     lq2d = None if logq is None else logq.reshape(-1, n)
     if scalar_alpha == 1.0:
         z = x2d.to(cdt) if lq2d is None else x2d.to(cdt) + lq2d
