@@ -545,6 +545,16 @@ _FILE_READERS: dict[str, Callable[..., RawSplits]] = {
 }
 
 
+def register_source(scheme: str, reader: Callable[..., RawSplits], description: str) -> None:
+    """Add ``scheme:PATH`` to the sources :func:`load_dataset` reads (``reader(PATH, **options)``
+    returns :class:`RawSplits`). Sources of the layers above ``data`` register here — ``audio:``
+    from :mod:`marginkit.train.sources` — so that ``data`` never imports them."""
+    if scheme not in FILE_FORMAT_INFO or _FILE_READERS.get(scheme) is not reader:
+        _FILE_READERS[scheme] = reader
+        FILE_FORMAT_INFO[scheme] = description
+        globals()["FILE_FORMATS"] = tuple(dict.fromkeys((*FILE_FORMATS, scheme)))
+
+
 def _options_of(reader: Callable[..., RawSplits]) -> tuple[str, ...]:
     return tuple(p.name for p in _keyword_parameters(reader))
 
@@ -892,6 +902,8 @@ def _stream_decision(spec: str, x_train: Any, pipeline: dict[str, Any]) -> tuple
         return forced, f"stream={str(forced).lower()} (data_options.stream)"
     if scheme in STREAMED_FORMATS:
         return True, f"streamed: {scheme}: sources always are"
+    if not x_train.sample_shape or x_train.kind != "image":
+        return True, f"streamed: {x_train.kind} rows of different lengths, cropped as they are read"
     budget = memory_budget(pipeline.get("memory_budget"))
     how = (
         "memory_budget"

@@ -45,6 +45,9 @@ import torch
 from torch import nn
 
 from marginkit.train.config import TrainConfig
+from marginkit.train.sources import register_sources
+
+register_sources()  # audio: (above data/, which may not import it)
 
 __all__ = [
     "BOOTSTRAP_REPLICATES",

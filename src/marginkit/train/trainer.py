@@ -89,6 +89,9 @@ __all__ = [
     "resolve_model_name",
     "train",
 ]
+from marginkit.train.sources import register_sources
+
+register_sources()  # audio: (above data/, which may not import it)
 
 
 @dataclass

@@ -1,0 +1,36 @@
+"""The source schemes above ``data``: ``audio:`` (:mod:`marginkit.audio.sources`).
+
+``marginkit.data`` may not import ``marginkit.audio`` (the layers in ``pyproject.toml``), so the
+``audio:`` scheme of :func:`marginkit.data.load_dataset` is registered from here, by the trainer
+and the evaluation, which sit above both; every other scheme is ``data``'s own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["register_sources"]
+
+
+def _audio(
+    rest: str, *, sample_rate: int = 16000, crop_seconds: float | None = 2.0, channel: int | str = 0,
+    resample: bool = True, test_fraction: float = 0.2, split_seed: int = 0,
+) -> Any:  # fmt: skip
+    from marginkit.audio.sources import read_audio_source
+
+    if not rest:
+        raise ValueError(
+            "dataset spec 'audio:' needs a folder or a wav.scp after the colon: 'audio:/data/vox'"
+        )
+    return read_audio_source(
+        rest, sample_rate=sample_rate, crop_seconds=crop_seconds, channel=channel, resample=resample,
+        test_fraction=test_fraction, split_seed=split_seed,
+    )  # fmt: skip
+
+
+def register_sources() -> None:
+    """Register ``audio:DIR`` / ``audio:wav.scp`` with :func:`marginkit.data.load_dataset` (idempotent)."""
+    from marginkit.data.datasets import register_source
+
+    what = "speech: DIR/<speaker>/**/*.wav|.flac or a Kaldi wav.scp (+ utt2spk); always streamed"
+    register_source("audio", _audio, what)
