@@ -70,6 +70,9 @@ FARS = (1e-1, 1e-2, 1e-3, 1e-4)
 #: Subject-bootstrap replicates behind the intervals of open-set verification figures.
 BOOTSTRAP_REPLICATES = 200
 MAX_PROJECTED = 2000
+#: Float32 input bytes of one evaluation batch at most (``eval_batch_size`` is lowered for large
+#: inputs: a batch's activations are a multiple of it, and they bound evaluation's memory).
+EVAL_INPUT_BYTES = 32 * 2**20
 
 
 @torch.no_grad()
@@ -108,6 +111,8 @@ def embed_rows(
     if device is None:
         device = next(model.parameters()).device
     n = len(x)
+    sample = 4 * math.prod(tuple(x.shape)[1:])  # float32 bytes of one model input
+    batch_size = max(1, min(batch_size, EVAL_INPUT_BYTES // max(1, sample)))
     loader = evaluation_loader(
         x, torch.arange(n), batch_size=batch_size, device=device, workers=workers, on_bad_sample=on_bad_sample
     )
