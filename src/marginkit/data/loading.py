@@ -29,6 +29,7 @@ in-memory tensors none (a gather in the training process is faster than any hand
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -270,6 +271,10 @@ class Loader:
         if workers is not None and (isinstance(workers, bool) or int(workers) < 0):
             raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
         self.workers = (default_workers() if workers is None else int(workers)) if self.lazy else 0
+        if self.workers and multiprocessing.current_process().daemon:
+            # a daemonic process (a job of compare --jobs / study's pool) may not start children:
+            # it reads the rows itself
+            self.workers = 0
         self.timeout = float(timeout)
         self.skipped: list[str] = []
         self._loader: DataLoader | None = None

@@ -453,10 +453,16 @@ def _build(
     embedding_dim = positive_int(embedding_dim, "embedding_dim")
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    from marginkit.models.external import build_external, is_external
+    from marginkit.models.external import build_external, is_external, split_name
 
-    if is_external(name):
-        model: EmbeddingModel = build_external(name, shape, embedding_dim, normalize, **options)
+    if is_external(name) and split_name(name)[0] == "onnx":
+        from marginkit.models.onnx_backbone import build_onnx_backbone
+
+        model: EmbeddingModel = build_onnx_backbone(
+            split_name(name)[1], shape, embedding_dim, normalize, **options
+        )
+    elif is_external(name):
+        model = build_external(name, shape, embedding_dim, normalize, **options)
     else:
         allowed = model_options(name)
         for key in options:

@@ -281,13 +281,11 @@ class ExternalBackbone(EmbeddingModel):
 def build_external(
     name: str, input_shape: tuple[int, ...], embedding_dim: int, normalize: bool, **options: Any
 ) -> EmbeddingModel:
-    """:class:`ExternalBackbone` for ``name`` (``timm:NAME`` / ``torchvision:NAME``), or an
-    :class:`~marginkit.models.onnx_backbone.OnnxBackbone` for ``onnx:FILE``."""
+    """:class:`ExternalBackbone` for ``name`` (``timm:NAME`` / ``torchvision:NAME``); ``onnx:FILE``
+    is built by :func:`marginkit.models.onnx_backbone.build_onnx_backbone` (which imports this module)."""
     library, arch = split_name(name)
     if library == "onnx":
-        from marginkit.models.onnx_backbone import build_onnx_backbone
-
-        return build_onnx_backbone(arch, input_shape, embedding_dim, normalize, **options)
+        raise ValueError(f"model {name!r}: onnx:FILE is built by build_onnx_backbone, not build_external")
     unknown = [k for k in options if k != "image_size"]
     if unknown:
         raise ValueError(f"unknown option {unknown[0]!r} for model {name!r}; valid options: image_size")
