@@ -386,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_deploy_parsers(sub, _common)
 
+    from marginkit.cli.pack import add_parsers as add_pack_parsers
+
+    add_pack_parsers(sub, _common)
+
     p = sub.add_parser("losses", help="list the loss names and their defaults", allow_abbrev=False)
     _common(p)
     p = sub.add_parser(

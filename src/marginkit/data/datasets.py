@@ -60,6 +60,7 @@ __all__ = [
     "DatasetSplits",
     "Split",
     "load_dataset",
+    "read_source",
     "resolve_cache_dir",
     "stratified_split",
     "stratified_subset",
@@ -592,6 +593,13 @@ def _resolve(spec: str) -> tuple[Callable[..., RawSplits], str | None]:
     if sep and scheme in _FILE_READERS:
         return _FILE_READERS[scheme], rest
     raise _unknown_spec(spec)
+
+
+def read_source(spec: str, **options: Any) -> RawSplits:
+    """The splits of ``spec`` as its reader gives them (no re-splitting, no validation carving):
+    what ``marginkit pack`` writes as shards. ``options`` are the reader's own (``image_size``, ...)."""
+    reader, rest = _resolve(spec)
+    return reader(**options) if rest is None else reader(rest, **options)
 
 
 # --------------------------------------------------------------------------------------------
