@@ -34,7 +34,7 @@ def brute_eer(scores: np.ndarray, labels: np.ndarray) -> float:
 @pytest.mark.slow
 def test_train_then_score_unseen_speakers(tmp_path) -> None:
     torch.manual_seed(0)
-    write_speaker_folder(tmp_path, synthetic_speakers(12, seed=4), 5, seconds=(0.6, 1.0), seed=5)
+    write_speaker_folder(tmp_path, synthetic_speakers(24, seed=4), 5, seconds=(0.6, 1.0), seed=5)
     raw = read_audio_folder(tmp_path, crop_seconds=0.5, test_fraction=1 / 3, split_seed=1)
     x, y = raw.x_train, raw.y_train
     classes, y_local = np.unique(y, return_inverse=True)
@@ -45,7 +45,7 @@ def test_train_then_score_unseen_speakers(tmp_path) -> None:
     params = [*model.parameters(), *head.parameters()]
     optimizer = torch.optim.Adam(params, lr=3e-3)
     model.train()
-    for step in range(40):
+    for step in range(80):
         index = np.random.default_rng([0, step]).choice(len(x), 16, replace=False)
         crops = np.stack([x.read(int(i), np.random.default_rng([0, step, int(i)])) for i in index])
         loss = loss_fn(head(model(torch.from_numpy(crops))), torch.from_numpy(y_local[index]))
@@ -77,8 +77,8 @@ def test_train_then_score_unseen_speakers(tmp_path) -> None:
     assert metrics["eer"] == pytest.approx(brute_eer(scores, trials.labels), abs=1e-6)
     before = evaluate_trials(untrained, raw.x_test, trials)["eer"]
     print("EER", before, metrics["eer"])
-    assert metrics["eer"] < before - 0.05  # training helped on speakers it never saw
+    assert metrics["eer"] < before - 0.1  # training helped on speakers it never saw (16 train, 8 test)
     cohort = speaker_cohort(model, x, y, per_speaker=2)
     assert cohort.shape == (len(classes), 32)
     normed = evaluate_trials(model, raw.x_test, trials, cohort=cohort, top_k=4)
-    assert normed["norm"].startswith("as-norm (top 4 of 8")
+    assert normed["norm"].startswith(f"as-norm (top 4 of {len(classes)} cohort rows")

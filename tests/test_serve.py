@@ -666,7 +666,8 @@ def test_probe_embeddings_at_any_scale_and_beyond_float32(served, onnx_bundle, s
         for a, b in zip(got.json()["results"], base, strict=True):
             assert [c["identity"] for c in a["candidates"]] == [c["identity"] for c in b["candidates"]]
             scores = [c["score"] for c in b["candidates"]]
-            assert [c["score"] for c in a["candidates"]] == pytest.approx(scores)
+            # float32 cosines of one direction normalised from another scale: a few ulps apart
+            assert [c["score"] for c in a["candidates"]] == pytest.approx(scores, abs=1e-6)
     npy = io.BytesIO()
     np.save(npy, np.full((1, probes.shape[1]), np.inf))
     r = client.post(
