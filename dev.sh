@@ -25,6 +25,11 @@ if [ ! -f "$stamp" ]; then
   # --no-compile: Python compiles a module when it is first imported; compiling every file of
   # every package at install time (torch, MLflow, ...) took two thirds of a fresh install.
   "$VENV/bin/python" -m pip install --quiet --no-compile -c constraints.txt -e ".[$extras]"
+  if [ "$extras" = test ]; then
+    # Resemblyzer's pretrained speaker encoder (the audio baseline, marginkit.audio.ge2e): only its
+    # weights file is read, so not its dependencies (librosa, numba, webrtcvad, which compiles).
+    "$VENV/bin/python" -m pip install --quiet --no-compile --no-deps "resemblyzer==0.1.4"
+  fi
   touch "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"

@@ -11,6 +11,11 @@ whether learning helped.
   its standard deviation), L2-normalised. Both go through the run's own evaluation: leave-one-out
   K-NN, retrieval and verification within the test classes, with the run's ``k``, metric and
   ``--protocol``.
+- audio (``audio:`` sources, open set): ``pretrained_ge2e`` — a speaker encoder a team may already
+  have, Resemblyzer's pretrained GE2E LSTM (:mod:`marginkit.audio.ge2e`), scored by the run's own
+  evaluation; raw waveforms are no baseline. It needs the weights file (an installed
+  ``Resemblyzer``, e.g. ``pip install --no-deps resemblyzer``, or ``$MARGINKIT_GE2E_WEIGHTS``);
+  without it, or for a source not at 16 kHz, there is no baseline row and a warning says why.
 
 Nothing is fitted on validation or test data.
 """
@@ -34,6 +39,7 @@ BASELINES = {
     "logistic": "logistic regression on the raw inputs (scikit-learn, C = 1), as head_accuracy",
     "raw": "the raw inputs, L2-normalised (cosine scores)",
     "pca_whitened": "whitened PCA (Eigenfaces) fitted on the training split, L2-normalised",
+    "pretrained_ge2e": "Resemblyzer's pretrained GE2E speaker encoder (not trained here)",
 }
 #: Components of the whitened-PCA baseline (fewer when the training split has fewer samples).
 PCA_COMPONENTS = 50
@@ -110,6 +116,8 @@ def evaluate_baselines(
     the metrics as :func:`~marginkit.train.evaluate.evaluate_model` writes them for a run."""
     from marginkit.train.evaluate import _jsonable, evaluate_model
 
+    if getattr(splits, "kind", None) == "audio":
+        return _audio_baselines(splits, config, protocol)
     if splits.open_set:
         pca = fit_whitened_pca(splits.train.x)
         models = {"raw": (RawInputs(), config), "pca_whitened": (pca, config)}
@@ -126,3 +134,25 @@ def evaluate_baselines(
     for name, metrics in out.items():
         metrics["baseline"] = name
     return out
+
+
+def _audio_baselines(splits: Any, config: TrainConfig, protocol: Any) -> dict[str, dict[str, Any]]:
+    import warnings
+
+    from marginkit.audio.ge2e import SAMPLE_RATE, WEIGHTS_ENV, GE2EEncoder, find_weights
+    from marginkit.train.evaluate import _jsonable, evaluate_model
+
+    weights = find_weights()
+    rate = getattr(splits.test.data, "sample_rate", None)
+    if weights is None or rate != SAMPLE_RATE:
+        why = (
+            f"Resemblyzer's weights not found (pip install --no-deps resemblyzer, or set {WEIGHTS_ENV})"
+            if weights is None
+            else f"the source's rate is {rate} Hz, the encoder's {SAMPLE_RATE} Hz"
+        )
+        warnings.warn(f"no pretrained_ge2e baseline: {why}", UserWarning, stacklevel=3)
+        return {}
+    metrics, _, _ = evaluate_model(GE2EEncoder(weights), None, splits, config, "cpu", protocol=protocol)
+    out = _jsonable(metrics)
+    out.update(baseline="pretrained_ge2e", weights=str(weights))
+    return {"pretrained_ge2e": out}
