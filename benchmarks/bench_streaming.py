@@ -5,7 +5,8 @@ repository (``--root``, default a temporary directory; a few random images are e
 their bytes reused with a changed comment segment, so 200 k files take seconds), then measures,
 side by side in one run:
 
-1. peak RSS of the whole process tree of ``marginkit train --data folder:DIR --set
+1. peak RSS and PSS (shared pages divided between the processes that map them) of the whole
+   process tree of ``marginkit train --data folder:DIR --set
    data_options.split=classes --loss cosface --model cnn2d --epochs 1`` (sampled every 50 ms from
    /proc; goal <= 2.5 GB at every size), with the default path choice and with ``stream=true``;
 2. training samples/s, streamed against in-memory (``stream=true`` / ``false``) with the default
@@ -58,10 +59,9 @@ def make_folder(root: Path, size: int, classes: int, side: int = 112) -> Path:
     return root
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants (from /proc)."""
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc)."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -69,15 +69,32 @@ def _tree_rss(pid: int) -> int:
             with open(f"/proc/{entry}/stat") as fh:
                 fields = fh.read().rsplit(")", 1)[1].split()
             children.setdefault(int(fields[1]), []).append(int(entry))
-            rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             continue
-    total, todo = 0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        total += rss.get(p, 0)
+        out.append(p)
         todo.extend(children.get(p, []))
-    return total
+    return out
+
+
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """``(RSS, PSS)`` bytes of the process tree of ``pid``. RSS counts a page shared by forked
+    workers (torch's libraries, the parent's heap before the fork) once per process; PSS divides
+    it between them, so the PSS sum is the tree's real footprint."""
+    rss = pss = 0
+    for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as fh:
+                for line in fh:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return rss, pss
 
 
 def train_run(folder: Path, out: Path, extra: list[str]) -> dict[str, float]:
@@ -87,9 +104,10 @@ def train_run(folder: Path, out: Path, extra: list[str]) -> dict[str, float]:
             "--out", str(out), "--no-report", "-q", *extra]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = 0
+    peak = peak_pss = 0
     while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
+        rss, pss = _tree_memory(proc.pid)
+        peak, peak_pss = max(peak, rss), max(peak_pss, pss)
         time.sleep(0.05)
     err = proc.stderr.read() if proc.stderr else ""
     if proc.returncode != 0:
@@ -97,6 +115,7 @@ def train_run(folder: Path, out: Path, extra: list[str]) -> dict[str, float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {
         "peak_gb": peak / 1e9,
+        "peak_pss_gb": peak_pss / 1e9,
         "seconds": time.perf_counter() - t0,
         "samples_per_s": rows[-1]["samples_per_second"],
     }
@@ -133,6 +152,10 @@ def main() -> None:
     ap.add_argument("--classes", type=int, default=None, help="default: size // 10")
     ap.add_argument("--root", type=Path, default=None, help="where the images go (default: a temp dir)")
     ap.add_argument("--skip-train", action="store_true", help="only the loader-alone comparison")
+    ap.add_argument(
+        "--runs", default="memory,stream", help="which training runs: memory (stream=false), stream"
+    )
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="passed to each run's --set")
     args = ap.parse_args()
     classes = args.classes or max(2, args.size // 10)
     base = args.root or Path(tempfile.gettempdir()) / "marginkit-bench-streaming"
@@ -144,13 +167,17 @@ def main() -> None:
     print(json.dumps(result["loader_alone"]))
     if not args.skip_train:
         with tempfile.TemporaryDirectory() as runs:
+            chosen = args.runs.split(",")
+            sets = [a for s in args.sets for a in ("--set", s)]
             for name, extra in (("memory", ["--set", "data_options.stream=false"]),
                                 ("stream", ["--set", "data_options.stream=true"])):  # fmt: skip
-                result[name] = train_run(folder, Path(runs) / name, extra)
-                print(name, json.dumps(result[name]))
-        result["stream_vs_memory_samples_per_s"] = (
-            result["stream"]["samples_per_s"] / result["memory"]["samples_per_s"]  # type: ignore[index]
-        )
+                if name in chosen:
+                    result[name] = train_run(folder, Path(runs) / name, extra + sets)
+                    print(name, json.dumps(result[name]))
+        if "memory" in result and "stream" in result:
+            result["stream_vs_memory_samples_per_s"] = (
+                result["stream"]["samples_per_s"] / result["memory"]["samples_per_s"]  # type: ignore[index]
+            )
     print(json.dumps(result, indent=1))
 
 
