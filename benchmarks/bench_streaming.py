@@ -5,6 +5,7 @@ repository (``--root``, default a temporary directory; a few random images are e
 their bytes reused with a changed comment segment, so 200 k files take seconds), then measures,
 side by side in one run:
 
+0. the file-list scan of ``folder:`` (cold, writing its index, from the index: ``--scan-only``);
 1. peak RSS and PSS (shared pages divided between the processes that map them) of the whole
    process tree of ``marginkit train --data folder:DIR --set
    data_options.split=classes --loss cosface --model cnn2d --epochs 1`` (sampled every 50 ms from
@@ -146,12 +147,38 @@ def loader_alone(folder: Path, limit: int, side: int = 112) -> dict[str, float]:
     return {"plain_images_per_s": plain, "loader_images_per_s_per_worker": ours, "ratio": ours / plain}
 
 
+def scan_times(folder: Path) -> dict[str, float]:
+    """Seconds of :func:`~marginkit.data.folder.scan_folder` without a cache, then writing its
+    index, then reading the index (a second run on unchanged directories), and peak RSS growth."""
+    import resource
+
+    from marginkit.data.folder import MTIME_SETTLE_S, scan_folder
+
+    time.sleep(max(0.0, MTIME_SETTLE_S - (time.time() - folder.stat().st_mtime)))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    raw = scan_folder(folder, test_fraction=0.0, progress=False)
+    cold = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as cache:
+        t0 = time.perf_counter()
+        scan_folder(folder, test_fraction=0.0, cache_dir=cache, progress=False)
+        writing = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = scan_folder(folder, test_fraction=0.0, cache_dir=cache, progress=False)
+        cached = time.perf_counter() - t0
+    assert len(again.x_train) == len(raw.x_train)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    return {"files": len(raw.x_train), "scan_s": cold, "scan_and_write_index_s": writing,
+            "cached_s": cached, "peak_rss_growth_mb": grown / 1e6}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=10_000)
     ap.add_argument("--classes", type=int, default=None, help="default: size // 10")
     ap.add_argument("--root", type=Path, default=None, help="where the images go (default: a temp dir)")
     ap.add_argument("--skip-train", action="store_true", help="only the loader-alone comparison")
+    ap.add_argument("--scan-only", action="store_true", help="only the file-list scan (cold, cached)")
     ap.add_argument(
         "--runs", default="memory,stream", help="which training runs: memory (stream=false), stream"
     )
@@ -163,6 +190,10 @@ def main() -> None:
     folder = make_folder(base / f"jpeg{args.size}", args.size, classes)
     print(f"{args.size} JPEGs in {folder} ({time.perf_counter() - t0:.1f} s to make or find)")
     result: dict[str, object] = {"size": args.size, "classes": classes, "cores": len(os.sched_getaffinity(0))}
+    result["scan"] = scan_times(folder)
+    print(json.dumps(result["scan"]))
+    if args.scan_only:
+        return
     result["loader_alone"] = loader_alone(folder, min(args.size, 2000))
     print(json.dumps(result["loader_alone"]))
     if not args.skip_train:
