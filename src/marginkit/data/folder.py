@@ -286,7 +286,9 @@ def scan_tree(root: str | os.PathLike[str], *, progress: bool | None = None) -> 
                 raise ValueError(
                     f"{split_root}: no class sub-folders found (expected {split_root}/<class>/<image>)"
                 )
-            listing: dict[str, list[str]] = {}
+            # each class's names packed at once: a million Python strings held to the end of the
+            # scan cost ten times the packed bytes
+            listing: dict[str, tuple[bytes, np.ndarray]] = {}
             for name in classes:
                 files: list[str] = []
                 rel = f"{split}/{name}" if split else name
@@ -296,22 +298,28 @@ def scan_tree(root: str | os.PathLike[str], *, progress: bool | None = None) -> 
                         f"{os.path.join(split_root, name)}: class folder holds no images "
                         f"({', '.join(IMAGE_EXTENSIONS)})"
                     )
-                listing[name] = files
+                listing[name] = _pack(files)
             per_split.append((code, listing))
     finally:
         if state["bar"] is not None:
             state["bar"].close()
     class_names = sorted({name for _, listing in per_split for name in listing})
     index = {name: i for i, name in enumerate(class_names)}
-    paths: list[str] = []
+    blobs: list[bytes] = []
+    lengths: list[np.ndarray] = []
     split_codes: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     for code, listing in per_split:
-        for name, files in listing.items():
-            paths += files
-            split_codes.append(np.full(len(files), code, dtype=np.int8))
-            labels.append(np.full(len(files), index[name], dtype=np.int64))
-    blob, offsets = _pack(paths)
+        for name, (chunk, chunk_offsets) in listing.items():
+            blobs.append(chunk)
+            lengths.append(np.diff(chunk_offsets))
+            split_codes.append(np.full(len(chunk_offsets) - 1, code, dtype=np.int8))
+            labels.append(np.full(len(chunk_offsets) - 1, index[name], dtype=np.int64))
+    blob = b"".join(blobs)
+    del blobs
+    sizes = np.concatenate(lengths)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
     return FolderScan(
         top, blob, offsets, np.concatenate(split_codes), np.concatenate(labels), class_names, dirs,
         np.asarray(mtimes, dtype=np.int64), int(state["ignored"]),
