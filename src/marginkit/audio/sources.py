@@ -214,7 +214,7 @@ def _splits(
         return RawSplits(
             files[parts["train"]], labels[parts["train"]], files[parts["test"]], labels[parts["test"]],
             x_val=None if val is None else files[val], y_val=None if val is None else labels[val],
-            kind="audio", class_names=speakers, open_set=True,
+            kind="audio", class_names=speakers,
             info=_info(source, files, "train/ and test/ sub-folders as given", len(speakers)),
         )  # fmt: skip
     test = _speaker_split(labels, len(speakers), test_fraction, split_seed)
@@ -223,7 +223,7 @@ def _splits(
     )
     return RawSplits(
         files[~test], labels[~test], files[test], labels[test], kind="audio", class_names=speakers,
-        open_set=True, info=_info(source, files, note, len(speakers)),
+        info=_info(source, files, note, len(speakers)),
     )  # fmt: skip
 
 

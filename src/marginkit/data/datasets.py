@@ -812,8 +812,12 @@ def load_dataset(
             if len(splits["test"]) == 0:
                 raise ValueError(f"{spec}: the test split is empty")
             info["sizes"] = {k: len(v) for k, v in splits.items()}
+            shape = tuple(int(s) for s in x_train.shape[1:])
+            crop = getattr(x_train, "crop_samples", None)
+            if not shape and crop:  # rows of any length (audio): the model's nominal input is a crop
+                shape = (int(crop),)
             return DatasetSplits(
-                **splits, num_classes=num_classes, input_shape=tuple(int(s) for s in x_train.shape[1:]),
+                **splits, num_classes=num_classes, input_shape=shape,
                 name=spec, open_set=parts.open_set, class_names=class_names, kind=raw.kind, info=info,
                 on_bad_sample=on_bad_sample,
             )  # fmt: skip

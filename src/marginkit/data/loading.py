@@ -44,6 +44,7 @@ __all__ = [
     "READ_TIMEOUT",
     "Batch",
     "Batches",
+    "FixedBatches",
     "Loader",
     "ShuffledBatches",
     "SplitDataset",
@@ -201,7 +202,7 @@ class Batches(Sampler):
             yield Request(epoch, idx[self.share(total)] if self.share is not None else idx, total)
 
 
-class _Fixed:
+class FixedBatches:
     """Consecutive batches of ``size`` over ``index`` (the last one shorter): evaluation's order."""
 
     def __init__(self, index: torch.Tensor, size: int, *, drop_last: bool = False) -> None:
@@ -339,7 +340,7 @@ def evaluation_loader(
     time, without random draws (evaluation, embedding, prediction, batch-norm statistics)."""
     index = torch.arange(len(labels)) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     return Loader(
-        data, labels, _Fixed(index, batch_size, drop_last=drop_last), device=device, workers=workers,
+        data, labels, FixedBatches(index, batch_size, drop_last=drop_last), device=device, workers=workers,
         training=False, on_bad_sample=on_bad_sample,
     )  # fmt: skip
 

@@ -111,8 +111,13 @@ def embed_rows(
     if device is None:
         device = next(model.parameters()).device
     n = len(x)
-    sample = 4 * math.prod(tuple(x.shape)[1:])  # float32 bytes of one model input
-    batch_size = max(1, min(batch_size, EVAL_INPUT_BYTES // max(1, sample)))
+    if getattr(x, "kind", None) == "audio":
+        # whole utterances of any length, one per forward pass (wespeaker's practice): no
+        # padding, so an utterance's embedding never depends on the others of its batch
+        batch_size = 1
+    else:
+        sample = 4 * math.prod(tuple(x.shape)[1:])  # float32 bytes of one model input
+        batch_size = max(1, min(batch_size, EVAL_INPUT_BYTES // max(1, sample)))
     loader = evaluation_loader(
         x, torch.arange(n), batch_size=batch_size, device=device, workers=workers, on_bad_sample=on_bad_sample
     )

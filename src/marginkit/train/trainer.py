@@ -37,7 +37,14 @@ import torch
 from torch import nn
 
 from marginkit.data.device import prefetched, to_model_input
-from marginkit.data.loading import Loader, ShuffledBatches, epoch_seed, evaluation_loader, worker_failure
+from marginkit.data.loading import (
+    FixedBatches,
+    Loader,
+    ShuffledBatches,
+    epoch_seed,
+    evaluation_loader,
+    worker_failure,
+)
 from marginkit.models.base import is_frozen
 from marginkit.train import _ddp
 from marginkit.train import runtime as _runtime
@@ -169,8 +176,15 @@ def recalibrate_batchnorm(
         m.reset_running_stats()
         m.momentum = None  # cumulative average
         m.train()
-    loader = evaluation_loader(x, torch.zeros(n, dtype=torch.long), batch_size=size, device=device,
-                               workers=workers, rows=idx, drop_last=True)  # fmt: skip
+    labels = torch.zeros(n, dtype=torch.long)
+    if getattr(x, "kind", None) == "audio":
+        # utterances of any length: the rows as training reads them (seeded crops of one length)
+        loader = Loader(
+            x, labels, FixedBatches(idx, size, drop_last=True), device=device, workers=workers, seed=seed
+        )
+    else:
+        loader = evaluation_loader(x, labels, batch_size=size, device=device, workers=workers, rows=idx,
+                                   drop_last=True)  # fmt: skip
     try:
         for batch in loader.epoch():
             model(to_model_input(batch.x, device))
