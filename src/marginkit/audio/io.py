@@ -26,7 +26,15 @@ import numpy as np
 
 from marginkit.data.samples import BadSampleError
 
-__all__ = ["AudioInfo", "audio_info", "decode_audio_bytes", "read_audio", "read_crop", "soundfile_module"]
+__all__ = [
+    "AudioInfo",
+    "audio_info",
+    "decode_audio_bytes",
+    "decode_audio_upload",
+    "read_audio",
+    "read_crop",
+    "soundfile_module",
+]
 
 #: Longest utterance read whole (evaluation) unless the caller allows more: an hour at 16 kHz is 230 MB.
 MAX_SECONDS = 3600.0
@@ -204,6 +212,14 @@ def read_crop(
     return wave[:num_samples].copy()
 
 
+def _refusal(name: str, problem: str, reason: str) -> BadSampleError:
+    """A :class:`BadSampleError` with ``reason`` (``"too_large"``, ``"not_audio"`` or
+    ``"invalid"``) for callers that answer differently, as a server does (413 / 415 / 422)."""
+    err = BadSampleError(name, problem)
+    err.reason = reason  # type: ignore[attr-defined]
+    return err
+
+
 def decode_audio_bytes(
     data: bytes,
     sample_rate: int,
@@ -218,44 +234,74 @@ def decode_audio_bytes(
 
     The checks of :func:`audio_info` and :func:`read_audio` (not audio, 0 samples, truncated, NaN,
     channel), plus ``max_bytes`` before anything is parsed and ``max_seconds`` before decoding;
-    every refusal is a :class:`BadSampleError` whose ``where`` is ``name``.
+    every refusal is a :class:`BadSampleError` whose ``where`` is ``name`` and whose ``reason``
+    is ``"too_large"``, ``"not_audio"`` or ``"invalid"``. :func:`decode_audio_upload` also
+    returns the file's header.
     """
+    return decode_audio_upload(
+        data, sample_rate, name=name, max_bytes=max_bytes, max_seconds=max_seconds, channel=channel,
+        resample=resample,
+    )[0]  # fmt: skip
+
+
+def decode_audio_upload(
+    data: bytes,
+    sample_rate: int,
+    *,
+    name: str = "upload",
+    max_bytes: int = 50 * 2**20,
+    max_seconds: float = 600.0,
+    channel: int | str = 0,
+    resample: bool = True,
+) -> tuple[np.ndarray, AudioInfo]:
+    """:func:`decode_audio_bytes` and the file's :class:`AudioInfo` (its own rate and channels,
+    before the channel was taken and the rate changed)."""
     import io
 
     sf = soundfile_module()
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
-        raise BadSampleError(name, f"{len(data)} bytes, over the {max_bytes}-byte limit")
+        raise _refusal(name, f"{len(data)} bytes, over the {max_bytes}-byte limit", "too_large")
     if len(data) == 0:
-        raise BadSampleError(name, "empty body: no audio file")
+        raise _refusal(name, "empty body: no audio file", "not_audio")
     try:
         handle = sf.SoundFile(io.BytesIO(bytes(data)))
     except (sf.SoundFileError, RuntimeError, OSError, TypeError, ValueError) as err:
-        raise BadSampleError(name, f"not an audio file libsndfile can read ({_first_line(err)})") from None
+        raise _refusal(
+            name, f"not an audio file libsndfile can read ({_first_line(err)})", "not_audio"
+        ) from None
     with handle:
         info = AudioInfo(name, int(handle.samplerate), int(handle.frames), int(handle.channels),
                          handle.format, handle.subtype)  # fmt: skip
-        _check_header(name, info.sample_rate, info.frames, info.channels, handle.extra_info)
+        try:
+            _check_header(name, info.sample_rate, info.frames, info.channels, handle.extra_info)
+        except BadSampleError as err:
+            raise _refusal(name, err.problem, "invalid") from None
         if info.seconds > max_seconds:
-            raise BadSampleError(name, f"{info.seconds:.1f} s long, over the {max_seconds:g} s limit")
+            raise _refusal(name, f"{info.seconds:.1f} s long, over the {max_seconds:g} s limit", "too_large")
         if channel != "mean" and (isinstance(channel, bool) or not isinstance(channel, int) or channel < 0):
             raise ValueError(f"channel must be an int >= 0 or 'mean', got {channel!r}")
         if channel != "mean" and channel >= info.channels:
-            raise BadSampleError(name, f"has {info.channels} channel(s); channel {channel} was asked for")
+            problem = f"has {info.channels} channel(s); channel {channel} was asked for"
+            raise _refusal(name, problem, "invalid")
         try:
             frames = handle.read(info.frames, dtype="float32", always_2d=True)
         except (sf.SoundFileError, RuntimeError, OSError, ValueError) as err:
-            raise BadSampleError(name, f"cannot decode ({_first_line(err)}); truncated or corrupt?") from None
+            raise _refusal(
+                name, f"cannot decode ({_first_line(err)}); truncated or corrupt?", "invalid"
+            ) from None
     if frames.shape[0] != info.frames:
-        raise BadSampleError(name, f"truncated: the header promises {info.frames} frames, the body holds "
-                             f"{frames.shape[0]}")  # fmt: skip
+        raise _refusal(name, f"truncated: the header promises {info.frames} frames, the body holds "
+                       f"{frames.shape[0]}", "invalid")  # fmt: skip
     wave = _channel(frames, channel, info)
     if not np.isfinite(wave).all():
-        raise BadSampleError(
-            name, f"NaN or infinite sample at frame {int(np.flatnonzero(~np.isfinite(wave))[0])}"
-        )
-    return _resample(wave, info, sample_rate, resample)
+        first = int(np.flatnonzero(~np.isfinite(wave))[0])
+        raise _refusal(name, f"NaN or infinite sample at frame {first}", "invalid")
+    try:
+        return _resample(wave, info, sample_rate, resample), info
+    except BadSampleError as err:
+        raise _refusal(name, err.problem, "invalid") from None
 
 
 def describe(info: AudioInfo) -> dict[str, Any]:

@@ -116,7 +116,9 @@ class Bundle:
         path: the bundle directory.
         manifest: the parsed ``manifest.json``.
         format: ``"onnx"`` or ``"torchscript"``.
-        input_shape: per-sample model input shape; ``input_kind``: ``"image"`` or ``"vector"``.
+        input_shape: per-sample model input shape; ``input_kind``: ``"image"``, ``"vector"`` or
+            ``"audio"`` (waveforms of any length >= ``min_samples`` at ``sample_rate`` Hz; the
+            shape is then the training crop's; both are None for other kinds).
         embedding_dim: ``D``; ``model_fingerprint``: the PyTorch model's fingerprint.
         class_names: one name per training class; ``calibration``: the threshold table.
     """
@@ -127,6 +129,9 @@ class Bundle:
         self.format: str = manifest["model"]["format"]
         self.input_shape: tuple[int, ...] = tuple(manifest["input"]["shape"])
         self.input_kind: str = manifest["input"]["kind"]
+        audio = self.input_kind == "audio"
+        self.sample_rate: int | None = manifest["input"]["sample_rate"] if audio else None
+        self.min_samples: int | None = manifest["input"]["min_samples"] if audio else None
         self.embedding_dim: int = manifest["embedding"]["dim"]
         self.model_fingerprint: str = manifest["model_fingerprint"]
         self.class_names: list[str] = list(manifest["classes"]["names"])
@@ -146,13 +151,34 @@ class Bundle:
 
         Images: ``uint8`` (divided by 255) or floats in [0, 1], ``[B, H, W]``, ``[B, H, W, C]``
         or ``[B, C, H, W]``; vectors: floats, standardised with the training statistics when
-        the run's data were. Raises ``ValueError`` naming what is wrong (shape, NaN, range).
+        the run's data were; audio: float waveforms ``[B, samples]`` at :attr:`sample_rate`, of
+        any length >= :attr:`min_samples`. Raises ``ValueError`` naming what is wrong (shape, NaN,
+        range).
         """
+        if self.input_kind == "audio":
+            return self._waveforms(x)
         return self._space.preprocess(x)
+
+    def _waveforms(self, x: Any) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x), dtype=torch.float32)
+        if t.dim() != 2:
+            raise ValueError(
+                f"x must be waveforms [B, samples] at {self.sample_rate} Hz, got shape {list(t.shape)}"
+            )
+        if t.shape[0] and t.shape[1] < (self.min_samples or 1):
+            raise ValueError(
+                f"x holds {t.shape[1]} samples per waveform; the model needs >= {self.min_samples} "
+                f"({(self.min_samples or 1) / (self.sample_rate or 1):.3f} s at {self.sample_rate} Hz)"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError("x contains NaN or infinite values")
+        return t
 
     def embed(self, x: Any, *, preprocessed: bool = False, batch_size: int = 256) -> torch.Tensor:
         """Embeddings ``[B, D]`` (float32) of raw inputs ``x`` (or model inputs, ``preprocessed=True``)."""
-        if preprocessed:
+        if preprocessed and self.input_kind == "audio":
+            t = self._waveforms(x)
+        elif preprocessed:
             t = torch.as_tensor(x, dtype=torch.float32)
             if t.dim() != len(self.input_shape) + 1 or tuple(t.shape[1:]) != self.input_shape:
                 raise ValueError(
@@ -235,8 +261,15 @@ def _check_manifest(path: Path, raw: bytes) -> dict[str, Any]:
         raise check.fail("input.shape", "1 to 4 positive integers", shape)
     if math.prod(shape) > 2**26:
         raise check.fail("input.shape", "at most 2**26 values per sample", shape)
-    if check.get(inp, "kind", str, "a string", "input") not in ("image", "vector"):
-        raise check.fail("input.kind", "'image' or 'vector'", inp["kind"])
+    if check.get(inp, "kind", str, "a string", "input") not in ("image", "vector", "audio"):
+        raise check.fail("input.kind", "'image', 'vector' or 'audio'", inp["kind"])
+    if inp["kind"] == "audio":
+        rate = check.get(inp, "sample_rate", int, "an integer (Hz)", "input")
+        if isinstance(rate, bool) or not 1000 <= rate <= 384000 or len(shape) != 1:
+            raise check.fail("input.sample_rate", "an integer in [1000, 384000] with a 1-D shape", rate)
+        least = check.get(inp, "min_samples", int, "a positive integer", "input")
+        if isinstance(least, bool) or not 1 <= least <= shape[0]:
+            raise check.fail("input.min_samples", f"an integer in [1, {shape[0]}]", least)
     if check.get(inp, "dtype", str, "a string", "input") != "float32":
         raise check.fail("input.dtype", "'float32'", inp["dtype"])
     standardized = check.get(inp, "standardized", bool, "true or false", "input")

@@ -4,7 +4,8 @@ ONNX is written by ``torch.onnx.export(..., dynamo=True)``, the ``torch.export``
 exporter (it needs ``onnxscript``; the TorchScript-based exporter, ``dynamo=False``, is
 deprecated in torch 2.13 and announced for removal). Both run offline. The graph has one
 input ``x`` ``[batch, *input_shape]`` (float32) and one output ``embedding``
-``[batch, dim]``; the batch axis is dynamic.
+``[batch, dim]``; the batch axis is dynamic, and so are the module's ``variable_axes`` (the
+time axis of a speaker model's waveform, at least its ``min_input_length`` long).
 
 TorchScript is written by ``torch.jit.trace`` (batch axis free, since the backbones have no
 shape-dependent control flow); torch 2.13 deprecates ``torch.jit.load`` in favour of
@@ -84,6 +85,9 @@ def write_model_file(
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     model = copy.deepcopy(module).to("cpu", torch.float32).eval()
     example = torch.zeros(2, *input_shape)
+    dims: dict[int, Any] = {0: torch.export.Dim("batch", min=1)}
+    for axis in getattr(model, "variable_axes", ()):  # e.g. a waveform's length
+        dims[int(axis)] = torch.export.Dim(f"axis{axis}", min=int(getattr(model, "min_input_length", 1)))
     path = Path(path)
     with torch.no_grad(), _quiet_exporter():
         if fmt == "onnx":
@@ -93,7 +97,7 @@ def write_model_file(
                 (example,),
                 input_names=[INPUT_NAME],
                 output_names=[OUTPUT_NAME],
-                dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}},
+                dynamic_shapes={"x": dims},
                 dynamo=True,
                 verbose=False,
             )

@@ -115,14 +115,19 @@ def export_model(
         )
     shape = tuple(int(s) for s in facts["input_shape"])
     bs = config.eval_batch_size
-    train_emb = embed(model, splits.train.x, batch_size=bs, device="cpu")
-    val_emb = embed(model, splits.val.x, batch_size=bs, device="cpu")
+    # a streamed split (audio: utterances of any length) is read batch by batch, not stacked
+    train_emb = embed(model, _inputs(splits.train), batch_size=bs, device="cpu")
+    val_emb = embed(model, _inputs(splits.val), batch_size=bs, device="cpu")
     knn = KNNClassifier(k=min(config.k, len(train_emb)), metric=config.knn_metric, weights=config.knn_weights)
     knn.fit(train_emb, splits.train.y, model_fingerprint=run["fingerprint"])
     calibration = calibration_table(
         val_emb, splits.val.y, fars, max_impostors=config.max_impostors, seed=config.seed
     )
-    x_examples = splits.test.x[:examples]
+    audio = _audio_input(model, facts).get("kind") == "audio"
+    if audio:
+        x_examples = _audio_examples(splits.test.data, examples, config.seed)
+    else:
+        x_examples = splits.test.x[:examples]
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -139,6 +144,7 @@ def export_model(
                 else "(x - mean) / std with the training statistics" if standardized else "none"
             ),
         }  # fmt: skip
+        inp.update(_audio_input(model, facts))
         if standardized:
             np.savez(
                 tmp / PREPROCESSING_FILE,
@@ -151,8 +157,11 @@ def export_model(
         if len(x_examples):
             # What any runtime must reproduce: PyTorch's embeddings of the raw examples after
             # the bundle's own preprocessing.
-            raw = _raw_inputs(x_examples, facts)
-            pre = _input_space(shape, inp["kind"], facts.get("mean"), facts.get("std")).preprocess(raw)
+            if audio:  # waveforms are the model's input as they are
+                raw, pre = x_examples.numpy(), x_examples
+            else:
+                raw = _raw_inputs(x_examples, facts)
+                pre = _input_space(shape, inp["kind"], facts.get("mean"), facts.get("std")).preprocess(raw)
             np.savez(
                 tmp / EXAMPLES_FILE, x=raw, embeddings=embed(model, pre, batch_size=bs, device="cpu").numpy()
             )
@@ -204,6 +213,32 @@ def export_model(
             shutil.rmtree(tmp)
         raise
     return load_bundle(out, trust_torchscript=True, check=False)
+
+
+def _audio_input(model: torch.nn.Module, facts: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's audio fields for a speaker model whose input is the waveform (the fbank in
+    the graph): ``kind: "audio"``, ``sample_rate``, ``min_samples`` (its time axis is dynamic)."""
+    config = getattr(model, "speaker_config", None)
+    if facts.get("kind") != "audio" or not isinstance(config, dict) or config.get("frontend") != "fbank":
+        return {} if facts.get("kind") != "audio" else {"kind": "vector"}
+    rate = int(config["sample_rate"])
+    return {
+        "kind": "audio", "sample_rate": rate, "min_samples": int(model.min_input_length),
+        "scaling": f"mono float32 waveform in [-1, 1] at {rate} Hz, any length >= min_samples",
+    }  # fmt: skip
+
+
+def _inputs(split: Any) -> Any:
+    return split.data if split.streamed else split.x
+
+
+def _audio_examples(x: Any, count: int, seed: int) -> torch.Tensor:
+    """The first ``count`` test utterances as equal-length waveforms ``[count, crop]``: each a
+    crop drawn as in training (seeded by ``seed`` and the row), so the examples stack."""
+    rows = [x.read(i, np.random.default_rng([seed, 2**31 - 2, i])) for i in range(min(count, len(x)))]
+    if not rows:
+        return torch.empty(0)
+    return torch.from_numpy(np.stack(rows).astype(np.float32))
 
 
 def _umask() -> int:

@@ -28,7 +28,16 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from marginkit.serve.inputs import BadInput, Limits, Payload, parse_form, parse_json, parse_npy
+from marginkit.serve.inputs import (
+    AUDIO_TYPES,
+    BadInput,
+    Limits,
+    Payload,
+    parse_audio,
+    parse_form,
+    parse_json,
+    parse_npy,
+)
 from marginkit.serve.limits import BodyLimit, Recorder, RequestStats
 from marginkit.serve.schemas import (
     ClassifyRequest,
@@ -177,6 +186,8 @@ def create_app(
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
+    audio_rate = getattr(bundle, "sample_rate", None) if bundle.input_kind == "audio" else None
+
     async def payload(request: Request, model: type[BaseModel]) -> tuple[Payload, BaseModel]:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "multipart/form-data":
@@ -185,17 +196,19 @@ def create_app(
             except Exception as exc:  # Starlette's MultiPartException and parser errors
                 raise BadInput(f"malformed form upload: {exc}", 400) from None
             try:
-                data = parse_form(form, bundle.input_shape, limits)
+                data = parse_form(form, bundle.input_shape, limits, audio_rate)
             finally:
                 await form.close()
         elif ctype in ("application/json", ""):
             data = parse_json(await request.body())
         elif ctype == "application/x-npy":
             data = parse_npy(await request.body(), request.query_params, limits)
+        elif ctype in AUDIO_TYPES:
+            data = parse_audio(await request.body(), request.query_params, limits, audio_rate)
         else:
             raise BadInput(
                 f"unsupported content type {ctype!r}; send application/json, multipart/form-data "
-                "or application/x-npy",
+                "or application/x-npy" + (" or audio/wav / audio/flac" if audio_rate else ""),
                 415,
             )
         try:
@@ -266,6 +279,7 @@ def create_app(
                 "format": bundle.format, "model_fingerprint": bundle.model_fingerprint,
                 "input_shape": list(bundle.input_shape), "input_kind": bundle.input_kind,
                 "embedding_dim": bundle.embedding_dim, "classes": len(bundle.class_names),
+                "sample_rate": audio_rate,
             },
             "gallery": {"identities": len(gallery), "templates": gallery.num_templates},
             "threshold": gallery.threshold, "far": gallery.far,
@@ -306,9 +320,11 @@ def create_app(
                     result = guarded_work(data, fields)
                 else:
                     result = await run_in_threadpool(guarded_work, data, fields)
+                headers = {"X-Marginkit-Input": "; ".join(data.notes)} if data.notes else None
                 return Response(
-                    orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
-                )
+                    orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json",
+                    headers=headers,
+                )  # fmt: skip
 
             app.router.add_api_route(
                 path, endpoint, methods=["POST"], route_class_override=_RawRoute, summary=summary,

@@ -10,6 +10,12 @@ this runs (:class:`~marginkit.serve.limits.BodyLimit`); ``.npz`` members by thei
 and ``.npy`` bodies by their header
 before decoding (:mod:`marginkit._npz`); images by their pixel count from the
 header, before Pillow decodes them (decompression bombs).
+
+Bundles of speaker models (``input.kind == "audio"``) also take one wav / flac file, as the
+form's file or as the whole body (``audio/wav``, ``audio/flac``; the other fields in the query
+string): decoded by libsndfile (:func:`marginkit.audio.io.decode_audio_upload`), the first
+channel kept, other rates resampled by soxr to the model's, the duration bounded from the header
+before decoding. What was done to the file is said in the ``X-Marginkit-Input`` response header.
 """
 
 from __future__ import annotations
@@ -22,7 +28,22 @@ from typing import Any
 import numpy as np
 import orjson
 
-__all__ = ["BadInput", "Limits", "Payload", "decode_image", "parse_form", "parse_json", "parse_npy"]
+__all__ = [
+    "AUDIO_TYPES",
+    "BadInput",
+    "Limits",
+    "Payload",
+    "decode_audio",
+    "decode_image",
+    "parse_audio",
+    "parse_form",
+    "parse_json",
+    "parse_npy",
+]
+
+#: Content types of a body that is one audio file (speaker bundles).
+AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/flac", "audio/x-flac")
+_AUDIO_STATUS = {"too_large": 413, "not_audio": 415, "invalid": 422}
 
 MAX_DEPTH = 6
 
@@ -37,11 +58,12 @@ class BadInput(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on one request: body bytes, samples per batch, pixels per image."""
+    """Bounds on one request: body bytes, samples per batch, pixels per image, seconds per audio file."""
 
     max_body_bytes: int = 16 * 2**20
     max_batch: int = 1024
     max_image_pixels: int = 2**24
+    max_audio_seconds: float = 300.0
 
 
 @dataclass
@@ -51,6 +73,7 @@ class Payload:
     fields: dict[str, Any]
     array: np.ndarray | None = None
     kind: str | None = None  # "inputs" or "embeddings"
+    notes: list[str] | None = None  # what was done to an uploaded file (audio: channel, rate)
 
 
 def _refuse_constant(name: str) -> float:
@@ -203,8 +226,11 @@ def _form_value(key: str, value: str) -> Any:
     return value
 
 
-def parse_form(form: Any, input_shape: tuple[int, ...], limits: Limits) -> Payload:
-    """A parsed multipart form (Starlette ``FormData``) -> :class:`Payload`."""
+def parse_form(
+    form: Any, input_shape: tuple[int, ...], limits: Limits, sample_rate: int | None = None
+) -> Payload:
+    """A parsed multipart form (Starlette ``FormData``) -> :class:`Payload`; ``sample_rate``: the
+    model's, when it takes waveforms (then the file, unless an ``.npz``, is decoded as audio)."""
     from marginkit._npz import NpzError, read_npz
 
     fields: dict[str, Any] = {}
@@ -237,4 +263,56 @@ def parse_form(form: Any, input_shape: tuple[int, ...], limits: Limits) -> Paylo
                 return Payload(fields, array, "inputs" if key == "x" else "embeddings")
         found = ", ".join(arrays) or "none"
         raise BadInput(f"{where}: expected an array 'x' (raw inputs) or 'embeddings', found {found}")
+    if len(data) > limits.max_body_bytes:
+        raise BadInput(f"{where}: over the {limits.max_body_bytes}-byte limit", 413)
+    if sample_rate is not None:
+        wave, notes = decode_audio(data, sample_rate, limits, where)
+        return Payload(fields, wave, "inputs", notes)
     return Payload(fields, decode_image(data, input_shape, limits.max_image_pixels), "inputs")
+
+
+def decode_audio(data: bytes, sample_rate: int, limits: Limits, where: str) -> tuple[np.ndarray, list[str]]:
+    """One wav / flac file -> a batch of one waveform ``float32 [1, N]`` at ``sample_rate`` and
+    notes on what was done (channel kept, rate changed). Refusals: 413 over the size or duration
+    limit, 415 not audio, 422 no samples / NaN / truncated."""
+    try:
+        from marginkit.audio.io import decode_audio_upload
+    except ImportError:  # pragma: no cover - soundfile is in the audio extra
+        raise BadInput(
+            "audio uploads need soundfile on the server (pip install 'marginkit[audio]')", 415
+        ) from None
+    from marginkit.data.samples import BadSampleError
+
+    try:
+        wave, info = decode_audio_upload(
+            data, sample_rate, name=where, max_bytes=limits.max_body_bytes,
+            max_seconds=limits.max_audio_seconds, channel=0,
+        )  # fmt: skip
+    except BadSampleError as exc:
+        raise BadInput(str(exc), _AUDIO_STATUS.get(getattr(exc, "reason", ""), 422)) from None
+    except ImportError as exc:  # soxr, needed only to resample
+        raise BadInput(
+            f"{where}: sampled at another rate and the server cannot resample ({exc})", 422
+        ) from None
+    notes = []
+    if info.channels > 1:
+        notes.append(f"{info.channels} channels: channel 0 kept")
+    if info.sample_rate != sample_rate:
+        notes.append(f"resampled from {info.sample_rate} Hz to {sample_rate} Hz (soxr HQ)")
+    return wave[None], notes
+
+
+def parse_audio(body: bytes, query: Any, limits: Limits, sample_rate: int | None) -> Payload:
+    """A body that is one wav / flac file (``audio/wav``, ``audio/flac``) -> :class:`Payload`; the
+    endpoint's fields come from the query string ``query``, objects and lists as JSON text."""
+    if sample_rate is None:
+        raise BadInput("this model does not take audio; send JSON, a form upload or a .npy body", 415)
+    fields: dict[str, Any] = {}
+    for key, value in query.multi_items():
+        if key in fields:
+            raise BadInput(f"query parameter {key!r} given twice")
+        if key in ("inputs", "embeddings", "kind"):
+            raise BadInput(f"with an audio body the samples are the body; {key!r} cannot be a parameter")
+        fields[key] = _form_value(key, value)
+    wave, notes = decode_audio(body, sample_rate, limits, "request body")
+    return Payload(fields, wave, "inputs", notes)

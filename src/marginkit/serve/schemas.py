@@ -140,7 +140,10 @@ class ModelFacts(BaseModel):
     format: str = Field(description="onnx or torchscript")
     model_fingerprint: str
     input_shape: list[int]
-    input_kind: str = Field(description="image or vector")
+    input_kind: str = Field(description="image, vector or audio")
+    sample_rate: int | None = Field(
+        default=None, description="audio: the rate (Hz) waveforms are resampled to; else null"
+    )
     embedding_dim: int
     classes: int = Field(description="training classes of the bundle's K-NN index")
 
