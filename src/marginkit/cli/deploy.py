@@ -68,6 +68,10 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
     p.add_argument("--token-file", metavar="FILE", help="require 'Authorization: Bearer <token in FILE>'")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="request body limit")
     p.add_argument("--max-batch", type=int, default=1024, help="samples per request")
+    p.add_argument(
+        "--max-audio-seconds", type=float, default=300.0,
+        help="longest audio upload (speaker bundles), from its header before decoding",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="model runtime threads (0: its default)")
     p.add_argument(
         "--workers", type=int, default=1, metavar="N",
@@ -113,8 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_body_mb <= 0 or args.max_batch < 1:
-        raise UserError("--max-body-mb must be > 0 and --max-batch >= 1")
+    if args.max_body_mb <= 0 or args.max_batch < 1 or not args.max_audio_seconds > 0:
+        raise UserError("--max-body-mb and --max-audio-seconds must be > 0 and --max-batch >= 1")
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.workers > 1 and str(args.gallery).endswith(".milvus.db"):
@@ -125,7 +129,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         with user_errors():
             token = read_token(args.token_file) if args.token_file else None
-            limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_batch=args.max_batch)
+            limits = Limits(
+                max_body_bytes=int(args.max_body_mb * 2**20), max_batch=args.max_batch,
+                max_audio_seconds=args.max_audio_seconds,
+            )  # fmt: skip
             build = {
                 "bundle_path": str(args.bundle), "gallery_path": str(args.gallery), "far": args.far,
                 "threshold": args.threshold, "trust_torchscript": args.trust_torchscript,
