@@ -100,6 +100,8 @@ class AudioFiles(LazySamples):
         self.channel = channel
         self.resample = bool(resample)
         self.max_seconds = float(max_seconds)
+        #: training-crop augmentation (:class:`marginkit.audio.augment.AudioAugment`), or None
+        self.augment: Any = None
 
     @property
     def crop_samples(self) -> int | None:
@@ -121,6 +123,10 @@ class AudioFiles(LazySamples):
                 path, self.sample_rate, channel=self.channel, resample=self.resample,
                 max_seconds=self.max_seconds, info=info,
             )  # fmt: skip
+        if self.augment:
+            return self.augment.read(
+                path, self.sample_rate, crop, rng, channel=self.channel, resample=self.resample
+            )
         return read_crop(
             path, self.sample_rate, crop, rng, channel=self.channel, resample=self.resample, info=info
         )

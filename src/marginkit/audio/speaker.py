@@ -77,6 +77,9 @@ class SpeakerModel(EmbeddingModel):
                 )
             self.frontend = nn.Identity()
         self.sample_rate = sample_rate
+        #: SpecAugment's probability per utterance in training mode (``--augment spec_mask``;
+        #: :func:`marginkit.audio.augment.spec_mask`); never in eval mode, so never exported.
+        self.spec_augment = 0.0
         self.speaker_config: dict[str, Any] = {
             "frontend": frontend, "sample_rate": sample_rate, "num_bins": num_bins, "window": window,
             "dither": float(dither),
@@ -126,4 +129,8 @@ class SpeakerModel(EmbeddingModel):
                 feats = self.frontend(x.float())
         else:
             feats = self.frontend(x)
+        if self.training and self.spec_augment > 0:
+            from marginkit.audio.augment import spec_mask
+
+            feats = spec_mask(feats, self.spec_augment)
         return self.encode(feats)

@@ -14,7 +14,13 @@ name            default     what
 ``contrast``    0.2         images: contrast factor drawn in ``[1 - c, 1 + c]``
 ``time_mask``   0.1         sequences: zero one block of up to this fraction of the frames
                             (SpecAugment's time masking, Park et al. 2019)
+``speed``       2/3         audio: speed perturbation 0.9 / 1.1 with this probability
+``noise``       0.3         audio: additive noise from ``data_options.noise_dir``
+``reverb``      0.3         audio: reverberation by an RIR of ``data_options.rir_dir``
+``spec_mask``   0.6         audio: SpecAugment frequency and time masks on the fbank
 ==============  ==========  =====================================================================
+
+Audio is augmented where its crops are read, not here: :mod:`marginkit.audio.augment`.
 
 Images (``[N, C, H, W]`` in [0, 1]) go through Kornia's augmentation modules
 (``kornia.augmentation``), which draw *per-sample* parameters for a whole batch tensor on its
@@ -50,6 +56,11 @@ AUGMENTATIONS: dict[str, tuple[float, tuple[str, ...], float, float]] = {
     "brightness": (0.2, ("image",), 0.0, 1.0),
     "contrast": (0.2, ("image",), 0.0, 1.0),
     "time_mask": (0.1, ("sequence",), 0.0, 0.5),
+    # audio (marginkit.audio.augment: applied to the training crops where they are read)
+    "speed": (2 / 3, ("audio",), 0.0, 1.0),
+    "noise": (0.3, ("audio",), 0.0, 1.0),
+    "reverb": (0.3, ("audio",), 0.0, 1.0),
+    "spec_mask": (0.6, ("audio",), 0.0, 1.0),
 }
 
 

@@ -14,8 +14,11 @@ __all__ = ["register_sources"]
 
 def _audio(
     rest: str, *, sample_rate: int = 16000, crop_seconds: float | None = 2.0, channel: int | str = 0,
-    resample: bool = True, test_fraction: float = 0.2, split_seed: int = 0,
+    resample: bool = True, test_fraction: float = 0.2, split_seed: int = 0, noise_dir: str | None = None,
+    rir_dir: str | None = None,
 ) -> Any:  # fmt: skip
+    """``noise_dir`` / ``rir_dir`` are read by ``--augment noise`` / ``reverb`` (the trainer's
+    :func:`marginkit.audio.augment.attach`), not by the source."""
     from marginkit.audio.sources import read_audio_source
 
     if not rest:

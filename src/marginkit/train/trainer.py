@@ -446,7 +446,7 @@ def _restore(
                 "samples per process; raise batch_size or use fewer processes"
             )
     scheduler = lr_scheduler(config, optimizer, len(batches))
-    augment = _augmenter(config, splits)
+    augment = _augmenter(config, splits, model, log)
     loader = Loader(
         splits.train.data, splits.train.y, batches, device=device, workers=config.workers, seed=config.seed,
         # with augment every rank reads the global batch and augments it as one process would
@@ -512,12 +512,23 @@ def _loader_note(splits: Any, loader: Loader, config: TrainConfig) -> str:
     return f"training data {where}; {how}" if how else f"training data {where}"
 
 
-def _augmenter(config: TrainConfig, splits: Any) -> Any:
+def _augmenter(config: TrainConfig, splits: Any, model: Any = None, log: Any = print) -> Any:
     """The run's :class:`~marginkit.data.augment.BatchAugment` (``None`` without ``augment``):
-    image transforms for images, time shifts and masks for the sequences of ``cnn1d``."""
+    image transforms for images, time shifts and masks for the sequences of ``cnn1d``; audio
+    is augmented where its crops are read (:func:`marginkit.audio.augment.attach`)."""
     if not config.augment:
         return None
     from marginkit.data.augment import BatchAugment
+
+    if splits.kind == "audio":
+        from marginkit.audio.augment import attach
+
+        try:
+            note = attach(splits.train.data, model, config.augment, config.data_options)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        log(f"audio augmentation of the training crops: {note}; none at evaluation")
+        return None
 
     model = resolve_model_name(config, tuple(splits.input_shape), str(splits.name))
     if splits.kind == "image":
