@@ -58,7 +58,7 @@ def test_written_shards_read_back_as_the_source(folder, shard_dir):
         expected = _by_key(x, y)
         got = _items(opened.splits[split])
         assert len(got) == len(expected) and opened.splits[split].num_samples == len(expected)
-        for array, label, key in got:
+        for array, label, key, _ in got:
             np.testing.assert_array_equal(array, expected[key][0])
             assert array.dtype == np.uint8 and label == expected[key][1]
         np.testing.assert_array_equal(np.sort(opened.labels[split]), np.sort(y))
@@ -88,7 +88,7 @@ def test_same_data_through_folder_csv_rec_and_wds(tmp_path, folder):
     copies["rec"] = {
         paths[int(k.split("#")[1])]: v for k, v in _by_key(rec_x, rec_y).items()
     }  # the record key is the file's position
-    copies["wds"] = {key: (a, lab) for a, lab, key in open_shards(tmp_path / "wds").splits["train"]}
+    copies["wds"] = {key: (a, lab) for a, lab, key, _ in open_shards(tmp_path / "wds").splits["train"]}
     for name, copy in copies.items():
         assert sorted(copy) == paths, name
         for p in paths:
@@ -102,7 +102,7 @@ def test_arrays_are_stored_as_npy(tmp_path):
     y = np.arange(7) % 2
     write_shards({"train": (x, y)}, tmp_path / "s", class_names=["a", "b"], samples_per_shard=3)
     opened = open_shards(tmp_path / "s")
-    got = {key: (a, lab) for a, lab, key in opened.splits["train"]}
+    got = {key: (a, lab) for a, lab, key, _ in opened.splits["train"]}
     for i in range(7):
         np.testing.assert_array_equal(got[f"train/{i}"][0], x[i])
         assert got[f"train/{i}"][1] == y[i]
@@ -112,7 +112,7 @@ def test_seeded_order_by_seed_and_epoch(shard_dir):
     def order(seed, epoch):
         samples = open_shards(shard_dir, seed=seed, shuffle_buffer=5).splits["train"]
         samples.set_epoch(epoch)
-        return [key for _, _, key in samples]
+        return [key for _, _, key, _ in samples]
 
     first = order(0, 0)
     assert first == order(0, 0) and sorted(first) == sorted(order(0, 1))
@@ -134,9 +134,9 @@ def test_split_by_rank_then_worker_with_equal_counts(tmp_path, folder, monkeypat
         for worker in range(2):
             _with_worker(monkeypatch, worker, 2)
             samples = open_shards(tmp_path / "s", rank=rank, world_size=2).splits["train"]
-            keys += [key for _, _, key in samples]
+            keys += [key for _, _, key, _ in samples]
         per_rank[rank] = keys
-        assert len(keys) == 7 == len(samples)  # 15 // 2 on every rank, split 4 + 3 between workers
+        assert len(keys) == 7 == samples.samples_per_rank  # 15 // 2 a rank, 4 + 3 between workers
     # in the first pass each shard goes to one rank and one worker: no sample is read twice there
     assert not set(per_rank[0]) & set(per_rank[1]) or max(Counter(per_rank[0] + per_rank[1]).values()) <= 2
     # evaluation splits: each sample once over the ranks
@@ -147,7 +147,7 @@ def test_split_by_rank_then_worker_with_equal_counts(tmp_path, folder, monkeypat
             str(tmp_path / "s"), "train", shards_module.read_metadata(str(tmp_path / "s")),
             shuffle=False, rank=rank, world_size=3,
         )  # fmt: skip
-        seen += [key for _, _, key in evaluation]
+        seen += [key for _, _, key, _ in evaluation]
     assert sorted(seen) == sorted(raw.x_train.relative_path(i) for i in range(15))
 
 
@@ -170,8 +170,8 @@ def test_reading_over_http_from_a_local_server(shard_dir):
         url = f"http://127.0.0.1:{server.server_address[1]}/"
         remote = open_shards(url, shuffle_buffer=1)
         local = open_shards(shard_dir, shuffle_buffer=1)
-        got = [(key, lab, a.tobytes()) for a, lab, key in remote.splits["train"]]
-        assert got == [(key, lab, a.tobytes()) for a, lab, key in local.splits["train"]]
+        got = [(key, lab, a.tobytes()) for a, lab, key, _ in remote.splits["train"]]
+        assert got == [(key, lab, a.tobytes()) for a, lab, key, _ in local.splits["train"]]
         np.testing.assert_array_equal(remote.labels["test"], local.labels["test"])
         with pytest.raises((FileNotFoundError, ValueError), match="marginkit-shards.json"):
             open_shards(url + "nothing/")

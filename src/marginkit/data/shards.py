@@ -46,6 +46,7 @@ count, so steps stay equal across ranks), and the rest of a broken shard is skip
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -55,7 +56,7 @@ import tarfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
 import numpy as np
@@ -67,6 +68,7 @@ from marginkit.data.samples import BAD_SAMPLE_POLICIES, BadSampleError, LazySamp
 
 __all__ = [
     "META_NAME",
+    "ShardItem",
     "ShardSamples",
     "ShardSplits",
     "SkippedSample",
@@ -80,6 +82,17 @@ _FORMAT, _VERSION = "marginkit-shards", 1
 _SIDES = ("train", "val", "test")
 _META_LIMIT = 256 * 2**20  # bytes read at most for the metadata or a labels file
 _IMAGE_EXTS = ("jpg", "jpeg", "png", "bmp", "gif", "tif", "tiff", "webp", "ppm", "pgm", "img")
+
+
+class ShardItem(NamedTuple):
+    """One sample as :class:`ShardSamples` yields it: the decoded ``sample``, its ``label`` as
+    its shard stores it, its ``key`` (the path relative to the source's root, or its shard key)
+    and its ``index``: its position in the split's shard order (the row of the split's labels)."""
+
+    sample: np.ndarray
+    label: int
+    key: str
+    index: int
 
 
 @dataclass(frozen=True)
@@ -293,12 +306,22 @@ def _seed_int(*parts: int) -> int:
 
 
 class ShardSamples(torch.utils.data.IterableDataset):
-    """One split of a shard set, iterated as ``(sample, label, key)`` (see the module doc).
+    """One split of a shard set, iterated as :class:`ShardItem` s (see the module doc).
 
-    ``sample``: ``sample_shape`` in ``dtype`` (``uint8`` ``[C, H, W]`` images); ``label``: int;
-    ``key``: the sample's path relative to its source's root (or its shard key). Built by
-    :func:`open_shards`; ``rank`` / ``world_size`` default to ``torch.distributed``'s when it is
-    initialised, else 0 / 1.
+    ``sample``: ``sample_shape`` in ``dtype`` (``uint8`` ``[C, H, W]`` images); ``label``: the
+    shard's int; ``key``: the sample's path relative to its source's root (or its shard key);
+    ``index``: the sample's row in the split (shard order: the row of the split's labels, so a
+    reader that delivers samples out of order still names them). ``len()`` is the split's sample
+    count; :attr:`samples_per_rank` what one rank yields an epoch under ``equal_per_rank``.
+    Built by :func:`open_shards`; ``rank`` / ``world_size`` default to ``torch.distributed``'s
+    when it is initialised, else 0 / 1. :meth:`configured` gives a copy for one use (a rank's
+    training reader, evaluation, a prefix for batch-norm statistics).
+
+    Under ``equal_per_rank`` a worker's share is a whole number of ``batch`` es (the rank's
+    ``samples_per_rank // batch`` batches dealt to its workers as evenly as integers allow; the
+    remainder below one batch is not read), so the number of batches a rank's DataLoader yields
+    with ``drop_last`` does not depend on its worker count: every rank takes the same steps.
+    ``limit`` caps ``samples_per_rank`` (a prefix of the epoch's order).
     """
 
     def __init__(
@@ -315,12 +338,10 @@ class ShardSamples(torch.utils.data.IterableDataset):
         world_size: int | None = None,
         equal_per_rank: bool | None = None,
         on_bad_sample: str = "raise",
+        limit: int | None = None,
+        batch: int = 1,
     ) -> None:
         super().__init__()
-        if on_bad_sample not in BAD_SAMPLE_POLICIES:
-            raise ValueError(
-                f"on_bad_sample must be one of {', '.join(BAD_SAMPLE_POLICIES)}, got {on_bad_sample!r}"
-            )
         entry = meta["splits"][split]
         counts = {s["name"]: int(s["num_samples"]) for s in entry["shards"]}
         names = list(counts) if shards is None else shards
@@ -334,6 +355,7 @@ class ShardSamples(torch.utils.data.IterableDataset):
         self.base, self.split = base, split
         self.shards = names
         self.counts = [counts[n] for n in names]
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64).tolist()
         self.num_samples = int(sum(self.counts))
         self.class_names = meta.get("class_names")
         self.sample_shape = tuple(meta["sample_shape"])
@@ -344,24 +366,68 @@ class ShardSamples(torch.utils.data.IterableDataset):
         size = meta.get("image_size")
         self.image_size = tuple(size) if size else None
         self.gray_only = bool(meta.get("gray_only", False))
-        self.seed, self.shuffle, self.shuffle_buffer = int(seed), bool(shuffle), int(shuffle_buffer)
+        paths = entry.get("paths")
+        self._paths_name = paths if isinstance(paths, str) and "/" not in paths and shards is None else None
+        self._paths: list[str] | None = None
         if rank is None or world_size is None:
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized():
                 rank, world_size = dist.get_rank(), dist.get_world_size()
             else:
                 rank, world_size = 0, 1
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..world_size-1, got rank={rank}, world_size={world_size}")
+        self.seed, self.shuffle, self.shuffle_buffer = int(seed), bool(shuffle), int(shuffle_buffer)
         self.rank, self.world_size = int(rank), int(world_size)
         self.equal_per_rank = self.shuffle if equal_per_rank is None else bool(equal_per_rank)
-        if self.equal_per_rank and self.num_samples < self.world_size:
-            raise ValueError(
-                f"{base}: {self.num_samples} samples cannot give each of {self.world_size} ranks one"
-            )
-        self.on_bad_sample = on_bad_sample
+        self.on_bad_sample, self.limit, self.batch = on_bad_sample, limit, batch
         self.epoch = 0
         self.member_limit = _member_limit()
+        self._check()
+
+    def _check(self) -> None:
+        if self.on_bad_sample not in BAD_SAMPLE_POLICIES:
+            raise ValueError(
+                f"on_bad_sample must be one of {', '.join(BAD_SAMPLE_POLICIES)}, got {self.on_bad_sample!r}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank must be in 0..world_size-1, got rank={self.rank}, world_size={self.world_size}"
+            )
+        if self.equal_per_rank and self.num_samples < self.world_size:
+            raise ValueError(
+                f"{self.base}: {self.num_samples} samples cannot give each of {self.world_size} ranks one"
+            )
+        if isinstance(self.batch, bool) or int(self.batch) < 1:
+            raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
+        if self.limit is not None and (isinstance(self.limit, bool) or int(self.limit) < 0):
+            raise ValueError(f"limit must be a non-negative integer or None, got {self.limit!r}")
+        if self.limit is not None and not self.equal_per_rank:
+            raise ValueError("limit applies to an equal_per_rank reader (a prefix of the epoch's order)")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+
+    _SETTINGS = (
+        "seed", "shuffle", "shuffle_buffer", "rank", "world_size", "equal_per_rank", "on_bad_sample",
+        "limit", "batch",
+    )  # fmt: skip
+
+    def configured(self, **changes: Any) -> ShardSamples:
+        """A copy with some of the reading settings changed (``seed``, ``shuffle``,
+        ``shuffle_buffer``, ``rank``, ``world_size``, ``equal_per_rank``, ``on_bad_sample``,
+        ``limit``, ``batch``); the epoch and the shard list are kept."""
+        unknown = sorted(set(changes) - set(self._SETTINGS))
+        if unknown:
+            raise TypeError(f"configured() got unknown setting(s) {', '.join(unknown)}")
+        out = copy.copy(self)
+        for key, value in changes.items():
+            setattr(out, key, value)
+        out.rank, out.world_size, out.seed = int(out.rank), int(out.world_size), int(out.seed)
+        out.shuffle_buffer = int(out.shuffle_buffer)
+        out._check()
+        return out
+
+    def for_evaluation(self) -> ShardSamples:
+        """Every sample once, in shard order, by one rank (its workers share the shards)."""
+        return self.configured(shuffle=False, equal_per_rank=False, rank=0, world_size=1, limit=None, batch=1)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next iteration follows (call before creating its iterator)."""
@@ -369,13 +435,46 @@ class ShardSamples(torch.utils.data.IterableDataset):
 
     @property
     def samples_per_rank(self) -> int:
-        """Items one rank yields an epoch under ``equal_per_rank``."""
-        return self.num_samples // self.world_size
+        """Items one rank yields an epoch under ``equal_per_rank`` (before the ``batch`` rounding)."""
+        per_rank = self.num_samples // self.world_size
+        return per_rank if self.limit is None else min(per_rank, int(self.limit))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_samples, *self.sample_shape)
 
     def __len__(self) -> int:
+        return self.num_samples
+
+    def batches_per_epoch(self, workers: int, *, drop_last: bool) -> int:
+        """Batches of :attr:`batch` a DataLoader with ``workers`` worker processes (``0``: one
+        stream) yields this epoch, each worker's last short batch dropped with ``drop_last``."""
         if self.equal_per_rank:
-            return self.samples_per_rank
-        return int(sum(self.counts[i] for i in self._order()[self.rank :: self.world_size]))
+            return self.samples_per_rank // self.batch
+        mine = self._order()[self.rank :: self.world_size]
+        streams = [mine[w :: max(1, workers)] for w in range(max(1, workers))]
+        sizes = [sum(self.counts[i] for i in s) for s in streams]
+        if drop_last:
+            return sum(n // self.batch for n in sizes)
+        return sum(-(-n // self.batch) for n in sizes)
+
+    def relative_path(self, i: int) -> str:
+        """Row ``i``'s path relative to its source's root, as :func:`write_shards` recorded it in
+        ``<split>-paths.json`` (read once, in this process); ``<split>/<i>`` without that file."""
+        if not 0 <= int(i) < self.num_samples:
+            raise IndexError(f"row {i} is out of bounds for {self.num_samples} samples")
+        if self._paths is None and self._paths_name is not None:
+            where = _join(self.base, self._paths_name)
+            try:
+                paths = json.loads(_read_all(where).decode("utf-8", "surrogateescape"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc})") from exc
+            if not isinstance(paths, list) or len(paths) != self.num_samples:
+                raise ValueError(f"{where}: expected a list of {self.num_samples} paths")
+            self._paths = [str(p) for p in paths]
+        if self._paths is None:
+            return f"{self.split}/{int(i)}"
+        return self._paths[int(i)]
 
     def _order(self) -> list[int]:
         if not self.shuffle:
@@ -409,6 +508,7 @@ class ShardSamples(torch.utils.data.IterableDataset):
                                 url, f"holds more samples than the {expected} of {META_NAME}"
                             )
                         sample["__shard__"] = url
+                        sample["__index__"] = self.starts[index] + got - 1
                         yield sample
                 finally:
                     with contextlib.suppress(OSError):
@@ -423,7 +523,7 @@ class ShardSamples(torch.utils.data.IterableDataset):
                 )
                 yield SkippedSample(where, problem, max(1, expected - got))
 
-    def _decode(self, sample: dict[str, Any]) -> tuple[np.ndarray, int, str] | SkippedSample:
+    def _decode(self, sample: dict[str, Any]) -> ShardItem | SkippedSample:
         where = f"{sample['__shard__']} sample {sample['__key__']}"
         try:
             if "cls" not in sample:
@@ -457,20 +557,20 @@ class ShardSamples(torch.utils.data.IterableDataset):
                     expected=self.sample_shape,
                     gray_only=self.gray_only,
                 )
-            return array, int(text), key
+            return ShardItem(array, int(text), key, int(sample["__index__"]))
         except BadSampleError as exc:
             if self.on_bad_sample == "raise":
                 raise
             return SkippedSample(exc.where, exc.problem)
 
-    def __iter__(self) -> Iterator[tuple[np.ndarray, int, str] | SkippedSample]:
+    def __iter__(self) -> Iterator[ShardItem | SkippedSample]:
         from webdataset import shuffle as buffer_shuffle
 
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if self.equal_per_rank:
-            per_rank = self.samples_per_rank
-            share = per_rank // workers + (1 if worker < per_rank % workers else 0)
+        if self.equal_per_rank:  # whole batches per worker: the rank's batch count ignores its workers
+            steps = self.samples_per_rank // self.batch
+            share = self.batch * (steps // workers + (1 if worker < steps % workers else 0))
         else:
             share = math.inf
         if share == 0:
@@ -550,12 +650,18 @@ def open_shards(
         )
         for split, picked in chosen.items()
     }  # fmt: skip
-    labels = {
-        split: _read_labels(base, split, meta["splits"][split])
-        if read_labels and chosen[split] is None
-        else None
-        for split in splits
-    }
+    labels: dict[str, np.ndarray | None] = {}
+    for split, samples in splits.items():
+        everything = _read_labels(base, split, meta["splits"][split]) if read_labels else None
+        if everything is None or chosen[split] is None:
+            labels[split] = everything
+            continue
+        offsets = {}  # a subset of the shards: their slices of the split's labels, in their order
+        start = 0
+        for s in meta["splits"][split]["shards"]:
+            offsets[s["name"]] = (start, start + int(s["num_samples"]))
+            start += int(s["num_samples"])
+        labels[split] = np.concatenate([everything[slice(*offsets[n])] for n in samples.shards])
     info = {
         "source": os.fspath(spec),
         "shards": {split: len(s.shards) for split, s in splits.items()},
@@ -634,8 +740,10 @@ def write_shards(
     ``[N, ...]``. A sample becomes ``<key>.<ext>`` (the encoded image bytes as the source's file
     stores them, when every row has them and one way to decode: JPEG / PNG stay compressed) or
     ``<key>.npy`` (the decoded row), ``<key>.cls`` (its label) and ``<key>.path`` (its path
-    relative to the source's root). A shard closes at ``samples_per_shard`` samples or
-    ``max_shard_bytes``. Shards are ``<split>-NNNNNN.tar``; :data:`META_NAME` is written last.
+    relative to the source's root); ``<split>-labels.npy`` and ``<split>-paths.json`` hold every
+    sample's label and path in shard order (what evaluation and ``marginkit embed`` read). A shard
+    closes at ``samples_per_shard`` samples or ``max_shard_bytes``. Shards are
+    ``<split>-NNNNNN.tar``; :data:`META_NAME` is written last.
     ``overwrite``: replace a finished shard set in ``out_dir`` (its metadata is removed first).
     """
     from marginkit.data.folder import _progress
@@ -702,7 +810,9 @@ def write_shards(
                     f"split {split!r}: expected {_rows(x)} integer labels, got {labels.dtype} {labels.shape}"
                 )
             writer = _SplitWriter(out, split, samples_per_shard, max_shard_bytes)
+            paths_file = (out / f"{split}-paths.json").open("w", encoding="utf-8", errors="surrogateescape")
             try:
+                paths_file.write("[")  # streamed: a million paths never sit in one Python list
                 for i in range(_rows(x)):
                     if encoded:
                         data, ext = x.encoded(i)
@@ -719,14 +829,18 @@ def write_shards(
                         },
                         len(data),
                     )
+                    paths_file.write(("," if i else "") + json.dumps(path))
                     if bar is not None:
                         bar.update(1)
+                paths_file.write("]\n")
             finally:
                 shards = writer.close()
+                paths_file.close()
             np.save(out / f"{split}-labels.npy", labels.astype(np.int64), allow_pickle=False)
             meta["splits"][split] = {
                 "num_samples": int(_rows(x)),
                 "labels": f"{split}-labels.npy",
+                "paths": f"{split}-paths.json",
                 "shards": shards,
             }
     finally:
