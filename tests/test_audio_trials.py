@@ -111,7 +111,8 @@ def test_missing_and_duplicate_utterances(tmp_path) -> None:
     path = tmp_path / "t.txt"
     path.write_text("1 a.wav b.wav\n0 a.wav c.wav\n")
     trials = read_trials(path)
-    with pytest.raises(ValueError, match=r"1 of the 3 utterances .* no embedding, e.g. 'c.wav'"):
+    missing = r"t.txt, line 2: utterance 'c.wav' is not in .*\(1 of the 3 utterances"
+    with pytest.raises(ValueError, match=missing):
         trial_scores(trials, np.eye(2), ["a.wav", "b.wav"])
     with pytest.raises(ValueError, match="more than once"):
         trial_scores(trials, np.eye(4), ["a.wav", "b.wav", "c.wav", "a.wav"])

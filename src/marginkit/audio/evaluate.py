@@ -15,9 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from marginkit.audio.trials import Trials, score_trials
+from marginkit.audio.trials import Trials, missing_message, score_trials
 
-__all__ = ["embed_utterances", "evaluate_trials", "relative_paths", "speaker_cohort"]
+__all__ = [
+    "as_dotted",
+    "embed_utterances",
+    "evaluate_trials",
+    "relative_paths",
+    "score_trial_parts",
+    "speaker_cohort",
+]
 
 
 def relative_paths(samples: Any) -> np.ndarray:
@@ -117,3 +124,53 @@ def evaluate_trials(
 def as_dotted(metrics: dict[str, Any], prefix: str = "trials") -> dict[str, Any]:
     """``{"trials.eer": ..., "trials.min_dcf_0.01": ...}``: the scalar entries under ``prefix``."""
     return {f"{prefix}.{k}": v for k, v in metrics.items() if isinstance(v, (int, float, str))}
+
+
+def score_trial_parts(
+    model: torch.nn.Module,
+    parts: Sequence[tuple[Any, np.ndarray, np.ndarray | torch.Tensor | None]],
+    trials: Trials,
+    *,
+    device: torch.device | str = "cpu",
+    workers: int | None = 0,
+    where: str = "the data",
+    cohort: np.ndarray | None = None,
+    top_k: int = 300,
+    bootstrap: int = 0,
+    seed: int = 0,
+) -> dict[str, object]:
+    """Score ``trials`` over the utterances of several sources, e.g. the train / val / test splits
+    of one data root, embedding only the rows the list names, each once.
+
+    Args:
+        parts: ``(samples, speaker labels [N], embeddings [N, D] or None)`` per source; given
+            embeddings of every row (from an evaluation that embedded the whole split, whole
+            utterances, eval mode) are reused instead of embedding again.
+        where: the data's name in the error raised (:func:`~marginkit.audio.trials.missing_message`,
+            with the trial file, line and path) when an utterance of the list is in no part;
+            checked before anything is embedded.
+        cohort, top_k, bootstrap, seed: as in :func:`~marginkit.audio.trials.score_trials`
+            (``bootstrap`` resamples the speakers of ``labels``).
+    """
+    names = [relative_paths(samples) for samples, _, _ in parts]
+    found = np.isin(trials.utterances, np.concatenate(names)) if names else np.zeros(0, bool)
+    if not found.all():
+        raise ValueError(missing_message(trials, ~found, where))
+    embeddings, paths, speakers = [], [], []
+    for (samples, labels, known), part_names in zip(parts, names, strict=True):
+        rows = np.flatnonzero(np.isin(part_names, trials.utterances))
+        if rows.size == 0:
+            continue
+        if known is not None and len(known) == len(samples):
+            emb, kept = np.asarray(torch.as_tensor(known)[torch.from_numpy(rows)].float()), rows
+        else:
+            emb, kept, _ = embed_utterances(model, samples, rows=rows, device=device, workers=workers)
+        embeddings.append(emb)
+        paths.append(part_names[kept])
+        speakers.append(np.asarray(labels)[kept])
+    metrics = score_trials(
+        trials, np.concatenate(embeddings), np.concatenate(paths), cohort=cohort, top_k=top_k,
+        bootstrap=bootstrap, speakers=np.concatenate(speakers).astype(str), seed=seed,
+    )  # fmt: skip
+    metrics["source"] = trials.source
+    return metrics

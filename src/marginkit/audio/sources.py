@@ -38,7 +38,14 @@ from marginkit.audio.io import MAX_SECONDS, audio_info, read_audio, read_crop
 from marginkit.data.loaders import RawSplits
 from marginkit.data.samples import LazySamples
 
-__all__ = ["AUDIO_EXTENSIONS", "AudioFiles", "read_audio_folder", "read_audio_source", "read_wav_scp"]
+__all__ = [
+    "AUDIO_EXTENSIONS",
+    "AudioFiles",
+    "read_audio_files",
+    "read_audio_folder",
+    "read_audio_source",
+    "read_wav_scp",
+]
 
 #: File suffixes ``audio:DIR`` lists (case-insensitive).
 AUDIO_EXTENSIONS = (".wav", ".flac")
@@ -248,6 +255,16 @@ def read_audio_folder(
     Labels are the indices of the sorted speaker names (their union over split folders). See the
     module doc for the split and what a row reads.
     """
+    files, y, speakers, parts = _folder_files(
+        directory, sample_rate=sample_rate, crop_seconds=crop_seconds, channel=channel, resample=resample
+    )
+    return _splits(str(Path(directory)), files, y, speakers, parts, test_fraction, split_seed)
+
+
+def _folder_files(
+    directory: str | os.PathLike[str], **options: Any
+) -> tuple[AudioFiles, np.ndarray, list[str], dict[str, np.ndarray] | None]:
+    """Every utterance of ``audio:DIR``, its speaker label, the speakers and the split folders' rows."""
     root = Path(directory)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such directory (expected one sub-folder of audio per speaker)")
@@ -264,14 +281,11 @@ def read_audio_folder(
             names.extend(f.relative_to(root).as_posix() for f in files)
             labels.extend([index[name]] * len(files))
             group_of.extend([g] * len(files))
-    files = AudioFiles(
-        names, names, sample_rate=sample_rate, crop_seconds=crop_seconds, channel=channel, resample=resample,
-        root=root,
-    )  # fmt: skip
+    files = AudioFiles(names, names, root=root, **options)
     y = np.asarray(labels, dtype=np.int64)
     groups_array = np.asarray(group_of)
     parts = {g: np.flatnonzero(groups_array == g) for g in groups} if split_layout else None
-    return _splits(str(root), files, y, speakers, parts, test_fraction, split_seed)
+    return files, y, speakers, parts
 
 
 def _read_table(path: Path, what: str) -> list[tuple[int, str, str]]:
@@ -336,6 +350,14 @@ def read_wav_scp(
     split_seed: int = 0,
 ) -> RawSplits:
     """``audio:wav.scp``: Kaldi's ``wav.scp`` and the ``utt2spk`` beside it (see the module doc)."""
+    files, y, speakers = _scp_files(
+        path, sample_rate=sample_rate, crop_seconds=crop_seconds, channel=channel, resample=resample
+    )
+    return _splits(str(Path(path)), files, y, speakers, None, test_fraction, split_seed)
+
+
+def _scp_files(path: str | os.PathLike[str], **options: Any) -> tuple[AudioFiles, np.ndarray, list[str]]:
+    """Every utterance of ``audio:wav.scp``, its speaker label and the speakers."""
     scp = Path(path)
     table = _read_table(scp, "wav.scp")
     utt2spk_path = scp.with_name("utt2spk")
@@ -362,11 +384,23 @@ def read_wav_scp(
     speakers = sorted({speaker_of[u] for u in names})
     index = {name: i for i, name in enumerate(speakers)}
     y = np.asarray([index[speaker_of[u]] for u in names], dtype=np.int64)
-    files = AudioFiles(
-        locations, names, sample_rate=sample_rate, crop_seconds=crop_seconds, channel=channel,
-        resample=resample, root=scp.parent,
-    )  # fmt: skip
-    return _splits(str(scp), files, y, speakers, None, test_fraction, split_seed)
+    return AudioFiles(locations, names, root=scp.parent, **options), y, speakers
+
+
+def read_audio_files(
+    location: str, *, sample_rate: int = 16000, channel: int | str = 0, resample: bool = True
+) -> tuple[AudioFiles, np.ndarray, list[str]]:
+    """Every utterance of ``audio:LOCATION``, unsplit and read whole (a trial list's data):
+    ``(files, speaker label of each row, speaker names)``."""
+    path = Path(location)
+    options: dict[str, Any] = {
+        "sample_rate": sample_rate, "crop_seconds": None, "channel": channel, "resample": resample,
+    }  # fmt: skip
+    if path.is_dir():
+        return _folder_files(path, **options)[:3]
+    if path.is_file():
+        return _scp_files(path, **options)
+    raise FileNotFoundError(f"audio:{location}: no such folder or wav.scp file")
 
 
 def read_audio_source(location: str, **options: Any) -> RawSplits:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["P_TARGETS", "Trials", "read_trials", "score_trials", "trial_scores"]
+__all__ = ["P_TARGETS", "Trials", "missing_message", "read_trials", "score_trials", "trial_scores"]
 
 #: The field's priors of minDCF: NIST SRE / wespeaker (0.01) and VoxSRC (0.05).
 P_TARGETS = (0.01, 0.05)
@@ -44,12 +44,14 @@ class Trials:
         utterances: ``[U]`` the distinct paths the list names, sorted (str array).
         pairs: ``[T, 2]`` int64 rows of each trial's enrolment and test utterance in ``utterances``.
         source: the file read (for messages).
+        lines: ``[T]`` int64 line number of each trial in ``source`` (for messages), or None.
     """
 
     labels: np.ndarray
     utterances: np.ndarray
     pairs: np.ndarray
     source: str
+    lines: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.labels.size)
@@ -86,6 +88,7 @@ def read_trials(path: str | os.PathLike[str]) -> Trials:
         raise ValueError(f"trial list {source!r} is not UTF-8 text (byte {err.start})") from None
     labels: list[bool] = []
     sides: list[str] = []
+    lines: list[int] = []
     for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split()
         if not fields or fields[0].startswith("#"):
@@ -107,6 +110,7 @@ def read_trials(path: str | os.PathLike[str]) -> Trials:
             )
         labels.append(_LABELS[label])
         sides.extend((enrol, test))
+        lines.append(number)
     if not labels:
         raise ValueError(f"trial list {source!r} holds no trials")
     label_array = np.asarray(labels, dtype=bool)
@@ -117,7 +121,23 @@ def read_trials(path: str | os.PathLike[str]) -> Trials:
             "EER and minDCF need both kinds"
         )
     utterances, inverse = np.unique(np.asarray(sides, dtype=str), return_inverse=True)
-    return Trials(label_array, utterances, inverse.reshape(-1, 2).astype(np.int64), source)
+    pairs = inverse.reshape(-1, 2).astype(np.int64)
+    return Trials(label_array, utterances, pairs, source, np.asarray(lines, dtype=np.int64))
+
+
+def missing_message(trials: Trials, missing: np.ndarray, where: str = "the data") -> str:
+    """What to say when the utterances ``missing`` (a bool mask over ``trials.utterances``) have no
+    row in ``where``: the file, the line of the first trial naming one, and that path."""
+    first = int(np.flatnonzero(missing[trials.pairs].any(axis=1))[0])
+    side = 0 if missing[trials.pairs[first, 0]] else 1
+    path = str(trials.utterances[trials.pairs[first, side]])
+    line = f", line {int(trials.lines[first])}" if trials.lines is not None else ""
+    count = int(missing.sum())
+    return (
+        f"{trials.source}{line}: utterance {path!r} is not in {where} ({count} of the "
+        f"{trials.utterances.size} utterances the list names are missing; paths must be relative to the "
+        "data root, as `marginkit embed` writes them in <split>_paths)"
+    )
 
 
 def _rows_of(trials: Trials, paths: Sequence[str] | np.ndarray) -> np.ndarray:
@@ -135,12 +155,7 @@ def _rows_of(trials: Trials, paths: Sequence[str] | np.ndarray) -> np.ndarray:
     at = np.searchsorted(ordered, trials.utterances).clip(max=max(ordered.size - 1, 0))
     found = ordered[at] == trials.utterances if ordered.size else np.zeros(trials.utterances.size, bool)
     if not found.all():
-        missing = trials.utterances[~found]
-        raise ValueError(
-            f"{missing.size} of the {trials.utterances.size} utterances that trial list "
-            f"{trials.source!r} names have no embedding, e.g. {str(missing[0])!r} (paths must be relative "
-            "to the data root, as in the list)"
-        )
+        raise ValueError(missing_message(trials, ~found, "the embedded utterances"))
     return order[at]
 
 

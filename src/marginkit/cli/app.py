@@ -195,6 +195,14 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         "(images), crop, time_mask (sequences); never at evaluation (default: none)",
     )
     g.add_argument(
+        "--trials",
+        dest="opt_trials",
+        metavar="FILE",
+        help="audio: a speaker-verification trial list ('1 id1/s1/00001.wav id2/s2/00003.wav', paths "
+        "relative to the audio: data root, in any split) scored after training, each utterance embedded "
+        "once: EER, minDCF at p_target 0.01 and 0.05, TAR@FAR under 'trials' in metrics.json (default: none)",
+    )
+    g.add_argument(
         "--pretrained",
         dest="opt_pretrained",
         action="store_const",
@@ -287,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json FILE")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
+    p.add_argument(
+        "--trials",
+        metavar="FILE",
+        help="score this speaker-verification trial list only, embedding exactly the utterances it names "
+        "(paths relative to the root of --data, an audio: source, every utterance of it; default: the "
+        "run's data): EER, minDCF at p_target 0.01 and 0.05, TAR@FAR under 'trials'; with --norm as-norm "
+        "[--top-k K, default 300] against the run's training speakers",
+    )
     _protocol_flags(p)
 
     p = sub.add_parser("embed", help="write embeddings of a data set to .npz", allow_abbrev=False)

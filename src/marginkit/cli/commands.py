@@ -117,6 +117,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
             rows.extend(_verification_rows(metrics[key], title))
     if isinstance(metrics.get("identification"), dict):
         rows.extend(_identification_rows(metrics["identification"]))
+    if isinstance(metrics.get("trials"), dict):
+        rows.extend(_trial_rows(metrics["trials"]))
     add("median margin gap (cos)", "margin_gap_median")
     add("mean support size", "support_size_mean")
     width = max((len(r[0]) for r in rows), default=10)
@@ -174,6 +176,37 @@ def _verification_rows(ver: dict[str, Any], title: str = "verification") -> list
     if "num_genuine" in ver:
         what = "test template pairs" if "num_templates" in ver else "test pairs"
         rows.append((what, f"{ver['num_genuine']} genuine / {ver.get('num_impostor')} impostor"))
+    return rows
+
+
+def _trial_rows(trials: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of a scored trial list (``metrics["trials"]``)."""
+    rows: list[tuple[str, str]] = [
+        ("trial list", f"{trials.get('source')}: {trials.get('num_target')} target / "
+                       f"{trials.get('num_nontarget')} non-target trials, {trials.get('num_utterances')} "
+                       "utterances"),
+    ]  # fmt: skip
+    if trials.get("norm") not in (None, "none"):
+        rows.append(("trials: score norm", str(trials["norm"])))
+    ci = trials.get("confidence_intervals") if isinstance(trials.get("confidence_intervals"), dict) else {}
+
+    def interval(value: Any) -> str:
+        ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, float) for v in value)
+        return f" [{value[0]:.4f}, {value[1]:.4f}]" if ok else ""
+
+    if isinstance(trials.get("eer"), (int, float)):
+        rows.append(("trials EER", f"{trials['eer']:.4f}{interval(ci.get('eer'))}"))
+    for p in ("0.01", "0.05"):
+        if isinstance(trials.get(f"min_dcf_{p}"), (int, float)):
+            rows.append((f"trials minDCF (p_target {p})", f"{trials[f'min_dcf_{p}']:.4f}"))
+    ci_tars = ci.get("tar_at_far") or {}
+    for far, tar in (trials.get("tar_at_far") or {}).items():
+        label = f"trials TAR @ FAR {float(far):.0e}"
+        text = f"{tar:.4f}{interval(ci_tars.get(far))}" if tar is not None else "not measurable"
+        rows.append((label, text))
+    if ci:
+        how = f"{ci.get('level', 0.95):.0%} speaker bootstrap, {ci.get('replicates')} replicates"
+        rows.append(("trials intervals [lo, hi]", f"{how} over {ci.get('num_subjects')} speakers"))
     return rows
 
 
@@ -274,6 +307,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except _config_errors() as exc:
         raise UserError(str(exc)) from exc
     splits = _load_splits(config)
+    _check_trials(config, splits)
     try:
         result = train(
             config,
@@ -332,6 +366,9 @@ def _other_splits(run: dict[str, Any], data: str | None) -> Any:
     except _config_errors() as exc:
         raise UserError(str(exc)) from exc
     other.data_options = {}
+    if config.data.startswith("audio:") and data.startswith("audio:"):  # the signal the model was trained on
+        signal = ("sample_rate", "crop_seconds", "channel", "resample")
+        other.data_options = {k: v for k, v in config.data_options.items() if k in signal}
     splits = _load_splits(other)
     if tuple(splits.input_shape) != tuple(run["facts"]["input_shape"]):
         raise UserError(
@@ -362,9 +399,60 @@ def _check_protocol_data(protocol: Any, splits: Any) -> None:
             check_protocol_data(protocol, splits)
 
 
+def _eval_trials(args: argparse.Namespace) -> int:
+    """``eval --trials FILE``: the trial list only (:func:`marginkit.train.evaluate.evaluate_run_trials`)."""
+    from marginkit.train.evaluate import evaluate_run_trials
+
+    other = [f for f, v in (("--protocol", args.protocol), ("--cohort", args.cohort), ("--k", args.k),
+                            ("--template-size", args.template_size)) if v is not None]  # fmt: skip
+    if other:
+        hint = (
+            "; the AS-norm cohort of a trial list is the run's training speakers: --norm as-norm [--top-k K]"
+            if other[0] == "--cohort"
+            else ""
+        )
+        raise UserError(
+            f"{other[0]} does not apply with --trials, which scores the trial list only (evaluate the "
+            f"test split in another `marginkit eval` without --trials){hint}"
+        )
+    if args.norm not in (None, "as-norm"):
+        raise UserError(f"--norm with --trials: as-norm only (adaptive S-norm), got {args.norm!r}")
+    if args.top_k is not None and args.norm is None:
+        raise UserError("--top-k needs --norm as-norm")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
+    out = _writable_file(args.json, overwrite=args.overwrite, flag="--json") if args.json else None
+    try:
+        with user_errors():
+            metrics = evaluate_run_trials(
+                args.run_dir, args.trials, data=args.data, device=args.device, which=args.checkpoint,
+                norm=args.norm, top_k=300 if args.top_k is None else args.top_k,
+            )  # fmt: skip
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+    print(f"run     {args.run_dir} ({metrics.get('checkpoint')}, epoch {metrics.get('epoch')})")
+    print(f"data    {metrics.get('data')}, model {metrics.get('model')}")
+    print(format_metrics(metrics))
+    if out is not None:
+        _write_output(out, lambda fh: fh.write((json.dumps(metrics, indent=2) + "\n").encode("utf-8")))
+    return 0
+
+
+def _check_trials(config: Any, splits: Any) -> None:
+    """A trial list (``--trials``) that cannot be scored on ``splits`` fails before any training."""
+    from marginkit.train.evaluate import check_trials
+
+    try:
+        check_trials(config, splits)
+    except _config_errors() as exc:
+        raise UserError(str(exc)) from exc
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from marginkit.train.evaluate import evaluate_run
 
+    if args.trials:
+        return _eval_trials(args)
     protocol = _protocol(args)
     out = _writable_file(args.json, overwrite=args.overwrite, flag="--json") if args.json else None
     run = _load_run(args.run_dir, args.checkpoint, args.device)
@@ -627,6 +715,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     base = base_config(losses, [*file_pairs, *cli_pairs])
     if protocol is not None:  # before any training
         _check_protocol_data(protocol, _load_splits(base, cache=True))
+    if base.trials:
+        _check_trials(base, _load_splits(base, cache=True))
     summary_text, report = run_compare(
         base, losses, seeds=args.seeds, out=args.out, quiet=args.quiet, overwrite=args.overwrite,
         file_pairs=file_pairs, cli_pairs=cli_pairs, jobs=args.jobs, protocol=protocol,

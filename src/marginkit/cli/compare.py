@@ -36,6 +36,8 @@ PROTOCOL_COLUMNS = {"verification": "ver", "verification_normalized": "ver_norm"
 PROTOCOL_SCORES = (
     "eer", "tar_at_far", "auc", "min_dcf", "cllr", "min_cllr", "actual_dcf", "cmc", "dir_at_fpir",
 )  # fmt: skip
+#: ``--trials`` results in a comparison's rows, as ``trials_<key>`` (``trials_min_dcf_0.01``, ...).
+TRIAL_SCORES = ("eer", "min_dcf_0.01", "min_dcf_0.05", "tar_at_far", "auc", "num_trials")
 
 #: The demo: eight losses on mnist1d with the cnn1d backbone.
 DEMO_LOSSES = ("softmax", "cosface", "arcface", "qmargin", "mep", "circle", "triplet", "local_triplet")
@@ -156,6 +158,8 @@ def _row_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         block = metrics.get(key)
         if isinstance(block, dict) and key != "verification":
             _flat_numbers(prefix, {k: v for k, v in block.items() if k in PROTOCOL_SCORES}, row)
+    if isinstance(metrics.get("trials"), dict):
+        _flat_numbers("trials", {k: v for k, v in metrics["trials"].items() if k in TRIAL_SCORES}, row)
     return row
 
 
@@ -264,7 +268,8 @@ _NOT_COLUMNS = ("loss", "kind", "n_seeds", "runs", "seconds", "description", "op
 _TABLE_COLUMN = re.compile(
     rf"({'|'.join(TABLE_METRICS)}"
     r"|(ver|ver_norm|tpl|tpl_norm)_(eer|auc|min_dcf|cllr|min_cllr|actual_dcf|tar_at_far_.+)"
-    r"|id_(cmc|dir_at_fpir)_.+)"
+    r"|id_(cmc|dir_at_fpir)_.+"
+    r"|trials_(eer|min_dcf_0\.01|min_dcf_0\.05|tar_at_far_.+))"
 )
 
 
@@ -289,12 +294,16 @@ def _run_one(
     """Train one run of the comparison, or reuse it (finished) or resume it (interrupted);
     then evaluate ``protocol`` on it unless its metrics.json holds that protocol already."""
     res = _train_one(config, run_dir, splits=splits, overwrite=overwrite)
-    # a reused run evaluated with another protocol (or with one, when none is asked) is re-evaluated
-    if res["metrics"].get("protocol") != (protocol.as_dict() if protocol is not None else None):
+    # a reused run evaluated with another protocol (or with one, when none is asked), or without
+    # this comparison's trial list, is re-evaluated
+    scored = (res["metrics"].get("trials") or {}).get("source")
+    if res["metrics"].get("protocol") != (protocol.as_dict() if protocol is not None else None) or (
+        config.trials and scored != config.trials
+    ):
         from marginkit.train.evaluate import evaluate_run
 
         with user_errors(f"{run_dir}: "):
-            res["metrics"] = evaluate_run(run_dir, splits=splits, protocol=protocol)
+            res["metrics"] = evaluate_run(run_dir, splits=splits, protocol=protocol, trials=config.trials)
     return res
 
 

@@ -64,7 +64,7 @@ SELECTIONS = ("auto", "knn_accuracy", "precision_at_1", "eer")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
 RUNTIME_KEYS = frozenset(
     {"device", "num_threads", "eval_batch_size", "collective_timeout", "checkpoint_every", "tracking"}
-    | {"workers", "sync_every"}
+    | {"workers", "sync_every", "trials"}
 )
 
 
@@ -122,7 +122,10 @@ class TrainConfig:
         ``selection`` — what chooses ``best.pt`` on the validation split: ``auto`` (K-NN accuracy
         against the training embeddings when the validation classes are training classes,
         leave-one-out precision@1 within validation when they are disjoint), ``knn_accuracy``,
-        ``precision_at_1`` or ``eer`` (of the validation pairs, lower is better).
+        ``precision_at_1`` or ``eer`` (of the validation pairs, lower is better);
+        ``trials`` — a speaker-verification trial list (VoxCeleb format, paths relative to the
+        ``audio:`` data root) scored after training into ``metrics.json`` ``trials``
+        (:mod:`marginkit.audio.trials`); it changes no training, so it may differ on ``--resume``.
     Runtime
         ``seed``, ``device`` (cpu | cuda | auto), ``num_threads`` (default: the available cores
         divided by the processes sharing them), ``deterministic``
@@ -188,6 +191,7 @@ class TrainConfig:
     knn_weights: str = "uniform"
     max_impostors: int | None = 200_000
     selection: str = "auto"
+    trials: str | None = None
     device: str = "cpu"
     num_threads: int | None = None
     deterministic: bool = True
@@ -391,6 +395,15 @@ def _own_model_named(c: TrainConfig, kind: str) -> str | None:
     return None
 
 
+def _trials_need_audio(c: TrainConfig, kind: str) -> str | None:
+    if c.trials is not None and not c.data.startswith("audio:"):
+        return (
+            f"trials (--trials) scores a speaker-verification trial list over the utterances of an audio "
+            f"source: --data must be audio:DIR or audio:wav.scp, got {c.data!r}"
+        )
+    return None
+
+
 #: Rules between fields: each returns the error message, or None. (Single values: ranges.py.)
 _RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
     _own_model_named,
@@ -399,6 +412,7 @@ _RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
     _batches_of_two,
     _pair_batches_have_positives,
     _pair_batches_have_negatives,
+    _trials_need_audio,
 )
 
 

@@ -36,6 +36,7 @@ training, as in the test).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -53,16 +54,19 @@ __all__ = [
     "BOOTSTRAP_REPLICATES",
     "check_k_fits",
     "check_selection",
+    "check_trials",
     "confusion_matrix",
     "data_note",
     "embed",
     "embed_split",
     "evaluate_model",
     "evaluate_run",
+    "evaluate_run_trials",
     "pca_2d",
     "roc_curve",
     "selection_metric",
     "selection_note",
+    "trial_metrics",
     "validation_metrics",
 ]
 
@@ -264,6 +268,159 @@ def check_selection(config: TrainConfig, splits: Any) -> None:
         raise ConfigError("selection=eer needs impostor pairs: at least 2 validation classes")
 
 
+#: Speaker splits a trial list's utterances are looked up in (paths relative to the data root).
+_TRIAL_SPLITS = ("train", "val", "test")
+
+
+def _read_trials(path: str) -> Any:
+    """The trial list at ``path``; a missing or malformed file is a :class:`ConfigError` naming it."""
+    from marginkit.audio.trials import read_trials
+    from marginkit.train.errors import ConfigError
+
+    try:
+        return read_trials(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_trials(config: TrainConfig, splits: Any, trials: str | None = None) -> None:
+    """Refuse, before training, a trial list (``trials``, default ``config.trials``) that cannot be
+    scored on ``splits``: a missing or malformed file, a source that is not audio, or an utterance
+    of the list that is in no split (the error names the file, the line and the path)."""
+    from marginkit.audio.evaluate import relative_paths
+    from marginkit.audio.trials import missing_message
+    from marginkit.train.errors import ConfigError
+
+    path = trials or config.trials
+    if not path:
+        return
+    if getattr(splits, "kind", None) != "audio":
+        raise ConfigError(
+            f"trials (--trials) scores a speaker-verification trial list over the utterances of an audio "
+            f"source: data {splits.name!r} is not audio (use --data audio:DIR or audio:wav.scp)"
+        )
+    listed = _read_trials(path)
+    parts = [getattr(splits, name) for name in _TRIAL_SPLITS]
+    names = np.concatenate([relative_paths(part.data) for part in parts if len(part)])
+    found = np.isin(listed.utterances, names)
+    if not found.all():
+        raise ConfigError(missing_message(listed, ~found, f"data {splits.name!r}"))
+
+
+def trial_metrics(
+    model: nn.Module,
+    splits: Any,
+    config: TrainConfig,
+    device: torch.device | str,
+    *,
+    trials: str | None = None,
+    known: dict[str, torch.Tensor] | None = None,
+    cohort: np.ndarray | None = None,
+    top_k: int = 300,
+) -> dict[str, Any]:
+    """EER, minDCF (p_target 0.01 and 0.05), TAR@FAR of a trial list (``trials``, default
+    ``config.trials``) over the utterances of every split of ``splits``, whatever split each is in,
+    with intervals from :data:`BOOTSTRAP_REPLICATES` replicates of the speaker bootstrap
+    (:func:`marginkit.audio.evaluate.score_trial_parts`, :func:`marginkit.audio.trials.score_trials`).
+
+    ``known``: ``{split: embeddings of all its rows}`` already computed, reused. ``cohort`` /
+    ``top_k``: AS-norm against these cohort rows (one per training speaker).
+    """
+    from marginkit.audio.evaluate import score_trial_parts
+    from marginkit.train.errors import ConfigError
+
+    path = trials or config.trials
+    if not path:
+        raise ConfigError("no trial list: pass trials= or set the run's trials option")
+    check_trials(config, splits, path)
+    parts = [
+        (part.data, part.y.numpy(), (known or {}).get(name))
+        for name in _TRIAL_SPLITS
+        if len(part := getattr(splits, name))
+    ]
+    return score_trial_parts(
+        model, parts, _read_trials(path), device=device, workers=config.workers,
+        where=f"data {splits.name!r}", cohort=cohort, top_k=top_k, bootstrap=BOOTSTRAP_REPLICATES,
+        seed=config.seed,
+    )  # fmt: skip
+
+
+def evaluate_run_trials(
+    run_dir: str | Path,
+    trials: str,
+    *,
+    data: str | None = None,
+    device: torch.device | str = "cpu",
+    which: str = "best",
+    norm: str | None = None,
+    top_k: int = 300,
+) -> dict[str, Any]:
+    """Score a trial list with ``RUN_DIR/{which}.pt``, embedding exactly the utterances it names.
+
+    ``data`` (default: the run's own) is the ``audio:`` source whose root the list's paths are
+    relative to; every utterance of it is eligible, unsplit (another folder of unseen speakers
+    is the usual case). ``norm="as-norm"``: adaptive S-norm against a cohort of the run's
+    *training* speakers (:func:`marginkit.audio.evaluate.speaker_cohort`: the mean unit embedding
+    of 3 utterances each), the ``min(top_k, speakers)`` largest cohort scores of each side.
+
+    Returns ``{"run", "checkpoint", "epoch", "data", "model", "fingerprint", "trials": {...}}``,
+    ``trials`` as in :func:`trial_metrics`. Writes nothing.
+    """
+    from marginkit.audio.evaluate import score_trial_parts, speaker_cohort
+    from marginkit.audio.sources import read_audio_files
+    from marginkit.train.components import load_splits, resolve_model_name
+    from marginkit.train.errors import ConfigError
+    from marginkit.train.rundir import load_run
+
+    if norm not in (None, "as-norm"):
+        raise ConfigError(f"a trial list is normalised with as-norm only, got norm {norm!r}")
+    if top_k < 1:
+        raise ConfigError(f"top_k must be >= 1 (cohort scores kept by as-norm), got {top_k}")
+    run = load_run(run_dir, which, device)
+    config: TrainConfig = run["config"]
+    spec = data or config.data
+    if not spec.startswith("audio:") or run["facts"].get("kind") != "audio":
+        what = f"data {spec!r}" if not spec.startswith("audio:") else f"the run's data {config.data!r}"
+        raise ConfigError(
+            f"--trials scores a speaker-verification trial list over the utterances of an audio source "
+            f"with a speaker model: {what} is not audio (use --data audio:DIR or audio:wav.scp)"
+        )
+    listed = _read_trials(trials)
+    own = spec == config.data
+    splits = load_splits(config) if own or norm else None
+    if own:
+        parts = [(part.data, part.y.numpy(), None) for n in _TRIAL_SPLITS if len(part := getattr(splits, n))]
+    else:  # the signal options the model was trained with; no split
+        signal = {k: config.data_options[k] for k in ("sample_rate", "channel", "resample") if k in
+                  config.data_options}  # fmt: skip
+        try:
+            files, labels, _ = read_audio_files(spec[len("audio:") :], **signal)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        parts = [(files, labels, None)]
+    model = run["model"]
+    cohort = None
+    if norm:
+        cohort = speaker_cohort(
+            model, splits.train.data, splits.train.y.numpy(), seed=config.seed, device=device,
+            workers=config.workers,
+        )  # fmt: skip
+    try:
+        found = score_trial_parts(
+            model, parts, listed, device=device, workers=config.workers, where=f"data {spec!r}",
+            cohort=cohort, top_k=top_k, bootstrap=BOOTSTRAP_REPLICATES, seed=config.seed,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    facts = run["facts"]
+    ckpt = run["checkpoint"]
+    return _jsonable({
+        "run": str(run_dir), "checkpoint": Path(run["path"]).name, "epoch": int(ckpt["epoch"]), "data": spec,
+        "model": resolve_model_name(config, tuple(facts["input_shape"]), facts.get("name", "")),
+        "fingerprint": run["fingerprint"], "trials": found,
+    })  # fmt: skip
+
+
 def data_note(splits: Any) -> str:
     """The log's line on the data: its splits' sizes and classes, closed- or open-set, and how
     the classes were split."""
@@ -363,11 +520,14 @@ def evaluate_model(
     *,
     k: int | None = None,
     protocol: Any = None,
+    trials: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], Any]:
     """Test metrics, the report's arrays, and the K-NN index fitted on the training embeddings.
 
     ``protocol`` (a :class:`marginkit.train.protocols.ProtocolOptions`) adds that protocol's
-    metrics and curves (:func:`marginkit.train.protocols.evaluate_protocol`).
+    metrics and curves (:func:`marginkit.train.protocols.evaluate_protocol`). ``trials`` (default:
+    ``config.trials``) adds ``metrics["trials"]``: the trial list scored over the utterances of
+    every split (:func:`trial_metrics`), the train and test embeddings reused.
     """
     from marginkit.knn import model_fingerprint
     from marginkit.metrics import (
@@ -446,6 +606,11 @@ def evaluate_model(
         )  # fmt: skip
         metrics.update(_jsonable(found))
         arrays.update(curves)
+    if trials or config.trials:
+        known = {"train": train_emb, "test": test_emb}
+        metrics["trials"] = _jsonable(
+            trial_metrics(model, splits, config, device, trials=trials, known=known)
+        )
     cutoffs = _retrieval_cutoffs(y_test)
     if cutoffs:
         retrieval = retrieval_metrics(test_emb, y_test, metric=config.knn_metric, ks=cutoffs)
@@ -492,9 +657,10 @@ def evaluate_checkpoint(
     k: int | None = None,
     protocol: Any = None,
     model: Any = None,
+    trials: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], Any, bool]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (``None``: the run's own data set), as
-    :func:`evaluate_run` does, but write nothing. ``model``: as in :func:`evaluate_run`.
+    :func:`evaluate_run` does, but write nothing. ``model``, ``trials``: as in :func:`evaluate_run`.
 
     Returns the (JSON-able) metrics, the report's arrays, the K-NN index fitted on the
     training embeddings, and whether ``splits`` is the run's own data set.
@@ -517,7 +683,11 @@ def evaluate_checkpoint(
     head = run["head"]
     if head is not None and splits.num_classes != run["facts"]["num_classes"]:
         head = None  # another label space: the head's classes mean nothing here
-    metrics, arrays, knn = evaluate_model(run["model"], head, splits, config, device, k=k, protocol=protocol)
+    if not own_data:  # the run's trial list names utterances of its own data root
+        config = dataclasses.replace(config, trials=None)
+    metrics, arrays, knn = evaluate_model(
+        run["model"], head, splits, config, device, k=k, protocol=protocol, trials=trials
+    )
     ckpt = run["checkpoint"]
     metrics["checkpoint"] = Path(run["path"]).name
     metrics["epoch"] = int(ckpt["epoch"])
@@ -545,6 +715,7 @@ def evaluate_run(
     report: bool = True,
     protocol: Any = None,
     model: Any = None,
+    trials: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
 
@@ -553,14 +724,16 @@ def evaluate_run(
     with ``report``, ``report.html``, holding the run directory's lock. Returns the metrics.
     ``protocol``: see :func:`evaluate_model`. ``model``: for a run that trained your own module
     (``train(..., model=module)``), a new instance of its class (the checkpoint's weights go
-    into it).
+    into it). ``trials``: a trial list to score into ``metrics["trials"]`` (default: the run's
+    ``trials`` option, on its own data; see :func:`trial_metrics`).
     """
     from marginkit.train.rundir import RunDir
 
     with RunDir(run_dir, create=False) if write else contextlib.nullcontext() as rundir:
         metrics, arrays, knn, own_data = evaluate_checkpoint(
-            run_dir, splits=splits, device=device, which=which, k=k, protocol=protocol, model=model
-        )
+            run_dir, splits=splits, device=device, which=which, k=k, protocol=protocol, model=model,
+            trials=trials,
+        )  # fmt: skip
         if rundir is not None and own_data:
             rundir.write_results(metrics, arrays, knn, report=report)
     return metrics

@@ -64,6 +64,7 @@ from marginkit.train.errors import CheckpointError, ConfigError, RunDirError, Tr
 from marginkit.train.evaluate import (
     check_k_fits,
     check_selection,
+    check_trials,
     data_note,
     evaluate_checkpoint,
     selection_note,
@@ -424,6 +425,7 @@ def _restore(
     facts = data_facts(splits)
     check_k_fits(config, splits)
     check_selection(config, splits)
+    check_trials(config, splits)  # a trial list's file and paths, before any training
     log(data_note(splits))
     log(selection_note(config, splits))
     model, head, loss_fn = build_components(config, facts, device, own_model)
@@ -759,7 +761,7 @@ def _final_evaluation(run: _Run, *, report: bool) -> dict[str, Any]:
     if run.rundir is not None:
         own = copy.deepcopy(run.model) if run.config.model == CUSTOM_MODEL else None  # best.pt goes into it
         metrics, arrays, knn, _ = evaluate_checkpoint(
-            run.run_dir, splits=run.splits, device=run.device, model=own
+            run.run_dir, splits=run.splits, device=run.device, model=own, trials=run.config.trials
         )
         skipped = sorted(set(run.splits.info.get("skipped_samples", [])) | set(run.loader.skipped))
         if skipped or run.splits.on_bad_sample == "skip":  # never silently: counted, the first named
