@@ -71,9 +71,9 @@ DATASETS: tuple[str, ...] = (
     "mnist1d", "digits", "breast_cancer", "identities", "mnist-sample", "japanese-vowels",
 )  # fmt: skip
 #: ``scheme:PATH`` prefixes for users' own files.
-FILE_FORMATS: tuple[str, ...] = ("npz", "mnist-idx", "cifar10", "folder", "features", "csv", "rec")
+FILE_FORMATS: tuple[str, ...] = ("npz", "mnist-idx", "cifar10", "folder", "features", "csv", "rec", "wds")
 #: Schemes always streamed from their files (never decoded whole into memory).
-STREAMED_FORMATS: tuple[str, ...] = ("rec",)
+STREAMED_FORMATS: tuple[str, ...] = ("rec", "wds")
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,8 @@ FILE_FORMAT_INFO: dict[str, str] = {
     "csv": "a CSV manifest in OML's convention: path, label, split (is_query, is_gallery optional), "
     "paths relative to the file",
     "rec": "insightface's train.rec + train.idx (+ property) in DIR, read without mxnet; always streamed",
+    "wds": "WebDataset tar shards written by marginkit pack (DIR, URL/, FILE.tar or a brace pattern); "
+    "read front to back by the loader's workers; always streamed",
     "features": "feature vectors in an .npz: x [N, D], y [N] (x_test, y_test, x_val, y_val optional)",
 }
 
@@ -516,6 +518,22 @@ def _rec(
     )  # fmt: skip
 
 
+def _wds(rest: str, *, shuffle_buffer: int = 1000) -> RawSplits:
+    from marginkit.data.shard_rows import read_shard_source
+
+    if not rest:
+        raise ValueError("dataset spec 'wds:' needs a folder, URL or shard pattern after the colon")
+    got = read_shard_source(rest, shuffle_buffer=shuffle_buffer)
+    rows, y = got["rows"], got["labels"]
+    x = {name: rows[rows.split_rows(name)] for name in ("train", "val", "test")}
+    empty = np.zeros(0, dtype=np.int64)
+    return RawSplits(
+        x["train"], y["train"], x["test"], y.get("test", empty),
+        x_val=x["val"] if "val" in y else None, y_val=y.get("val"), kind=rows.kind,
+        class_names=got["class_names"], info={"source": f"wds:{rest}", "shards": got["info"]},
+    )  # fmt: skip
+
+
 def _features(
     rest: str, *, test_fraction: float = 0.2, split_seed: int = 0, standardize: bool = True
 ) -> RawSplits:
@@ -543,6 +561,7 @@ _FILE_READERS: dict[str, Callable[..., RawSplits]] = {
     "features": _features,
     "csv": _csv,
     "rec": _rec,
+    "wds": _wds,
 }
 
 

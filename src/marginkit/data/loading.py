@@ -51,6 +51,7 @@ __all__ = [
     "default_workers",
     "epoch_seed",
     "is_in_memory",
+    "is_sequential",
     "worker_failure",
 ]
 
@@ -123,6 +124,28 @@ class Batch(NamedTuple):
 
 def _identity(batch: Batch) -> Batch:  # module level: workers pickle the collate function
     return batch
+
+
+class _CollateItems:
+    """A shard reader's items as one :class:`Batch`: stacked samples, ``y`` their rows in the
+    view (the loader turns them into labels), skipped samples' places named."""
+
+    def __init__(self, total: int, shape: tuple[int, ...], dtype: Any) -> None:
+        self.total, self.shape, self.dtype = total, shape, dtype
+
+    def __call__(self, items: list[Any]) -> Batch:
+        kept = [it for it in items if hasattr(it, "sample")]
+        skipped = tuple(f"{it.where}: {it.problem}" for it in items if not hasattr(it, "sample"))
+        rows = torch.tensor([it.index for it in kept], dtype=torch.long)
+        if not kept:
+            empty = torch.from_numpy(np.empty((0, *self.shape), dtype=self.dtype))
+            return Batch(empty, rows, self.total, skipped)
+        return Batch(torch.from_numpy(np.stack([it.sample for it in kept])), rows, self.total, skipped)
+
+
+def is_sequential(data: Any) -> bool:
+    """Whether ``data`` is read front to back (a shard set's rows), not row by row."""
+    return bool(getattr(data, "sequential", False))
 
 
 class SplitDataset(Dataset):
@@ -264,6 +287,7 @@ class Loader:
         training: bool = True,
         on_bad_sample: str = "raise",
         timeout: float = READ_TIMEOUT,
+        limit: int | None = None,
     ) -> None:
         self.dataset = SplitDataset(data, labels, seed=seed, on_bad_sample=on_bad_sample)
         self.batches = Batches(plan, share=share, epoch=training)
@@ -279,11 +303,68 @@ class Loader:
         self.timeout = float(timeout)
         self.skipped: list[str] = []
         self._loader: DataLoader | None = None
+        self._rows: torch.Tensor | None = None  # a shard reader's view rows -> the split's rows
+        self._reader: Any = None
+        if is_sequential(self.dataset.data):
+            self._reader = self._shard_reader(plan, share, training, limit)
+
+    def _shard_reader(
+        self, plan: Any, share: Callable[[int], slice] | None, training: bool, limit: int | None
+    ) -> Any:
+        """The :class:`~marginkit.data.shards.ShardSamples` that reads a shard source's batches:
+        in training ``plan`` must be seeded shuffled batches (their size; the order is the
+        shards' own), at evaluation consecutive batches over any rows (read in shard order)."""
+        data = self.dataset.data
+        options = {"seed": self.dataset.seed, "on_bad_sample": self.dataset.on_bad_sample}
+        if isinstance(plan, ShuffledBatches):
+            total = plan.size
+            if share is not None:  # this rank reads its share of every global batch from its own shards
+                part = share(total)
+                rank, world = _rank_and_world()
+                options.update(batch=part.stop - part.start, rank=rank, world_size=world)
+            else:
+                options.update(batch=total)
+            self.total = total
+            return data.reader(training=True, limit=limit, **options)
+        if isinstance(plan, FixedBatches) and not training:
+            index = plan.index
+            if not torch.equal(index, torch.arange(len(data))):
+                data = data[index.numpy()]
+                self._rows = index
+            self.total = plan.size
+            self._drop_last = plan.drop_last
+            return data.reader(training=False, batch=plan.size, **options)
+        raise ValueError(
+            f"{getattr(data, 'spec', 'a shard set')}: shard sources are read in seeded shuffled batches "
+            "(class-level losses) or in order (evaluation); the P×K batches of pair losses need a "
+            "source read row by row (folder:, csv:, rec:, npz:), or pack the pairs' classes into it"
+        )
 
     def __len__(self) -> int:
+        if self._reader is not None:
+            if self._reader.equal_per_rank:
+                return self._reader.samples_per_rank // self._reader.batch
+            return self._reader.batches_per_epoch(max(1, self.workers), drop_last=self._drop_last)
         return len(self.batches)
 
+    _drop_last = True
+
     def _dataloader(self) -> DataLoader:
+        if self._loader is None and self._reader is not None:
+            reader = self._reader
+            self._loader = DataLoader(
+                reader,
+                batch_size=reader.batch,
+                collate_fn=_CollateItems(self.total, tuple(reader.sample_shape), reader.dtype),
+                num_workers=self.workers,
+                pin_memory=self.device.type == "cuda",
+                # not persistent: the epoch (the shards' order) reaches the workers when they start
+                persistent_workers=False,
+                timeout=self.timeout if self.workers > 0 else 0,
+                prefetch_factor=2 if self.workers > 0 else None,
+                drop_last=self._drop_last,
+                generator=torch.Generator().manual_seed(self.dataset.seed),
+            )
         if self._loader is None:
             self._loader = DataLoader(
                 self.dataset,
@@ -303,6 +384,8 @@ class Loader:
     def epoch(self, epoch: int = 0) -> Iterator[Batch]:
         """The batches of ``epoch`` (host tensors in the source's dtype, pinned for CUDA)."""
         self.batches.set_epoch(epoch)
+        if self._reader is not None:
+            self._reader.set_epoch(epoch)
         batches = iter(self._dataloader())
         while True:
             try:
@@ -315,6 +398,9 @@ class Loader:
                 raise _unwrapped(exc) from None
             if batch.skipped:
                 self.skipped.extend(batch.skipped)
+            if self._reader is not None:  # rows of the view -> rows of the split -> labels
+                rows = batch.y if self._rows is None else self._rows[batch.y]
+                batch = batch._replace(y=self.dataset.labels[rows])
             yield batch
 
     def close(self) -> None:
@@ -379,6 +465,13 @@ def read_all(
         out = np.empty((0, *shape), dtype=getattr(data, "dtype", np.uint8))
     index = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
     return out[:done], index, loader.skipped
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 _WORKER_FAILURES = ("DataLoader worker (pid", "DataLoader timed out after")

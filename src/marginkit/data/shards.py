@@ -379,6 +379,7 @@ class ShardSamples(torch.utils.data.IterableDataset):
         self.rank, self.world_size = int(rank), int(world_size)
         self.equal_per_rank = self.shuffle if equal_per_rank is None else bool(equal_per_rank)
         self.on_bad_sample, self.limit, self.batch = on_bad_sample, limit, batch
+        self.position: np.ndarray | None = None
         self.epoch = 0
         self.member_limit = _member_limit()
         self._check()
@@ -392,9 +393,9 @@ class ShardSamples(torch.utils.data.IterableDataset):
             raise ValueError(
                 f"rank must be in 0..world_size-1, got rank={self.rank}, world_size={self.world_size}"
             )
-        if self.equal_per_rank and self.num_samples < self.world_size:
+        if self.equal_per_rank and self.num_selected < self.world_size:
             raise ValueError(
-                f"{self.base}: {self.num_samples} samples cannot give each of {self.world_size} ranks one"
+                f"{self.base}: {self.num_selected} samples cannot give each of {self.world_size} ranks one"
             )
         if isinstance(self.batch, bool) or int(self.batch) < 1:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
@@ -404,16 +405,26 @@ class ShardSamples(torch.utils.data.IterableDataset):
             raise ValueError("limit applies to an equal_per_rank reader (a prefix of the epoch's order)")
         if self.shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        if self.position is not None and (
+            not isinstance(self.position, np.ndarray) or self.position.shape != (self.num_samples,)
+        ):
+            raise ValueError(f"position must be an int64 array of {self.num_samples} entries (one a sample)")
 
     _SETTINGS = (
         "seed", "shuffle", "shuffle_buffer", "rank", "world_size", "equal_per_rank", "on_bad_sample",
-        "limit", "batch",
+        "limit", "batch", "position",
     )  # fmt: skip
 
     def configured(self, **changes: Any) -> ShardSamples:
         """A copy with some of the reading settings changed (``seed``, ``shuffle``,
         ``shuffle_buffer``, ``rank``, ``world_size``, ``equal_per_rank``, ``on_bad_sample``,
-        ``limit``, ``batch``); the epoch and the shard list are kept."""
+        ``limit``, ``batch``, ``position``); the epoch and the shard list are kept.
+
+        ``position``: ``None`` (every sample) or an int64 array with one entry per sample (shard
+        order): ``-1`` skips the sample unread (its bytes pass, nothing is decoded), any other
+        value is yielded as the item's ``index`` — a view's row numbers (a class-disjoint split,
+        a validation carve-out) read in shard order. Counts (``samples_per_rank``, the equal
+        shares) are then of the selected samples, and shards holding none are not opened."""
         unknown = sorted(set(changes) - set(self._SETTINGS))
         if unknown:
             raise TypeError(f"configured() got unknown setting(s) {', '.join(unknown)}")
@@ -422,7 +433,40 @@ class ShardSamples(torch.utils.data.IterableDataset):
             setattr(out, key, value)
         out.rank, out.world_size, out.seed = int(out.rank), int(out.world_size), int(out.seed)
         out.shuffle_buffer = int(out.shuffle_buffer)
+        if "position" in changes:
+            out._selected = None
         out._check()
+        return out
+
+    _selected: list[int] | None = None
+
+    def _selected_counts(self) -> list[int]:
+        """Samples each shard yields under :attr:`position` (its count without one)."""
+        if self.position is None:
+            return self.counts
+        if self._selected is None:
+            chosen = (self.position >= 0).astype(np.int64)
+            self._selected = np.add.reduceat(chosen, self.starts[:-1]).tolist() if self.counts else []
+        return self._selected
+
+    @property
+    def num_selected(self) -> int:
+        """Samples an evaluation pass yields (all, or those :attr:`position` selects)."""
+        return int(sum(self._selected_counts()))
+
+    @staticmethod
+    def joined(parts: list[ShardSamples]) -> ShardSamples:
+        """The shards of several splits of one set as one reader: rows run through ``parts`` in
+        order (a pooled view reads train, val and test shards together)."""
+        if len(parts) == 1:
+            return parts[0]
+        out = copy.copy(parts[0])
+        out.split = "+".join(p.split for p in parts)
+        out.shards = [n for p in parts for n in p.shards]
+        out.counts = [c for p in parts for c in p.counts]
+        out.starts = np.concatenate([[0], np.cumsum(out.counts)]).astype(np.int64).tolist()
+        out.num_samples = int(sum(out.counts))
+        out._paths_name, out._paths, out._selected, out.position = None, None, None, None
         return out
 
     def for_evaluation(self) -> ShardSamples:
@@ -436,7 +480,7 @@ class ShardSamples(torch.utils.data.IterableDataset):
     @property
     def samples_per_rank(self) -> int:
         """Items one rank yields an epoch under ``equal_per_rank`` (before the ``batch`` rounding)."""
-        per_rank = self.num_samples // self.world_size
+        per_rank = self.num_selected // self.world_size
         return per_rank if self.limit is None else min(per_rank, int(self.limit))
 
     @property
@@ -453,7 +497,8 @@ class ShardSamples(torch.utils.data.IterableDataset):
             return self.samples_per_rank // self.batch
         mine = self._order()[self.rank :: self.world_size]
         streams = [mine[w :: max(1, workers)] for w in range(max(1, workers))]
-        sizes = [sum(self.counts[i] for i in s) for s in streams]
+        counts = self._selected_counts()
+        sizes = [sum(counts[i] for i in s) for s in streams]
         if drop_last:
             return sum(n // self.batch for n in sizes)
         return sum(-(-n // self.batch) for n in sizes)
@@ -478,8 +523,13 @@ class ShardSamples(torch.utils.data.IterableDataset):
 
     def _order(self) -> list[int]:
         if not self.shuffle:
-            return list(range(len(self.shards)))
-        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shards)).tolist()
+            order = list(range(len(self.shards)))
+        else:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shards)).tolist()
+        if self.position is None:
+            return order
+        counts = self._selected_counts()
+        return [i for i in order if counts[i]]
 
     def _passes(self, worker: int, workers: int) -> Iterator[list[int]]:
         """The worker's shards: its deal of this epoch's permutation, then (under
@@ -507,8 +557,13 @@ class ShardSamples(torch.utils.data.IterableDataset):
                             raise BadSampleError(
                                 url, f"holds more samples than the {expected} of {META_NAME}"
                             )
+                        row = self.starts[index] + got - 1
+                        if self.position is not None:
+                            row = int(self.position[row])
+                            if row < 0:  # not in this view: passed over, never decoded
+                                continue
                         sample["__shard__"] = url
-                        sample["__index__"] = self.starts[index] + got - 1
+                        sample["__index__"] = row
                         yield sample
                 finally:
                     with contextlib.suppress(OSError):

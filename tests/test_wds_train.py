@@ -1,0 +1,157 @@
+"""``wds:`` shard sets through load_dataset, the loader and the trainer: the same splits and
+metrics as the folder they were packed from, labels that follow their rows through pooled and
+filtered views, equal steps whatever the worker count, and clear refusals (issue 35)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from marginkit.data import load_dataset
+from marginkit.data.datasets import read_source
+from marginkit.data.loading import FixedBatches, Loader, ShuffledBatches, evaluation_loader
+from marginkit.data.shards import write_shards
+from marginkit.train import TrainConfig, train
+from marginkit.train.errors import ConfigError
+
+CLASSES, PER_CLASS = 6, 12
+
+
+def _folder(root):
+    """Images whose red channel is ``20 * class`` everywhere: a batch's labels can be read off
+    its pixels."""
+    rng = np.random.default_rng(0)
+    for c in range(CLASSES):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(PER_CLASS):
+            pixels = rng.integers(0, 256, size=(10, 10, 3))
+            pixels[..., 0] = 20 * c
+            Image.fromarray(pixels.astype(np.uint8)).save(root / f"c{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wds")
+    folder = _folder(root / "images")
+    write_shards(read_source(f"folder:{folder}"), root / "shards", samples_per_shard=7, progress=False)
+    return folder, root / "shards"
+
+
+def _class_of(x: torch.Tensor) -> torch.Tensor:
+    return x[:, 0, 0, 0].long() // 20
+
+
+def _names(data) -> list[str]:
+    return list(data.class_names)
+
+
+def test_wds_splits_equal_the_folder_splits(packed):
+    """The source's splits (and the validation rows carved from its training split), and the
+    class splits of the pooled rows. (A carve-out from pooled rows follows the pool's order: the
+    folder's files in order, the shard set's training rows, then its test rows.)"""
+    folder, shards = packed
+    pooled = {"val_fraction": 0.0}
+    for options in ({}, {"split": "classes", "test_classes": 2, **pooled}, {"split": "halves", **pooled}):
+        a = load_dataset(f"folder:{folder}", stream=True, seed=3, **options)
+        b = load_dataset(f"wds:{shards}", seed=3, **options)
+        assert b.train.streamed and "wds: sources always are" in b.info["pipeline"]
+        assert (a.num_classes, a.open_set, _names(a)) == (b.num_classes, b.open_set, _names(b))
+        for side in ("train", "val", "test"):
+            sa, sb = getattr(a, side), getattr(b, side)
+            paths_a = [sa.data.relative_path(i) for i in range(len(sa))]
+            paths_b = [sb.data.relative_path(i) for i in range(len(sb))]
+            order = np.argsort(paths_a)
+            assert sorted(paths_a) == sorted(paths_b), (options, side)
+            by_path = dict(zip(paths_b, sb.y.tolist(), strict=True))
+            assert [by_path[paths_a[i]] for i in order] == sa.y[order].tolist(), (options, side)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_training_batches_carry_the_labels_of_their_rows(packed, workers):
+    _, shards = packed
+    data = load_dataset(f"wds:{shards}", split="classes", test_classes=2, val_fraction=0.25, seed=1)
+    names = _names(data)
+    class_of_label = torch.tensor([int(n[1:]) for n in names])
+    train = data.train
+    loader = Loader(train.data, train.y, ShuffledBatches(len(train), 8, seed=5), workers=workers, seed=5)
+    try:
+        epochs = []
+        for epoch in (0, 1):
+            batches = list(loader.epoch(epoch))
+            assert len(batches) == len(loader) == len(train) // 8
+            assert all(len(b.x) == 8 and b.total == 8 and b.x.dtype == torch.uint8 for b in batches)
+            for b in batches:
+                assert torch.equal(class_of_label[b.y], _class_of(b.x))
+            epochs.append(torch.cat([b.y for b in batches]))
+        assert not torch.equal(epochs[0], epochs[1])  # each epoch has its own order
+        again = [b.y for b in Loader(train.data, train.y, ShuffledBatches(len(train), 8, seed=5),
+                                     workers=workers, seed=5).epoch(0)]  # fmt: skip
+        assert torch.equal(torch.cat(again), epochs[0])  # seeded
+        # training never reads a validation or test row: every label is a training class
+        assert int(torch.cat(epochs).max()) < data.num_classes
+    finally:
+        loader.close()
+
+
+def test_evaluation_reads_every_row_of_a_view_once(packed):
+    _, shards = packed
+    data = load_dataset(f"wds:{shards}", split="classes", test_classes=2, seed=1)
+    test = data.test
+    n = len(test)
+    loader = evaluation_loader(test.data, torch.arange(n), batch_size=5, workers=2)
+    rows = torch.cat([b.y for b in loader.epoch()])
+    assert sorted(rows.tolist()) == list(range(n))
+    subset = torch.tensor([n - 1, 0, 3])  # any rows, in any order: read in shard order, named by row
+    loader = evaluation_loader(test.data, torch.arange(n), batch_size=2, workers=0, rows=subset)
+    got = list(loader.epoch())
+    assert sorted(torch.cat([b.y for b in got]).tolist()) == sorted(subset.tolist())
+    assert len(got) == len(loader) == 2
+
+
+def test_a_run_from_wds_equals_the_run_from_its_folder(packed, tmp_path):
+    folder, shards = packed
+
+    def run(data, name, **extra):
+        cfg = TrainConfig(
+            data=data, loss="cosface", model="cnn2d", epochs=2, batch_size=1000, seed=2, num_threads=1,
+            val_fraction=0.0, workers=1, embedding_dim=16, data_options={"split": "classes", **extra},
+        )  # fmt: skip
+        return train(cfg, tmp_path / name, quiet=True, report=False).metrics
+
+    a = run(f"folder:{folder}", "folder", stream=True)
+    b = run(f"wds:{shards}", "wds")
+
+    def numbers(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from numbers(v, f"{prefix}{k}.")
+            elif isinstance(v, float | int) and not isinstance(v, bool) and k != "train_seconds":
+                yield f"{prefix}{k}", float(v)
+
+    na, nb = dict(numbers(a)), dict(numbers(b))
+    assert na.keys() == nb.keys() and len(na) > 10
+    # one full batch a step: the shards' order changes only the order of a float32 sum
+    for key in na:
+        assert math.isclose(na[key], nb[key], rel_tol=1e-3, abs_tol=1e-4), (key, na[key], nb[key])
+
+
+def test_pair_losses_and_stream_false_are_refused_by_name(packed, tmp_path):
+    _, shards = packed
+    cfg = TrainConfig(data=f"wds:{shards}", loss="circle", model="cnn2d", epochs=1, batch_size=16,
+                      val_fraction=0.0, num_threads=1, workers=0)  # fmt: skip
+    with pytest.raises((ConfigError, ValueError), match="P×K"):
+        train(cfg, tmp_path / "pairs", quiet=True, report=False)
+    with pytest.raises(ValueError, match="wds: sources are always streamed"):
+        load_dataset(f"wds:{shards}", stream=False)
+    with pytest.raises(ValueError, match="needs a folder"):
+        load_dataset("wds:")
+    data = load_dataset(f"wds:{shards}")
+    with pytest.raises(TypeError, match="front to back"):
+        data.train.data.read(0)
+    with pytest.raises(ValueError, match="P×K"):
+        Loader(data.train.data, data.train.y, FixedBatches(torch.arange(4), 2), training=True)
