@@ -155,3 +155,50 @@ def test_pair_losses_and_stream_false_are_refused_by_name(packed, tmp_path):
         data.train.data.read(0)
     with pytest.raises(ValueError, match="P×K"):
         Loader(data.train.data, data.train.y, FixedBatches(torch.arange(4), 2), training=True)
+
+
+def _config(shards, **extra):
+    settings = {
+        "data": f"wds:{shards}", "loss": "cosface", "model": "cnn2d", "epochs": 2, "batch_size": 8, "seed": 4,
+        "num_threads": 1, "val_fraction": 0.0, "workers": 2, "embedding_dim": 8,
+        "data_options": {"split": "classes"},
+    }  # fmt: skip
+    return TrainConfig(**{**settings, **extra})
+
+
+def test_resume_at_an_epoch_boundary_is_bit_identical(packed, tmp_path):
+    """A shard source's order is a function of (seed, epoch): a run stopped after an epoch and
+    resumed ends with the weights of the run that was never stopped (checkpoints are per epoch)."""
+    from marginkit.train.checkpoint import load_checkpoint
+
+    _, shards = packed
+    whole = train(_config(shards), tmp_path / "whole", quiet=True, report=False)
+    train(_config(shards), tmp_path / "cut", quiet=True, report=False, stop_after=1)
+    torch.manual_seed(999)
+    resumed = train(None, tmp_path / "cut", quiet=True, report=False, resume=True)
+    a, b = load_checkpoint(tmp_path / "whole" / "last.pt"), load_checkpoint(tmp_path / "cut" / "last.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert [r["train_loss"] for r in whole.history] == [r["train_loss"] for r in resumed.history]
+
+
+def test_a_killed_shard_worker_ends_the_run_clearly(packed, tmp_path, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from marginkit.data import shards as shard_module
+    from marginkit.train.errors import TrainingError
+
+    _, shards = packed
+    parent, decode = os.getpid(), shard_module.ShardSamples._decode
+
+    def killing(self, sample):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return decode(self, sample)
+
+    monkeypatch.setattr(shard_module.ShardSamples, "_decode", killing)
+    t0 = time.monotonic()
+    with pytest.raises(TrainingError, match="data-loading worker process died"):
+        train(_config(shards, epochs=1), tmp_path / "run", quiet=True, report=False)
+    assert time.monotonic() - t0 < 60
