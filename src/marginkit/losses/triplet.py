@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from marginkit._validation import REDUCTIONS, choice, nonnegative, positive_int
 from marginkit.losses.pair_loss import PairLoss
 from marginkit.mining.triplets import _batch_hard_select, _local_select, _semi_hard_select
 from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import (
+    COLLAPSE_TOL,
     DISTANCES,
     PairBatch,
     check_indices,
@@ -109,9 +111,76 @@ class _BatchAllTriplets(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+class _LocalMarginTriplets(torch.autograd.Function):
+    """Per-anchor local-margin hinge ``relu(d[a, p_a] − d[a, n_a] + margin)`` of SPEC §5.
+
+    Inputs: ``x [B, D]``, ``y [R, D]`` (``x`` itself when ``self_ref``), ``same [B, R]`` (equal
+    labels). Forward: the squared distances ``d = clamp(‖x‖² + ‖y‖² − 2·x·yᵀ, 0)`` (the
+    expansion of :func:`marginkit.ops.pairs.squared_l2_matrix`, bit for bit), the selection of
+    :func:`marginkit.mining.triplets._local_select`, and the hinge on the two selected entries
+    of each anchor (0 where the anchor has no positive or no negative). Outputs: the per-anchor
+    loss, then (not differentiable) ``valid``, ``active`` (valid and loss > 0) and ``max d``
+    (NaN / inf / collapse checks; 0 unless ``checks``) and ``has_pos``.
+
+    Backward, by hand (autograd would carry the ``[B, R]`` gradient of ``d`` through two
+    matrix products): only the selected entries have a gradient, ``g_a`` for ``d[a, p_a]`` and
+    ``−g_a`` for ``d[a, n_a]`` on active anchors, where ``∂d[a, j]/∂x_a = 2 (x_a − y_j) =
+    −∂d[a, j]/∂y_j``; the clamp passes it where the expansion is ``>= 0``, as autograd's
+    ``clamp_min``. That is ``O((B + R)·D)`` work instead of ``O(B·R·D)``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        same: torch.Tensor,
+        self_ref: bool,
+        k: int,
+        margin: float,
+        checks: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        xx = x.pow(2).sum(-1)
+        yy = xx if self_ref else y.pow(2).sum(-1)
+        raw = torch.addmm(xx[:, None] + yy[None, :], x, y.T, alpha=-2.0)
+        dist = raw.clamp_min(0.0)
+        p_idx, n_idx, valid, has_pos = _local_select(dist, same, self_ref, k)
+        bound = dist.gather(1, p_idx[:, None]).squeeze(1)
+        d_neg = dist.gather(1, n_idx[:, None]).squeeze(1)
+        loss = torch.where(valid, F.relu(bound - d_neg + margin), 0.0)
+        active = valid & (loss > 0)
+        passes_p = active & (raw.gather(1, p_idx[:, None]).squeeze(1) >= 0)
+        passes_n = active & (raw.gather(1, n_idx[:, None]).squeeze(1) >= 0)
+        ctx.self_ref = self_ref
+        ctx.save_for_backward(x, y, p_idx, n_idx, passes_p, passes_n)
+        top = dist.amax() if checks else dist.new_zeros(())
+        ctx.mark_non_differentiable(valid, active, top, has_pos)
+        return loss, valid, active, top, has_pos
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
+        x, y, p_idx, n_idx, passes_p, passes_n = ctx.saved_tensors
+        g2 = 2.0 * grad
+        to_p = torch.where(passes_p, g2, 0.0)[:, None] * (x - y[p_idx])
+        to_n = torch.where(passes_n, -g2, 0.0)[:, None] * (x - y[n_idx])
+        grad_x = to_p + to_n
+        grad_y = grad_x if ctx.self_ref else torch.zeros_like(y)
+        grad_y.index_add_(0, p_idx, to_p, alpha=-1.0).index_add_(0, n_idx, to_n, alpha=-1.0)
+        return grad_x, (None if ctx.self_ref else grad_y), None, None, None, None, None
+
+
 def _softplus(t: torch.Tensor) -> torch.Tensor:
     """Exact ``log(1 + e^t)`` (``F.softplus`` is linear above 20: an absolute error up to 2e-9)."""
     return torch.logaddexp(t, torch.zeros_like(t))
+
+
+def _nonfinite(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """0-d bool: ``x`` or ``y`` holds a NaN or an infinity (their extremes do: min and max propagate NaN)."""
+    ends = [*torch.aminmax(x.detach())]
+    if y is not x:
+        ends += torch.aminmax(y.detach())
+    return ~torch.isfinite(torch.stack(ends)).all()
 
 
 def _sq_dist(d: torch.Tensor, distance: str) -> torch.Tensor:
@@ -245,12 +314,15 @@ class _TripletBase(PairLoss):
             raise too_small_error(x, y, self.distance)
         report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed)
         if overflow:  # finite embeddings whose squared distances exceed the dtype (|e| ≳ 1e19 in float32)
-            top = float(torch.maximum(batch.x.detach().abs().max(), batch.y.detach().abs().max()))
-            raise ValueError(
-                f"embeddings are too large: their {self.distance} distances overflow {dist.dtype} "
-                f"(largest |entry| {top:.3g}); scale them down or set normalize=True"
-            )
+            self._overflow_error(batch, dist.dtype)
         return rest
+
+    def _overflow_error(self, batch: PairBatch, dtype: torch.dtype) -> None:
+        top = float(torch.maximum(batch.x.detach().abs().max(), batch.y.detach().abs().max()))
+        raise ValueError(
+            f"embeddings are too large: their {self.distance} distances overflow {dtype} "
+            f"(largest |entry| {top:.3g}); scale them down or set normalize=True"
+        )
 
 
 class LocalMarginTripletLoss(_TripletBase):
@@ -331,17 +403,38 @@ class LocalMarginTripletLoss(_TripletBase):
         self.last_counts = None
 
     def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
-        k = int(self.k)
         x, y = self._embed(batch)
-        dist = distance_matrix(x, y, "squared_l2")
-        pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
-        self._matrix_checks(batch, x, y, dist, pos)
-        p_idx, n_idx, valid = _local_select(dist, pos, neg, k)
-        bound = dist.gather(1, p_idx[:, None]).squeeze(1)
-        d_neg = dist.gather(1, n_idx[:, None]).squeeze(1)
-        loss = torch.where(valid, F.relu(bound - d_neg + margin), 0.0)
-        active = valid & (loss.detach() > 0)
+        same = batch.labels[:, None] == batch.ref_labels[None, :]
+        loss, valid, active, top, has_pos = _LocalMarginTriplets.apply(
+            x, y, same, batch.self_ref, int(self.k), margin, self.validate
+        )
+        if self.validate:
+            self._local_checks(batch, x, y, top, has_pos)
         return self._finish(loss, valid.to(loss.dtype), active, valid)
+
+    def _local_checks(
+        self, batch: PairBatch, x: torch.Tensor, y: torch.Tensor, top: torch.Tensor, has_pos: torch.Tensor
+    ) -> None:
+        """:meth:`_matrix_checks` from ``top = max d`` (``d >= 0``, NaN and ``inf`` propagate).
+
+        The same flags, messages and single host sync: the inputs are finite iff their extremes
+        are, and so is ``d`` iff its maximum is.
+        """
+        collapsed = top <= COLLAPSE_TOL**2 * self._scale(x, y)
+        if batch.self_ref and x.shape[0] * y.shape[0] <= 1:
+            collapsed = torch.zeros_like(collapsed)
+        nonfinite, overflow, small, no_pos, collapsed_ = read_flags(
+            _nonfinite(batch.x, batch.y),
+            ~torch.isfinite(top),
+            self._underflow(x, y),
+            ~has_pos.any(),
+            collapsed,
+        )
+        if small and not nonfinite:
+            raise too_small_error(x, y, self.distance)
+        report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed_)
+        if overflow:
+            self._overflow_error(batch, top.dtype)
 
 
 class TripletMarginLoss(_TripletBase):

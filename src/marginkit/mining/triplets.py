@@ -17,31 +17,69 @@ import torch
 
 from marginkit._validation import choice, float_tensor, positive_float, positive_int
 from marginkit.ops.norms import unit_rows
-from marginkit.ops.pairs import DISTANCES, distance_matrix, label_masks, prepare_pairs
+from marginkit.ops.pairs import DISTANCES, PairBatch, distance_matrix, label_masks, prepare_pairs
 from marginkit.ops.selection import kth_smallest_column
 
 Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+#: A packed key above every ``(order key << 32) | column`` of :func:`_order_keys`; its column part is 0.
+_NO_KEY = 0x7FFFFFFF << 32
+
+
+def _order_keys(d: torch.Tensor) -> torch.Tensor:
+    """``int64`` keys ``(order key << 32) | column`` of a float32 distance matrix (``>= 0`` or NaN).
+
+    The bits of a non-negative float32 are in its order; clearing the sign folds ``-0.0`` onto
+    ``+0.0`` and every NaN to a positive pattern, which the clamp makes one key above ``+inf``. So
+    the keys are distinct and their order is the stable ascending order of each row (ties in
+    column order, NaN last, as ``torch.sort(stable=True)``).
+    """
+    bits = d.view(torch.int32) & 0x7FFFFFFF
+    bits.clamp_(max=0x7F800001)
+    key = bits.to(torch.int64)
+    key <<= 32
+    key |= torch.arange(d.shape[1], device=d.device)
+    return key
+
+
 @torch.no_grad()
 def _local_select(
-    dist: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dist: torch.Tensor, same: torch.Tensor, self_ref: bool, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per anchor: the k-th nearest positive (k capped by #positives) and the nearest negative.
 
-    Returns ``(p_idx [B], n_idx [B], valid [B])`` where ``valid`` marks anchors that have a
-    positive and a negative. Equal distances are taken in index order (as a stable sort
-    would: :func:`marginkit.ops.selection.kth_smallest_column`). The nearest negative is the
-    first minimal one.
+    ``same [B, R]``: the reference has the anchor's label (``self_ref``: the references are the
+    batch, and ``i == j`` is no positive). Returns ``(p_idx [B], n_idx [B], valid [B],
+    has_pos [B])``: ``valid`` marks anchors with a positive and a negative, ``has_pos`` those with
+    a positive. Equal distances are taken in index order, as a stable sort would: float32 rows
+    by one ``torch.topk`` of the packed keys of :func:`_order_keys` (distinct, so the result is
+    exact whatever order topk leaves ties in; the number of positives, capped at ``k``, is read
+    from the same ``k`` keys); other dtypes by
+    :func:`marginkit.ops.selection.kth_smallest_column`. The nearest negative is the first
+    minimal one (``torch.min``). Indices of anchors without a positive / negative are in range
+    but meaningless.
     """
     d = dist.detach()
-    npos = pos.sum(1)
-    d_pos = d.masked_fill(~pos, math.inf)
-    kth = (npos.clamp(max=k) - 1).clamp_min(0)
-    p_idx = kth_smallest_column(d_pos, kth, k)  # the k-th nearest positive, ties in index order
-    n_idx = d.masked_fill(~neg, math.inf).min(dim=1).indices
-    valid = (npos > 0) & neg.any(1)
-    return p_idx, n_idx, valid
+    bound = min(k, d.shape[1])
+    if d.dtype == torch.float32 and d.shape[1] < 2**31:
+        keys = _order_keys(d)
+        pos_keys = torch.where(same, keys, _NO_KEY)
+        if self_ref:
+            pos_keys.diagonal().fill_(_NO_KEY)
+        smallest = torch.topk(pos_keys, bound, dim=1, largest=False, sorted=True).values
+        npos = (smallest != _NO_KEY).sum(1)  # min(#positives, bound)
+        kth = (npos - 1).clamp_min(0)
+        p_idx = smallest.gather(1, kth[:, None]).squeeze(1) & 0xFFFFFFFF
+    else:
+        pos = same & ~torch.eye(*same.shape, dtype=torch.bool, device=same.device) if self_ref else same
+        npos = pos.sum(1)
+        kth = (npos.clamp(max=k) - 1).clamp_min(0)
+        p_idx = kth_smallest_column(d.masked_fill(~pos, math.inf), kth, k)
+    n_idx = d.masked_fill(same, math.inf).min(dim=1).indices
+    has_pos = npos > 0
+    valid = has_pos & ~same.all(1)
+    return p_idx, n_idx, valid, has_pos
 
 
 @torch.no_grad()
@@ -83,7 +121,7 @@ def _prepare(
     ref_labels: Any,
     distance: str,
     normalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, PairBatch]:
     batch = prepare_pairs(embeddings, labels, ref_embeddings, ref_labels)
     float_tensor(batch.x, "embeddings")
     if not batch.self_ref and batch.y.shape[0]:
@@ -92,8 +130,7 @@ def _prepare(
     if normalize:  # (unit_rows: F.normalize overflows or leaves tiny rows unnormalised)
         x = unit_rows(x)
         y = x if batch.self_ref else unit_rows(y)
-    pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
-    return distance_matrix(x, y, distance), pos, neg
+    return distance_matrix(x, y, distance), batch
 
 
 def _no_triplets(device: torch.device) -> Triplets:
@@ -143,10 +180,11 @@ def local_triplets(
     """
     k = positive_int(k, "k")
     margin = positive_float(margin, "margin", allow_zero=True)
-    dist, pos, neg = _prepare(embeddings, labels, ref_embeddings, ref_labels, "squared_l2", normalize)
+    dist, batch = _prepare(embeddings, labels, ref_embeddings, ref_labels, "squared_l2", normalize)
     if dist.shape[1] == 0:
         return _no_triplets(dist.device)
-    p_idx, n_idx, valid = _local_select(dist, pos, neg, k)
+    same = batch.labels[:, None] == batch.ref_labels[None, :]
+    p_idx, n_idx, valid, _ = _local_select(dist, same, batch.self_ref, k)
     rows = torch.arange(dist.shape[0], device=dist.device)
     keep = valid & (dist[rows, n_idx] < dist[rows, p_idx] + margin)
     anchors = keep.nonzero().squeeze(1)
@@ -192,9 +230,10 @@ def batch_hard_triplets(
     distance = choice(distance, "distance", DISTANCES)
     if margin is not None:
         margin = positive_float(margin, "margin", allow_zero=True)
-    dist, pos, neg = _prepare(embeddings, labels, ref_embeddings, ref_labels, distance, normalize)
+    dist, batch = _prepare(embeddings, labels, ref_embeddings, ref_labels, distance, normalize)
     if dist.shape[1] == 0:
         return _no_triplets(dist.device)
+    pos, neg = label_masks(batch.labels, batch.ref_labels, batch.self_ref)
     p_idx, n_idx, keep = _batch_hard_select(dist, pos, neg)
     if margin is not None:
         rows = torch.arange(dist.shape[0], device=dist.device)
