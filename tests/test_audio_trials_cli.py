@@ -19,7 +19,8 @@ pytest.importorskip("soundfile")
 
 TINY = ["--set", "model_options.channels=16", "--set", "model_options.aggregation_channels=24",
         "--set", "model_options.num_bins=24", "--set", "data_options.crop_seconds=0.5"]  # fmt: skip
-TRAIN = ["--model", "ecapa_tdnn", "--epochs", "1", "--batch-size", "8", "--workers", "0", *TINY]
+TRAIN = ["--model", "ecapa_tdnn", "--epochs", "1", "--batch-size", "8", "--workers", "0",
+         "--num-threads", "1", *TINY]  # fmt: skip
 
 
 def brute_min_dcf(scores: np.ndarray, labels: np.ndarray, p_target: float) -> float:
@@ -171,8 +172,8 @@ def test_compare_rows_get_the_trial_metrics(data, tmp_path, monkeypatch):
     torch.save({"model_state": _state()}, tmp_path / "pretrained.pt")
     monkeypatch.setenv(WEIGHTS_ENV, str(tmp_path / "pretrained.pt"))
     out = tmp_path / "cmp"
-    code = main(["compare", "--data", f"audio:{data / 'dev'}", "--losses", "cosface", *TRAIN,
-                 "--trials", str(data / "dev_trials.txt"), "--out", str(out), "-q"])  # fmt: skip
+    code = main(["compare", "--data", f"audio:{data / 'unseen'}", "--losses", "cosface", *TRAIN, "--k", "3",
+                 "--trials", str(data / "unseen_trials.txt"), "--out", str(out), "-q"])  # fmt: skip
     assert code == 0
     rows = {row["loss"]: row for row in json.loads((out / "summary.json").read_text())}
     assert set(rows) == {"cosface", "pretrained_ge2e"}

@@ -89,6 +89,9 @@ def _require(args: argparse.Namespace, config_pairs: dict[str, Any], *names: str
 
 def _load_splits(config: Any, *, cache: bool = False) -> Any:
     from marginkit.train.components import load_splits
+    from marginkit.train.sources import register_sources
+
+    register_sources()  # audio: (registered above data/)
 
     with user_errors():
         return load_splits(config, cache=cache)
