@@ -181,6 +181,25 @@ def test_folder_source(speaker_dir) -> None:
     )
 
 
+def test_named_test_speakers_through_a_class_split(speaker_dir) -> None:
+    """``split=classes`` pools the speakers (the source holds none out) and tests those named:
+    the way a trial list's speakers are kept out of training."""
+    from marginkit.data import load_dataset
+    from marginkit.train.sources import register_sources
+
+    register_sources()
+    data = load_dataset(
+        f"audio:{speaker_dir}", split="classes", test_classes=["spk004", "spk005"], val_fraction=0.0,
+        crop_seconds=0.25,
+    )  # fmt: skip
+    tested = {data.test.data.relative_path(i).split("/")[0] for i in range(len(data.test))}
+    trained = {data.train.data.relative_path(i).split("/")[0] for i in range(len(data.train))}
+    assert tested == {"spk004", "spk005"} and trained == {f"spk00{i}" for i in range(4)}
+    assert data.open_set and data.num_classes == 4
+    with pytest.raises(ValueError, match=r"test_fraction must lie in \[0, 1\)"):
+        read_audio_folder(speaker_dir, test_fraction=1.0)
+
+
 def test_folder_with_train_and_test_layout(tmp_path) -> None:
     speakers = synthetic_speakers(4, seed=3)
     write_speaker_folder(tmp_path / "train", speakers[:2], 2, seconds=(0.3, 0.4))

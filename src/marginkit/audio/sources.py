@@ -194,11 +194,15 @@ def _list_speakers(root: Path) -> dict[str, list[Path]]:
 def _speaker_split(
     labels: np.ndarray, num_speakers: int, test_fraction: float, split_seed: int
 ) -> np.ndarray:
-    """Boolean test mask: a seeded ``test_fraction`` of the speakers (at least 2 on each side)."""
-    if not 0 < test_fraction < 1:
+    """Boolean test mask: a seeded ``test_fraction`` of the speakers (at least 2 on each side);
+    ``0``: none held out (a class-disjoint ``split`` pools the source and chooses the test
+    speakers itself)."""
+    if not 0 <= test_fraction < 1:
         raise ValueError(
-            f"test_fraction must lie in (0, 1) (a fraction of the speakers), got {test_fraction!r}"
+            f"test_fraction must lie in [0, 1) (a fraction of the speakers), got {test_fraction!r}"
         )
+    if test_fraction == 0:
+        return np.zeros(len(labels), dtype=bool)
     count = round(test_fraction * num_speakers)
     if num_speakers < 4 or not 2 <= count <= num_speakers - 2:
         raise ValueError(
@@ -233,6 +237,8 @@ def _splits(
     test = _speaker_split(labels, len(speakers), test_fraction, split_seed)
     note = (
         f"speaker-disjoint: test_fraction={test_fraction} of the speakers held out, split_seed={split_seed}"
+        if test_fraction
+        else "every speaker in one pool (split by class: data_options.split / test_classes)"
     )
     return RawSplits(
         files[~test], labels[~test], files[test], labels[test], kind="audio", class_names=speakers,
