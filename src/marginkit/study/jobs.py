@@ -274,6 +274,55 @@ def _job_faces_baseline(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return {"config": job, "result": result}
 
 
+def _speaker_result(trials: dict[str, Any], verification: dict[str, Any] | None = None) -> dict[str, Any]:
+    ci = trials.get("confidence_intervals") or {}
+    out = {
+        "eer": trials["eer"], "min_dcf_0.01": trials["min_dcf_0.01"], "min_dcf_0.05": trials["min_dcf_0.05"],
+        "tar_at_far": trials["tar_at_far"], "eer_interval": ci.get("eer"),
+        "tar_at_far_interval": ci.get("tar_at_far"), "num_trials": trials["num_trials"],
+    }  # fmt: skip
+    if verification is not None:  # every pair of the test speakers' utterances
+        out["all_pairs_eer"] = verification["eer"]
+    return json.loads(json.dumps(out))  # FAR keys as result.json stores them ("0.01")
+
+
+def _job_speakers(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One loss on the synthetic speakers: trained on the speakers outside the trial list, scored
+    on the trial list (each utterance embedded whole) by the run's own ``--trials`` evaluation."""
+    from marginkit.train.sources import register_sources
+
+    register_sources()
+    splits = _load(job["data"], job["seed"], None, job["data_options"])
+    out, _ = _train(job, run_dir, splits)
+    metrics = out["metrics"]
+    out["result"] = {**_speaker_result(metrics["trials"], metrics.get("verification")),
+                     "epochs": out["config"]["epochs"], "num_train": metrics["num_train"]}  # fmt: skip
+    return out
+
+
+def _job_speakers_baseline(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Resemblyzer's pretrained GE2E encoder (never trained here) on the same trial list."""
+    import numpy as np
+
+    from marginkit.audio.evaluate import embed_utterances, relative_paths
+    from marginkit.audio.ge2e import GE2EEncoder, find_weights
+    from marginkit.audio.sources import read_audio_source
+    from marginkit.audio.trials import read_trials, score_trials
+
+    weights = find_weights()
+    if weights is None:
+        return {"config": job, "result": None, "why": "Resemblyzer's weights not found"}
+    samples = read_audio_source(job["data"].split(":", 1)[1], test_fraction=0.0).x_train
+    trials = read_trials(job["trials"])
+    names = relative_paths(samples)
+    rows = np.flatnonzero(np.isin(names, trials.utterances))
+    emb, kept, _ = embed_utterances(GE2EEncoder(weights), samples, rows=rows)
+    paths = names[kept]
+    speakers = np.array([p.split("/", 1)[0] for p in paths])
+    metrics = score_trials(trials, emb, paths, bootstrap=200, speakers=speakers)
+    return {"config": job, "result": _speaker_result(metrics)}
+
+
 def _job_identities(job: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     from marginkit.metrics import retrieval_metrics
     from marginkit.train.evaluate import embed
@@ -437,6 +486,8 @@ _KINDS = {
     "disjoint": _job_disjoint,
     "faces": _job_faces,
     "faces_baseline": _job_faces_baseline,
+    "speakers": _job_speakers,
+    "speakers_baseline": _job_speakers_baseline,
     "identities": _job_identities,
     "margin": _job_margin,
     "e2e": _job_e2e,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -15,8 +16,11 @@ __all__ = [
     "KNN_LOSSES",
     "PEER_LOSSES",
     "PEER_TRAIN_OPTIONS",
+    "SPEAKERS",
     "StudyPlan",
     "identity_rows",
+    "speaker_dir",
+    "speaker_rows",
     "study_plan",
 ]
 
@@ -46,6 +50,11 @@ FACE_AUGMENT = "flip,crop,rotate,brightness,contrast"
 #: Where the faces section reads the Yale faces (``folder:`` spec), relative to the working directory:
 #: the repository's root in a checkout beside ``shared/``. The section is skipped when it is absent.
 FACES = "../shared/data/yalefaces"
+#: The folder (in marginkit's cache, :func:`marginkit.data.datasets.resolve_cache_dir`) where the
+#: speaker section reads its synthetic speakers: what ``python benchmarks/make_espeak_speakers.py
+#: --speakers 40 --utterances 12`` writes by default. The section is skipped, saying how to make
+#: them, when they are absent.
+SPEAKERS = "espeak_speakers"
 
 
 @dataclass
@@ -91,6 +100,17 @@ class StudyPlan:
     face_losses: tuple[str, ...] = FACE_LOSSES
     face_peers: tuple[str, ...] = FACE_PEERS
     face_augment: str = FACE_AUGMENT
+    speakers: str = SPEAKERS  # a folder; relative: inside marginkit's cache
+    speaker_seeds: int = 3
+    # a small ECAPA-TDNN (64 channels instead of 512) that trains on 2 CPU cores in minutes
+    speaker_train: dict[str, Any] = field(
+        default_factory=lambda: {
+            "model": "ecapa_tdnn",
+            "model_options": {"channels": 64, "aggregation_channels": 192},
+            "epochs": 10,
+            "batch_size": 32,
+        }
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,6 +157,13 @@ _QUICK: dict[str, Any] = {
     "faces_seeds": 1,
     "face_losses": ("circle",),
     "face_peers": ("cosface",),
+    "speaker_seeds": 1,
+    "speaker_train": {
+        "model": "ecapa_tdnn",
+        "model_options": {"channels": 16, "aggregation_channels": 48},
+        "epochs": 1,
+        "batch_size": 32,
+    },
 }
 
 
@@ -186,3 +213,24 @@ def identity_rows() -> list[tuple[str, str, dict[str, Any]]]:
         rows.append((f"{name} ({PAPER[loss][0].split(': ', 1)[1]})", loss, PAPER[loss][1]))
     rows.append((f"Q-Margin ({QMARGIN_SPEAKER[0].split(': ', 1)[1]})", "qmargin", QMARGIN_SPEAKER[1]))
     return rows
+
+
+def speaker_dir(plan: StudyPlan) -> Path:
+    """The speaker section's folder (``plan.speakers``; a relative one in marginkit's cache)."""
+    from marginkit.data.datasets import resolve_cache_dir
+
+    where = Path(plan.speakers).expanduser()
+    return where if where.is_absolute() else resolve_cache_dir() / where
+
+
+def speaker_rows() -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, loss, loss_options) of the speaker section: Q-Margin at the paper's speaker
+    settings against the margins speaker toolkits train with (wespeaker's AAM-softmax, s = 32,
+    m = 0.2, and the same for CosFace's additive margin)."""
+    from marginkit.study.tuning import QMARGIN_SPEAKER
+
+    return [
+        (f"Q-Margin ({QMARGIN_SPEAKER[0].split(': ', 1)[1]})", "qmargin", dict(QMARGIN_SPEAKER[1])),
+        ("ArcFace (wespeaker: s = 32, m = 0.2)", "arcface", {"scale": 32.0, "margin": 0.2}),
+        ("CosFace (s = 32, m = 0.2)", "cosface", {"scale": 32.0, "margin": 0.2}),
+    ]

@@ -32,7 +32,7 @@ from marginkit.study.sections import TABLES, build_tables, results_markdown
 from marginkit.study.tuning import partial_result
 from marginkit.train.progress import RunsProgress
 
-__all__ = ["TABLES", "build_jobs", "face_jobs", "run_study"]
+__all__ = ["TABLES", "build_jobs", "face_jobs", "run_study", "speaker_jobs"]
 
 
 def setting_name(data: str, per_class: int | None) -> str:
@@ -180,6 +180,7 @@ def build_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
                     }
                 )
     jobs.extend(face_jobs(plan))
+    jobs.extend(speaker_jobs(plan))
     jobs.append({"name": "throughput/e2e", "kind": "e2e", **plan.e2e})
     target = (plan.tune_data, plan.tune_per_class)
 
@@ -224,6 +225,36 @@ def face_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
                         "train_options": train,
                     }
                 )  # fmt: skip
+    return jobs
+
+
+def speaker_jobs(plan: StudyPlan) -> list[dict[str, Any]]:
+    """The speaker section: synthetic espeak-ng speakers (:func:`~marginkit.study.plan.speaker_dir`),
+    the speakers of its trial list held out of training (``split=classes``, ``test_classes``),
+    each row of :func:`~marginkit.study.plan.speaker_rows` per seed, and the pretrained GE2E
+    encoder once; none when the folder or its trial list is absent (the section says so)."""
+    from marginkit.audio.trials import read_trials
+    from marginkit.study.plan import speaker_dir, speaker_rows
+
+    root = speaker_dir(plan)
+    trials = root / "trials.txt"
+    if not trials.is_file():
+        return []
+    tested = sorted({str(u).split("/", 1)[0] for u in read_trials(trials).utterances})
+    base = {
+        "data": f"audio:{root}", "trials": str(trials),
+        "data_options": {"split": "classes", "test_classes": tested, "split_seed": 0},
+    }  # fmt: skip
+    jobs: list[dict[str, Any]] = [{"name": "speakers/pretrained_ge2e", "kind": "speakers_baseline", **base}]
+    for seed in range(plan.speaker_seeds):
+        for label, loss, options in speaker_rows():
+            jobs.append(
+                {
+                    "name": f"speakers/{loss}/seed{seed}", "kind": "speakers", **base, "seed": seed,
+                    "loss": loss, "loss_options": options, "label": label,
+                    "train_options": {**plan.speaker_train, "trials": str(trials)},
+                }
+            )  # fmt: skip
     return jobs
 
 

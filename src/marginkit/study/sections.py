@@ -19,6 +19,7 @@ TITLES = {
     "peers": "5. The peers' losses at their defaults on the target setting (K-NN accuracy %)",
     "disjoint": "6. Class-disjoint retrieval, open-set verification and identification (half the classes)",
     "faces": "7. Real faces of people never seen in training: Yale, leave-people-out folds",
+    "speakers": "7b. Speakers never heard in training: synthetic espeak-ng voices, a trial list",
     "verification": "8. Open-set verification and identification at low FAR: the `identities` simulation",
     "precision": "9. Margins under low precision: fake-quantised weights (MEP vs cross-entropy vs hinge)",
     "throughput": "10. Throughput: training step, backbone + head + loss and head + loss alone",
@@ -366,6 +367,88 @@ def _faces(plan: StudyPlan, res: Any) -> str:
     return markdown_table(header, rows) + note
 
 
+_SPEAKER_COLUMNS = (
+    ("trial EER (%)", "eer", 100.0, 1),
+    ("TAR @ FAR 1e-2 (%)", "tar_at_far/0.01", 100.0, 1),
+    ("minDCF 0.01", "min_dcf_0.01", 1.0, 3),
+    ("minDCF 0.05", "min_dcf_0.05", 1.0, 3),
+    ("all-pairs EER (%)", "all_pairs_eer", 100.0, 1),
+)
+
+
+def _speaker_values(res: Any, path: str, **match: Any) -> dict[int, float | None]:
+    out: dict[int, float | None] = {}
+    for r in res.select("speakers", **match):
+        value: Any = r["result"]
+        for part in path.split("/"):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[int(r["job"]["seed"])] = None if value is None else float(value)
+    return out
+
+
+def _paired_text(a: dict[int, float | None], b: dict[int, float | None]) -> str:
+    """The mean per-seed difference ``a - b`` (points) with its 95 % paired bootstrap interval."""
+    from marginkit.study.stats import MIN_SEEDS, paired_bootstrap
+
+    seeds = sorted(s for s in set(a) & set(b) if a[s] is not None and b[s] is not None)
+    if len(seeds) < MIN_SEEDS:
+        return f"not measured ({len(seeds)} paired seeds, {MIN_SEEDS} needed)"
+    diff, lo, hi = paired_bootstrap([a[s] for s in seeds], [b[s] for s in seeds])  # type: ignore[misc]
+    return f"{100 * diff:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}] over {len(seeds)} seeds"
+
+
+def _speakers(plan: StudyPlan, res: Any) -> str:
+    from marginkit.study.plan import speaker_dir, speaker_rows
+
+    if not res.select("speakers") and not res.select("speakers_baseline"):
+        return (
+            f"Not run: no synthetic speakers at `{speaker_dir(plan)}` (make them with `python "
+            "benchmarks/make_espeak_speakers.py --speakers 40 --utterances 12`, which needs the "
+            "system package espeak-ng).\n"
+        )
+    rows = []
+    for base in res.select("speakers_baseline"):
+        got = base["result"]
+        if got is None:
+            absent = ["not run: weights absent"] * len(_SPEAKER_COLUMNS)
+            rows.append(["pretrained GE2E (Resemblyzer)", *absent])
+            continue
+        cells = []
+        for _, path, scale, digits in _SPEAKER_COLUMNS:
+            value: Any = got
+            for part in path.split("/"):
+                value = value.get(part) if isinstance(value, dict) else None
+            cells.append("—" if value is None else f"{scale * float(value):.{digits}f}")
+        rows.append(["pretrained GE2E (Resemblyzer, not trained here)", *cells])
+    for label, loss, _ in speaker_rows():
+        cells = [_fmt(_speaker_values(res, p, loss=loss), sc, d) for _, p, sc, d in _SPEAKER_COLUMNS]
+        rows.append([label, *cells])
+    header = ["embedding", *(c[0] for c in _SPEAKER_COLUMNS)]
+    pairs = []
+    for metric, path in (("trial EER", "eer"), ("TAR @ FAR 1e-2", "tar_at_far/0.01")):
+        q = _speaker_values(res, path, loss="qmargin")
+        for other in ("arcface", "cosface"):
+            b = _speaker_values(res, path, loss=other)
+            pairs.append(f"- {metric}, Q-Margin − {other}: {_paired_text(q, b)}")
+    found = res.select("speakers")
+    trials = sorted({r["result"]["num_trials"] for r in found if r.get("result")})
+    train = sorted({r["result"]["num_train"] for r in found if r.get("result")})
+    st = plan.speaker_train
+    note = (
+        f"\nA SIMULATION of speakers (espeak-ng voices, variants, pitch and rate: "
+        f"`benchmarks/make_espeak_speakers.py`), not recordings of people. The speakers of the trial "
+        f"list ({', '.join(map(str, trials))} trials, VoxCeleb format) are held out of training "
+        f"(`split=classes`, `test_classes` = them); the others train ({', '.join(map(str, train))} "
+        f"utterances). Model `{st['model']}` with {st.get('model_options')}, {st['epochs']} epochs, "
+        f"batch {st['batch_size']}, 2 s crops, whole utterances at evaluation, no augmentation, "
+        f"{plan.speaker_seeds} seeds (mean ± std over seeds). Scored by the run's own `--trials` "
+        "evaluation; all-pairs EER over every pair of the test speakers' utterances. GE2E: "
+        "Resemblyzer's pretrained encoder, scored on the same list by the same code. Paired "
+        "comparisons over seeds (95 % bootstrap of the mean difference):\n\n" + "\n".join(pairs) + "\n"
+    )
+    return markdown_table(header, rows) + note
+
+
 def _verification(plan: StudyPlan, res: Any) -> str:
     rows, n_imp = [], set()
     for label, _loss, _opts in identity_rows():
@@ -464,6 +547,7 @@ def build_tables(plan: StudyPlan, res: Any) -> tuple[dict[str, str], dict[str, A
     tables["peers"] = _peers(plan, res, facts)
     tables["disjoint"] = _disjoint(plan, res)
     tables["faces"] = _faces(plan, res)
+    tables["speakers"] = _speakers(plan, res)
     tables["verification"] = _verification(plan, res)
     tables["precision"] = _precision(plan, res)
     tables["throughput"] = _throughput(plan, res, facts)
