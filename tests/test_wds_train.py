@@ -202,3 +202,34 @@ def test_a_killed_shard_worker_ends_the_run_clearly(packed, tmp_path, monkeypatc
     with pytest.raises(TrainingError, match="data-loading worker process died"):
         train(_config(shards, epochs=1), tmp_path / "run", quiet=True, report=False)
     assert time.monotonic() - t0 < 60
+
+
+def test_embed_from_shards_equals_embed_from_the_folder(packed, tmp_path):
+    """``marginkit embed RUN --data wds:`` embeds every split (an empty one too) with each row's
+    relative path, and the same images give the same embeddings as from their folder."""
+    from marginkit.cli import main
+
+    folder, shards = packed
+    run = tmp_path / "run"
+    assert main(["train", "--data", f"wds:{shards}", "--model", "cnn2d", "--loss", "cosface", "--epochs", "1",
+                 "--set", "batch_size=16", "--set", "num_threads=1", "--set", "workers=1",
+                 "--out", str(run)]) == 0  # fmt: skip
+    assert main(["embed", str(run), "--data", f"wds:{shards}", "--out", str(tmp_path / "wds.npz")]) == 0
+    from marginkit.train import load_run
+    from marginkit.train.evaluate import embed
+
+    model = load_run(run, "best")["model"]
+    a, folder_splits = (
+        np.load(tmp_path / "wds.npz"),
+        load_dataset(f"folder:{folder}", stream=True, val_fraction=0.0),
+    )
+    assert len(a["val_paths"]) == 0 and len(a["train_paths"]) == 60
+    for split in ("train", "test"):
+        data = getattr(folder_splits, split).data
+        want = dict(
+            zip([data.relative_path(i) for i in range(len(data))], embed(model, data).numpy(), strict=True)
+        )
+        got = dict(zip(a[f"{split}_paths"].tolist(), a[f"{split}_embeddings"], strict=True))
+        assert got.keys() == want.keys(), split
+        for path, row in got.items():
+            np.testing.assert_allclose(row, want[path], atol=1e-5, err_msg=path)

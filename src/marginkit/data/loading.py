@@ -305,8 +305,12 @@ class Loader:
         self._loader: DataLoader | None = None
         self._rows: torch.Tensor | None = None  # a shard reader's view rows -> the split's rows
         self._reader: Any = None
+        self._nothing = False  # a shard source with no row to read (an empty split)
         if is_sequential(self.dataset.data):
-            self._reader = self._shard_reader(plan, share, training, limit)
+            if len(self.dataset) == 0 or (isinstance(plan, FixedBatches) and not plan.index.numel()):
+                self._nothing = True
+            else:
+                self._reader = self._shard_reader(plan, share, training, limit)
 
     def _shard_reader(
         self, plan: Any, share: Callable[[int], slice] | None, training: bool, limit: int | None
@@ -341,6 +345,8 @@ class Loader:
         )
 
     def __len__(self) -> int:
+        if self._nothing:
+            return 0
         if self._reader is not None:
             if self._reader.equal_per_rank:
                 return self._reader.samples_per_rank // self._reader.batch
@@ -384,6 +390,8 @@ class Loader:
     def epoch(self, epoch: int = 0) -> Iterator[Batch]:
         """The batches of ``epoch`` (host tensors in the source's dtype, pinned for CUDA)."""
         self.batches.set_epoch(epoch)
+        if self._nothing:
+            return
         if self._reader is not None:
             self._reader.set_epoch(epoch)
         batches = iter(self._dataloader())
