@@ -16,6 +16,7 @@ needs per-pair counts of active triplets (memory ``O(B·R)`` plus one block).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -111,22 +112,52 @@ class _BatchAllTriplets(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`marginkit.ops.norms.unit_rows` of ``x`` (bit for bit), with what its backward needs.
+
+    Returns ``(u, norm, scale, top)``: ``u = (x / scale) / norm``, ``top`` the largest magnitude of
+    each row, ``scale`` that or 1 for an all-zero row, ``norm = max(‖x / scale‖, 1e-12)`` (all
+    ``[B, 1]``).
+    """
+    top = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(top > 0, top, 1.0)
+    z = x / scale
+    norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min(1e-12)
+    return z / norm, norm, scale, top
+
+
+def _unit_backward(
+    grad: torch.Tensor, u: torch.Tensor, norm: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """Gradient through :func:`_unit`: ``(g − u (u·g)) / (norm · scale)``.
+
+    The projection is ``F.normalize``'s derivative; where the norm was clamped (all-zero rows)
+    ``u = 0`` and it is ``g / (1e-12 · scale)``, as autograd's (the clamp stops the norm's part).
+    """
+    dot = (u * grad).sum(-1, keepdim=True)
+    return grad.addcmul_(u, dot, value=-1.0).div_(norm * scale)
+
+
 class _LocalMarginTriplets(torch.autograd.Function):
     """Per-anchor local-margin hinge ``relu(d[a, p_a] − d[a, n_a] + margin)`` of SPEC §5.
 
-    Inputs: ``x [B, D]``, ``y [R, D]`` (``x`` itself when ``self_ref``), ``same [B, R]`` (equal
-    labels). Forward: the squared distances ``d = clamp(‖x‖² + ‖y‖² − 2·x·yᵀ, 0)`` (the
-    expansion of :func:`marginkit.ops.pairs.squared_l2_matrix`, bit for bit), the selection of
-    :func:`marginkit.mining.triplets._local_select`, and the hinge on the two selected entries
-    of each anchor (0 where the anchor has no positive or no negative). Outputs: the per-anchor
-    loss, then (not differentiable) ``valid``, ``active`` (valid and loss > 0) and ``max d``
-    (NaN / inf / collapse checks; 0 unless ``checks``) and ``has_pos``.
+    Inputs: the embeddings ``x [B, D]`` and references ``y [R, D]`` (``x`` itself when
+    ``self_ref``), their labels. Forward: with ``normalize``, the unit rows of
+    :func:`marginkit.ops.norms.unit_rows`; the squared distances ``d = max(‖x‖² + ‖y‖² − 2·x·yᵀ,
+    0)`` of :func:`marginkit.ops.pairs.squared_l2_matrix` (the same ops, bit for bit); the
+    selection of :func:`marginkit.mining.triplets._local_select`; the hinge on the two selected
+    entries of each anchor (0 where it has no positive or no negative). Outputs: the per-anchor
+    loss, then (not differentiable) ``valid``, ``active`` (loss > 0) and, with ``checks``, the
+    flags of :meth:`LocalMarginTripletLoss._report` (else an empty tensor).
 
-    Backward, by hand (autograd would carry the ``[B, R]`` gradient of ``d`` through two
-    matrix products): only the selected entries have a gradient, ``g_a`` for ``d[a, p_a]`` and
-    ``−g_a`` for ``d[a, n_a]`` on active anchors, where ``∂d[a, j]/∂x_a = 2 (x_a − y_j) =
-    −∂d[a, j]/∂y_j``; the clamp passes it where the expansion is ``>= 0``, as autograd's
-    ``clamp_min``. That is ``O((B + R)·D)`` work instead of ``O(B·R·D)``.
+    Backward, by hand: only the two selected distances of an active anchor have a gradient,
+    ``w = ∂L/∂loss_a`` for ``d[a, p]`` and ``−w`` for ``d[a, n]``, and ``∂d[a, j]/∂x_a =
+    2 (x_a − y_j) = −∂d[a, j]/∂y_j`` — the derivative of ``‖x_a − y_j‖²`` — so ``∂/∂x_a =
+    2w (y_n − y_p)``, ``∂/∂y_p += 2w (y_p − x_a)``, ``∂/∂y_n += 2w (x_a − y_n)``: ``O((B + R)·D)``
+    work where autograd carried a dense ``[B, R]`` gradient through two matrix products. Then
+    the unit rows' derivative (:func:`_unit_backward`). Autograd through the clamped expansion
+    gave 0 where rounding had made it negative (near-duplicates), this gives the exact
+    derivative there too; elsewhere the two agree up to rounding.
     """
 
     @staticmethod
@@ -134,53 +165,92 @@ class _LocalMarginTriplets(torch.autograd.Function):
         ctx: Any,
         x: torch.Tensor,
         y: torch.Tensor,
-        same: torch.Tensor,
+        labels: torch.Tensor,
+        ref_labels: torch.Tensor,
         self_ref: bool,
         k: int,
         margin: float,
+        normalize: bool,
         checks: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        xx = x.pow(2).sum(-1)
-        yy = xx if self_ref else y.pow(2).sum(-1)
-        raw = torch.addmm(xx[:, None] + yy[None, :], x, y.T, alpha=-2.0)
-        dist = raw.clamp_min(0.0)
-        p_idx, n_idx, valid, has_pos = _local_select(dist, same, self_ref, k)
-        bound = dist.gather(1, p_idx[:, None]).squeeze(1)
-        d_neg = dist.gather(1, n_idx[:, None]).squeeze(1)
-        loss = torch.where(valid, F.relu(bound - d_neg + margin), 0.0)
-        active = valid & (loss > 0)
-        passes_p = active & (raw.gather(1, p_idx[:, None]).squeeze(1) >= 0)
-        passes_n = active & (raw.gather(1, n_idx[:, None]).squeeze(1) >= 0)
-        ctx.self_ref = self_ref
-        ctx.save_for_backward(x, y, p_idx, n_idx, passes_p, passes_n)
-        top = dist.amax() if checks else dist.new_zeros(())
-        ctx.mark_non_differentiable(valid, active, top, has_pos)
-        return loss, valid, active, top, has_pos
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if normalize:
+            u, norm_u, scale_u, top_u = _unit(x)
+            v, norm_v, scale_v, top_v = (u, norm_u, scale_u, top_u) if self_ref else _unit(y)
+        else:
+            u, v = x, y
+        uu = u.pow(2).sum(-1)
+        vv = uu if self_ref else v.pow(2).sum(-1)
+        d = torch.addmm(uu.unsqueeze(1) + vv, u, v.T, alpha=-2.0).clamp_min_(0.0)
+        top_d = d.amax() if checks else None  # before the selection overwrites d
+        p_idx, n_idx, d_pos, d_neg, has_pos, has_neg = _local_select(d, labels, ref_labels, self_ref, k)
+        valid = has_pos & has_neg
+        loss = torch.where(valid, F.relu(d_pos - d_neg + margin), 0.0)
+        active = loss > 0
+        flags = loss.new_empty(0, dtype=torch.bool)
+        if top_d is not None:
+            if normalize:
+                top = top_u.amax() if self_ref else torch.maximum(top_u.amax(), top_v.amax())
+                scale: torch.Tensor | float = 1.0
+            else:
+                top = x.abs().amax() if self_ref else torch.maximum(x.abs().amax(), y.abs().amax())
+                scale = uu.amax() if self_ref else torch.maximum(uu.amax(), vv.amax())
+            flags = _local_flags(top, top_d, scale, has_pos, normalize, self_ref and d.numel() <= 1)
+        ctx.set_materialize_grads(False)
+        ctx.self_ref, ctx.normalize = self_ref, normalize
+        saved = (u, v, p_idx, n_idx, active)
+        if normalize:
+            saved += (norm_u, scale_u) if self_ref else (norm_u, scale_u, norm_v, scale_v)
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(valid, active, flags)
+        return loss, valid, active, flags
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        x, y, p_idx, n_idx, passes_p, passes_n = ctx.saved_tensors
-        g2 = 2.0 * grad
-        to_p = torch.where(passes_p, g2, 0.0)[:, None] * (x - y[p_idx])
-        to_n = torch.where(passes_n, -g2, 0.0)[:, None] * (x - y[n_idx])
-        grad_x = to_p + to_n
-        grad_y = grad_x if ctx.self_ref else torch.zeros_like(y)
-        grad_y.index_add_(0, p_idx, to_p, alpha=-1.0).index_add_(0, n_idx, to_n, alpha=-1.0)
-        return grad_x, (None if ctx.self_ref else grad_y), None, None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor | None, *_unused: Any) -> tuple[Any, ...]:
+        none = (None,) * 7
+        if grad is None:
+            return None, None, *none
+        u, v, p_idx, n_idx, active, *unit = ctx.saved_tensors
+        w2 = torch.where(active, 2.0 * grad, 0.0).unsqueeze(1)
+        to_p = v.index_select(0, p_idx).sub_(u).mul_(w2)  # 2w (y_p − x_a)
+        to_n = v.index_select(0, n_idx).sub_(u).mul_(w2.neg())  # 2w (x_a − y_n)
+        grad_u = torch.add(to_p, to_n).neg_()  # 2w (y_n − y_p)
+        grad_v = grad_u if ctx.self_ref else torch.zeros_like(v)
+        grad_v.index_add_(0, p_idx, to_p).index_add_(0, n_idx, to_n)
+        if ctx.normalize:
+            grad_u = _unit_backward(grad_u, u, *unit[:2])
+            if not ctx.self_ref:
+                grad_v = _unit_backward(grad_v, v, *unit[2:])
+        return grad_u, (None if ctx.self_ref else grad_v), *none
+
+
+def _local_flags(
+    top: torch.Tensor,
+    top_d: torch.Tensor,
+    scale: torch.Tensor | float,
+    has_pos: torch.Tensor,
+    normalize: bool,
+    single: bool,
+) -> torch.Tensor:
+    """``[nonfinite, overflow, small, no_pos, collapsed]`` of :meth:`_TripletBase._matrix_checks`.
+
+    From extremes instead of passes over the inputs and ``d``: ``top`` (the inputs' largest
+    magnitude) is finite iff every entry is, and ``top_d = max d`` (``d >= 0``; NaN and ``inf``
+    propagate) iff every distance is; ``top`` also decides the underflow of
+    :func:`marginkit.ops.pairs.underflow_flag`, and ``top_d`` the collapse of
+    :func:`marginkit.ops.pairs.collapsed_flag` (never for a single self-pair: ``single``).
+    """
+    info = torch.finfo(top.dtype)
+    nonfinite = torch.isfinite(torch.stack((top, top_d))).logical_not_()
+    no = torch.zeros((), dtype=torch.bool, device=top.device)
+    small = no if normalize else (top > 0) & (top < math.sqrt(info.tiny / info.eps))
+    collapsed = no if single else top_d <= COLLAPSE_TOL**2 * scale
+    return torch.stack((nonfinite[0], nonfinite[1], small, ~has_pos.any(), collapsed))
 
 
 def _softplus(t: torch.Tensor) -> torch.Tensor:
     """Exact ``log(1 + e^t)`` (``F.softplus`` is linear above 20: an absolute error up to 2e-9)."""
     return torch.logaddexp(t, torch.zeros_like(t))
-
-
-def _nonfinite(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """0-d bool: ``x`` or ``y`` holds a NaN or an infinity (their extremes do: min and max propagate NaN)."""
-    ends = [*torch.aminmax(x.detach())]
-    if y is not x:
-        ends += torch.aminmax(y.detach())
-    return ~torch.isfinite(torch.stack(ends)).all()
 
 
 def _sq_dist(d: torch.Tensor, distance: str) -> torch.Tensor:
@@ -403,38 +473,38 @@ class LocalMarginTripletLoss(_TripletBase):
         self.last_counts = None
 
     def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
-        x, y = self._embed(batch)
-        same = batch.labels[:, None] == batch.ref_labels[None, :]
-        loss, valid, active, top, has_pos = _LocalMarginTriplets.apply(
-            x, y, same, batch.self_ref, int(self.k), margin, self.validate
+        loss, valid, active, flags = _LocalMarginTriplets.apply(
+            batch.x,
+            batch.y,
+            batch.labels,
+            batch.ref_labels,
+            batch.self_ref,
+            int(self.k),
+            margin,
+            self.normalize,
+            self.validate,
         )
         if self.validate:
-            self._local_checks(batch, x, y, top, has_pos)
-        return self._finish(loss, valid.to(loss.dtype), active, valid)
+            self._report(batch, flags)
+        counts = valid.to(loss.dtype)
+        self.last_counts = counts
+        n_valid = valid.sum().clamp_min(1)
+        self.last_active_fraction = (active.sum() / n_valid).to(loss.dtype)
+        if self.reduction == "none":
+            return loss
+        if self.reduction == "sum":
+            return loss.sum()
+        return loss.sum() / n_valid.to(loss.dtype)
 
-    def _local_checks(
-        self, batch: PairBatch, x: torch.Tensor, y: torch.Tensor, top: torch.Tensor, has_pos: torch.Tensor
-    ) -> None:
-        """:meth:`_matrix_checks` from ``top = max d`` (``d >= 0``, NaN and ``inf`` propagate).
-
-        The same flags, messages and single host sync: the inputs are finite iff their extremes
-        are, and so is ``d`` iff its maximum is.
-        """
-        collapsed = top <= COLLAPSE_TOL**2 * self._scale(x, y)
-        if batch.self_ref and x.shape[0] * y.shape[0] <= 1:
-            collapsed = torch.zeros_like(collapsed)
-        nonfinite, overflow, small, no_pos, collapsed_ = read_flags(
-            _nonfinite(batch.x, batch.y),
-            ~torch.isfinite(top),
-            self._underflow(x, y),
-            ~has_pos.any(),
-            collapsed,
-        )
+    def _report(self, batch: PairBatch, flags: torch.Tensor) -> None:
+        """Raise or warn on the flags of :func:`_local_flags`, read in one host sync, as
+        :meth:`_TripletBase._matrix_checks` does."""
+        nonfinite, overflow, small, no_pos, collapsed = flags.tolist()
         if small and not nonfinite:
-            raise too_small_error(x, y, self.distance)
-        report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed_)
+            raise too_small_error(batch.x, batch.y, self.distance)
+        report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed)
         if overflow:
-            self._overflow_error(batch, top.dtype)
+            self._overflow_error(batch, batch.x.dtype)
 
 
 class TripletMarginLoss(_TripletBase):

@@ -43,43 +43,50 @@ def _order_keys(d: torch.Tensor) -> torch.Tensor:
     return key
 
 
-@torch.no_grad()
 def _local_select(
-    dist: torch.Tensor, same: torch.Tensor, self_ref: bool, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dist: torch.Tensor, labels: torch.Tensor, ref_labels: torch.Tensor, self_ref: bool, k: int
+) -> tuple[torch.Tensor, ...]:
     """Per anchor: the k-th nearest positive (k capped by #positives) and the nearest negative.
 
-    ``same [B, R]``: the reference has the anchor's label (``self_ref``: the references are the
-    batch, and ``i == j`` is no positive). Returns ``(p_idx [B], n_idx [B], valid [B],
-    has_pos [B])``: ``valid`` marks anchors with a positive and a negative, ``has_pos`` those with
-    a positive. Equal distances are taken in index order, as a stable sort would: float32 rows
-    by one ``torch.topk`` of the packed keys of :func:`_order_keys` (distinct, so the result is
-    exact whatever order topk leaves ties in; the number of positives, capped at ``k``, is read
-    from the same ``k`` keys); other dtypes by
+    ``dist [B, R]`` (detached; overwritten: the same-label entries become ``inf``) between the
+    anchors (``labels [B]``) and the references (``ref_labels [R]``; with ``self_ref`` they are
+    the anchors, and ``i == j`` is no positive). Called without grad. Returns ``(p_idx, n_idx,
+    d_pos, d_neg, has_pos, has_neg)``, all ``[B]``: the columns, their distances, and which
+    anchors have a positive / a negative (the other entries are in range but meaningless).
+
+    Equal distances are taken in index order, as a stable sort would: float32 rows by one
+    ``torch.topk`` of the packed keys of :func:`_order_keys` (distinct, so exact whatever order
+    topk leaves ties in; the k-th positive, or the last one where there are fewer, is the
+    largest key among the ``k`` smallest, and the key holds its distance); other dtypes by
     :func:`marginkit.ops.selection.kth_smallest_column`. The nearest negative is the first
-    minimal one (``torch.min``). Indices of anchors without a positive / negative are in range
-    but meaningless.
+    minimal one (``torch.min``). An anchor has a negative unless every reference label equals
+    its own, i.e. the reference labels' minimum and maximum both do.
     """
-    d = dist.detach()
-    bound = min(k, d.shape[1])
-    if d.dtype == torch.float32 and d.shape[1] < 2**31:
-        keys = _order_keys(d)
-        pos_keys = torch.where(same, keys, _NO_KEY)
+    same = labels.unsqueeze(1) == ref_labels
+    if dist.dtype == torch.float32 and dist.shape[1] < 2**31:
+        keys = _order_keys(dist)
+        keys = torch.where(same, keys, keys.new_tensor(_NO_KEY), out=keys)
         if self_ref:
-            pos_keys.diagonal().fill_(_NO_KEY)
-        smallest = torch.topk(pos_keys, bound, dim=1, largest=False, sorted=True).values
-        npos = (smallest != _NO_KEY).sum(1)  # min(#positives, bound)
-        kth = (npos - 1).clamp_min(0)
-        p_idx = smallest.gather(1, kth[:, None]).squeeze(1) & 0xFFFFFFFF
+            keys.diagonal().fill_(_NO_KEY)
+        smallest = torch.topk(keys, min(k, dist.shape[1]), dim=1, largest=False, sorted=True).values
+        first = smallest[:, 0]
+        has_pos = first != _NO_KEY
+        # the missing positives of a row (keys _NO_KEY) stand in for its first: the maximum is the
+        # k-th positive, or the last where there are fewer (a row without any: _NO_KEY, column 0)
+        key = torch.where(smallest == _NO_KEY, first.unsqueeze(1), smallest).amax(1)
+        p_idx = key & 0xFFFFFFFF
+        d_pos = (key >> 32).to(torch.int32).view(torch.float32)
     else:
         pos = same & ~torch.eye(*same.shape, dtype=torch.bool, device=same.device) if self_ref else same
         npos = pos.sum(1)
         kth = (npos.clamp(max=k) - 1).clamp_min(0)
-        p_idx = kth_smallest_column(d.masked_fill(~pos, math.inf), kth, k)
-    n_idx = d.masked_fill(same, math.inf).min(dim=1).indices
-    has_pos = npos > 0
-    valid = has_pos & ~same.all(1)
-    return p_idx, n_idx, valid, has_pos
+        p_idx = kth_smallest_column(dist.masked_fill(~pos, math.inf), kth, k)
+        has_pos = npos > 0
+        d_pos = dist.gather(1, p_idx.unsqueeze(1)).squeeze(1)
+    d_neg, n_idx = dist.masked_fill_(same, math.inf).min(dim=1)
+    low, high = torch.aminmax(ref_labels)
+    has_neg = (labels != low) | (labels != high)
+    return p_idx, n_idx, d_pos, d_neg, has_pos, has_neg
 
 
 @torch.no_grad()
@@ -183,10 +190,10 @@ def local_triplets(
     dist, batch = _prepare(embeddings, labels, ref_embeddings, ref_labels, "squared_l2", normalize)
     if dist.shape[1] == 0:
         return _no_triplets(dist.device)
-    same = batch.labels[:, None] == batch.ref_labels[None, :]
-    p_idx, n_idx, valid, _ = _local_select(dist, same, batch.self_ref, k)
-    rows = torch.arange(dist.shape[0], device=dist.device)
-    keep = valid & (dist[rows, n_idx] < dist[rows, p_idx] + margin)
+    p_idx, n_idx, d_pos, d_neg, has_pos, has_neg = _local_select(
+        dist, batch.labels, batch.ref_labels, batch.self_ref, k
+    )
+    keep = has_pos & has_neg & (d_neg < d_pos + margin)
     anchors = keep.nonzero().squeeze(1)
     return anchors, p_idx[anchors], n_idx[anchors]
 
