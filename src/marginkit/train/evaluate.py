@@ -127,17 +127,25 @@ def embed_rows(
     )
     was_training = model.training
     model.eval()
-    chunks, rows = [], []
+    # one [N, D] result filled batch by batch (a list of chunks and their concatenation would
+    # hold the embeddings twice at the end)
+    out: torch.Tensor | None = None
+    rows = torch.empty(n, dtype=torch.long)
+    done = 0
     try:
         for batch in loader.epoch():
-            chunks.append(model(to_model_input(batch.x, device)).float().cpu())
-            rows.append(batch.y)
+            emb = model(to_model_input(batch.x, device)).float()
+            if out is None:
+                out = torch.empty((n, emb.shape[1]), dtype=torch.float32)
+            out[done : done + len(emb)] = emb.cpu()
+            rows[done : done + len(emb)] = batch.y
+            done += len(emb)
     finally:
         model.train(was_training)
         loader.close()
-    if not chunks:
+    if out is None:
         return torch.empty(0, int(getattr(model, "embedding_dim", 0))), torch.zeros(0, dtype=torch.long)
-    return torch.cat(chunks), torch.cat(rows)
+    return out[:done], rows[:done]
 
 
 def embed_split(
