@@ -17,6 +17,7 @@ needs per-pair counts of active triplets (memory ``O(B·R)`` plus one block).
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
@@ -139,16 +140,18 @@ def _unit_backward(
 
 
 class _LocalMarginTriplets(torch.autograd.Function):
-    """Per-anchor local-margin hinge ``relu(d[a, p_a] − d[a, n_a] + margin)`` of SPEC §5.
+    """The local-margin triplet loss of SPEC §5, reduced, with a hand-written backward.
 
     Inputs: the embeddings ``x [B, D]`` and references ``y [R, D]`` (``x`` itself when
     ``self_ref``), their labels. Forward: with ``normalize``, the unit rows of
     :func:`marginkit.ops.norms.unit_rows`; the squared distances ``d = max(‖x‖² + ‖y‖² − 2·x·yᵀ,
     0)`` of :func:`marginkit.ops.pairs.squared_l2_matrix` (the same ops, bit for bit); the
-    selection of :func:`marginkit.mining.triplets._local_select`; the hinge on the two selected
-    entries of each anchor (0 where it has no positive or no negative). Outputs: the per-anchor
-    loss, then (not differentiable) ``valid``, ``active`` (loss > 0) and, with ``checks``, the
-    flags of :meth:`LocalMarginTripletLoss._report` (else an empty tensor).
+    selection of :func:`marginkit.mining.triplets._local_select`; the hinge ``relu(d[a, p_a] −
+    d[a, n_a] + margin)`` on the two selected entries of each anchor (0 where it has no positive
+    or no negative), summed, averaged over the anchors that have both, or kept per anchor
+    (``reduction``). Outputs: that, then (not differentiable) ``valid``, ``active`` (loss > 0)
+    and, with ``checks``, the extremes :meth:`LocalMarginTripletLoss._report` reads (else an
+    empty tensor).
 
     Backward, by hand: only the two selected distances of an active anchor have a gradient,
     ``w = ∂L/∂loss_a`` for ``d[a, p]`` and ``−w`` for ``d[a, n]``, and ``∂d[a, j]/∂x_a =
@@ -171,6 +174,7 @@ class _LocalMarginTriplets(torch.autograd.Function):
         k: int,
         margin: float,
         normalize: bool,
+        reduction: str,
         checks: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if normalize:
@@ -178,74 +182,63 @@ class _LocalMarginTriplets(torch.autograd.Function):
             v, norm_v, scale_v, top_v = (u, norm_u, scale_u, top_u) if self_ref else _unit(y)
         else:
             u, v = x, y
-        uu = u.pow(2).sum(-1)
-        vv = uu if self_ref else v.pow(2).sum(-1)
+        uu = (u * u).sum(-1)
+        vv = uu if self_ref else (v * v).sum(-1)
         d = torch.addmm(uu.unsqueeze(1) + vv, u, v.T, alpha=-2.0).clamp_min_(0.0)
         top_d = d.amax() if checks else None  # before the selection overwrites d
         p_idx, n_idx, d_pos, d_neg, has_pos, has_neg = _local_select(d, labels, ref_labels, self_ref, k)
         valid = has_pos & has_neg
-        loss = torch.where(valid, F.relu(d_pos - d_neg + margin), 0.0)
+        loss = torch.where(valid, (d_pos - d_neg + margin).clamp_min_(0.0), 0.0)
         active = loss > 0
-        flags = loss.new_empty(0, dtype=torch.bool)
+        weight = None
+        if reduction == "mean":
+            weight = valid.sum().clamp_min_(1).to(loss.dtype)
+            loss = loss.sum() / weight
+        elif reduction == "sum":
+            loss = loss.sum()
+        extremes = loss.new_empty(0)
         if top_d is not None:
             if normalize:
                 top = top_u.amax() if self_ref else torch.maximum(top_u.amax(), top_v.amax())
-                scale: torch.Tensor | float = 1.0
+                scale = torch.ones_like(top)
             else:
                 top = x.abs().amax() if self_ref else torch.maximum(x.abs().amax(), y.abs().amax())
                 scale = uu.amax() if self_ref else torch.maximum(uu.amax(), vv.amax())
-            flags = _local_flags(top, top_d, scale, has_pos, normalize, self_ref and d.numel() <= 1)
+            extremes = torch.stack((top, top_d, scale, has_pos.any().to(top.dtype)))
         ctx.set_materialize_grads(False)
-        ctx.self_ref, ctx.normalize = self_ref, normalize
-        saved = (u, v, p_idx, n_idx, active)
+        ctx.self_ref, ctx.normalize, ctx.mean = self_ref, normalize, weight is not None
+        saved = (u, v, p_idx, n_idx, active, *(() if weight is None else (weight,)))
         if normalize:
             saved += (norm_u, scale_u) if self_ref else (norm_u, scale_u, norm_v, scale_v)
         ctx.save_for_backward(*saved)
-        ctx.mark_non_differentiable(valid, active, flags)
-        return loss, valid, active, flags
+        ctx.mark_non_differentiable(valid, active, extremes)
+        return loss, valid, active, extremes
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor | None, *_unused: Any) -> tuple[Any, ...]:
-        none = (None,) * 7
+        none = (None,) * 8
         if grad is None:
             return None, None, *none
-        u, v, p_idx, n_idx, active, *unit = ctx.saved_tensors
+        u, v, p_idx, n_idx, active, *rest = ctx.saved_tensors
+        if ctx.mean:
+            grad = grad / rest.pop(0)
         w2 = torch.where(active, 2.0 * grad, 0.0).unsqueeze(1)
         to_p = v.index_select(0, p_idx).sub_(u).mul_(w2)  # 2w (y_p − x_a)
-        to_n = v.index_select(0, n_idx).sub_(u).mul_(w2.neg())  # 2w (x_a − y_n)
-        grad_u = torch.add(to_p, to_n).neg_()  # 2w (y_n − y_p)
+        to_n = v.index_select(0, n_idx).sub_(u).mul_(w2)  # 2w (y_n − x_a)
+        grad_u = to_n - to_p  # 2w (y_n − y_p)
         grad_v = grad_u if ctx.self_ref else torch.zeros_like(v)
-        grad_v.index_add_(0, p_idx, to_p).index_add_(0, n_idx, to_n)
+        grad_v.index_add_(0, p_idx, to_p).index_add_(0, n_idx, to_n, alpha=-1.0)
         if ctx.normalize:
-            grad_u = _unit_backward(grad_u, u, *unit[:2])
+            grad_u = _unit_backward(grad_u, u, *rest[:2])
             if not ctx.self_ref:
-                grad_v = _unit_backward(grad_v, v, *unit[2:])
+                grad_v = _unit_backward(grad_v, v, *rest[2:])
         return grad_u, (None if ctx.self_ref else grad_v), *none
 
 
-def _local_flags(
-    top: torch.Tensor,
-    top_d: torch.Tensor,
-    scale: torch.Tensor | float,
-    has_pos: torch.Tensor,
-    normalize: bool,
-    single: bool,
-) -> torch.Tensor:
-    """``[nonfinite, overflow, small, no_pos, collapsed]`` of :meth:`_TripletBase._matrix_checks`.
-
-    From extremes instead of passes over the inputs and ``d``: ``top`` (the inputs' largest
-    magnitude) is finite iff every entry is, and ``top_d = max d`` (``d >= 0``; NaN and ``inf``
-    propagate) iff every distance is; ``top`` also decides the underflow of
-    :func:`marginkit.ops.pairs.underflow_flag`, and ``top_d`` the collapse of
-    :func:`marginkit.ops.pairs.collapsed_flag` (never for a single self-pair: ``single``).
-    """
-    info = torch.finfo(top.dtype)
-    nonfinite = torch.isfinite(torch.stack((top, top_d))).logical_not_()
-    no = torch.zeros((), dtype=torch.bool, device=top.device)
-    small = no if normalize else (top > 0) & (top < math.sqrt(info.tiny / info.eps))
-    collapsed = no if single else top_d <= COLLAPSE_TOL**2 * scale
-    return torch.stack((nonfinite[0], nonfinite[1], small, ~has_pos.any(), collapsed))
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (float32 or float64), as a tensor op of that dtype has it."""
+    return struct.unpack("f", struct.pack("f", value))[0] if dtype == torch.float32 else value
 
 
 def _softplus(t: torch.Tensor) -> torch.Tensor:
@@ -473,7 +466,7 @@ class LocalMarginTripletLoss(_TripletBase):
         self.last_counts = None
 
     def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
-        loss, valid, active, flags = _LocalMarginTriplets.apply(
+        out, valid, active, extremes = _LocalMarginTriplets.apply(
             batch.x,
             batch.y,
             batch.labels,
@@ -482,29 +475,36 @@ class LocalMarginTripletLoss(_TripletBase):
             int(self.k),
             margin,
             self.normalize,
+            self.reduction,
             self.validate,
         )
         if self.validate:
-            self._report(batch, flags)
-        counts = valid.to(loss.dtype)
-        self.last_counts = counts
-        n_valid = valid.sum().clamp_min(1)
-        self.last_active_fraction = (active.sum() / n_valid).to(loss.dtype)
-        if self.reduction == "none":
-            return loss
-        if self.reduction == "sum":
-            return loss.sum()
-        return loss.sum() / n_valid.to(loss.dtype)
+            self._report(batch, extremes)
+        self.last_counts = valid.to(out.dtype)
+        self.last_active_fraction = (active.sum() / valid.sum().clamp_min(1)).to(out.dtype)
+        return out
 
-    def _report(self, batch: PairBatch, flags: torch.Tensor) -> None:
-        """Raise or warn on the flags of :func:`_local_flags`, read in one host sync, as
-        :meth:`_TripletBase._matrix_checks` does."""
-        nonfinite, overflow, small, no_pos, collapsed = flags.tolist()
+    def _report(self, batch: PairBatch, extremes: torch.Tensor) -> None:
+        """:meth:`_TripletBase._matrix_checks` from four numbers read in its one host sync.
+
+        ``extremes``: the inputs' largest magnitude (finite iff every entry is; it also decides
+        :func:`marginkit.ops.pairs.underflow_flag`), ``max d`` (``d >= 0``, NaN and ``inf``
+        propagate: finite iff every distance is; it decides
+        :func:`marginkit.ops.pairs.collapsed_flag`), the collapse scale, and whether any anchor
+        has a positive. The comparisons round their bounds to the dtype, as the tensor ops do.
+        """
+        top, top_d, scale, any_pos = extremes.tolist()
+        dtype = batch.x.dtype
+        nonfinite, overflow = not math.isfinite(top), not math.isfinite(top_d)
+        info = torch.finfo(dtype)
+        small = not self.normalize and 0 < top < _rounded(math.sqrt(info.tiny / info.eps), dtype)
+        single = batch.self_ref and batch.x.shape[0] * batch.y.shape[0] <= 1
+        collapsed = not single and top_d <= _rounded(_rounded(COLLAPSE_TOL**2, dtype) * scale, dtype)
         if small and not nonfinite:
             raise too_small_error(batch.x, batch.y, self.distance)
-        report_checks(self, type(self).__name__, nonfinite, no_pos, collapsed)
+        report_checks(self, type(self).__name__, nonfinite, not any_pos, collapsed)
         if overflow:
-            self._overflow_error(batch, batch.x.dtype)
+            self._overflow_error(batch, dtype)
 
 
 class TripletMarginLoss(_TripletBase):

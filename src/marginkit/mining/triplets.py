@@ -23,24 +23,18 @@ from marginkit.ops.selection import kth_smallest_column
 Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-#: A packed key above every ``(order key << 32) | column`` of :func:`_order_keys`; its column part is 0.
-_NO_KEY = 0x7FFFFFFF << 32
-
-
 def _order_keys(d: torch.Tensor) -> torch.Tensor:
-    """``int64`` keys ``(order key << 32) | column`` of a float32 distance matrix (``>= 0`` or NaN).
+    """Distinct ``int64`` keys in the stable order of the rows of ``d`` (float32, ``>= 0`` or NaN).
 
-    The bits of a non-negative float32 are in its order; clearing the sign folds ``-0.0`` onto
-    ``+0.0`` and every NaN to a positive pattern, which the clamp makes one key above ``+inf``. So
-    the keys are distinct and their order is the stable ascending order of each row (ties in
-    column order, NaN last, as ``torch.sort(stable=True)``).
+    A float32 widened to float64 leaves the low 29 bits of its pattern 0, and the patterns of
+    non-negative float64 numbers are in their order as integers; the column fills those bits
+    (fewer than ``2**29`` columns). So ``key[i] < key[j]`` iff ``d[i] < d[j]``, or they are equal
+    and ``i < j``: the order of ``torch.sort(row, stable=True)``, ``+inf`` above every number and
+    NaN above ``+inf`` (NaNs with the one pattern arithmetic gives them tie among themselves).
+    ``d`` is overwritten with ``|d|`` (which only clears the sign of a NaN or of ``-0.0``).
     """
-    bits = d.view(torch.int32) & 0x7FFFFFFF
-    bits.clamp_(max=0x7F800001)
-    key = bits.to(torch.int64)
-    key <<= 32
-    key |= torch.arange(d.shape[1], device=d.device)
-    return key
+    keys = d.abs_().to(torch.float64).view(torch.int64)
+    return keys.add_(torch.arange(d.shape[1], device=d.device))
 
 
 def _local_select(
@@ -54,39 +48,28 @@ def _local_select(
     d_pos, d_neg, has_pos, has_neg)``, all ``[B]``: the columns, their distances, and which
     anchors have a positive / a negative (the other entries are in range but meaningless).
 
-    Equal distances are taken in index order, as a stable sort would: float32 rows by one
-    ``torch.topk`` of the packed keys of :func:`_order_keys` (distinct, so exact whatever order
-    topk leaves ties in; the k-th positive, or the last one where there are fewer, is the
-    largest key among the ``k`` smallest, and the key holds its distance); other dtypes by
+    The k-th positive is the entry at rank ``min(k, #positives) − 1`` of the stable ascending
+    order of the row with every other entry set to ``inf`` (equal distances in index order):
+    for float32, the column of one ``torch.topk`` of the keys of :func:`_order_keys` (distinct,
+    so exact whatever order topk leaves ties in); for other dtypes
     :func:`marginkit.ops.selection.kth_smallest_column`. The nearest negative is the first
-    minimal one (``torch.min``). An anchor has a negative unless every reference label equals
-    its own, i.e. the reference labels' minimum and maximum both do.
+    minimal one (``torch.min``).
     """
     same = labels.unsqueeze(1) == ref_labels
-    if dist.dtype == torch.float32 and dist.shape[1] < 2**31:
-        keys = _order_keys(dist)
-        keys = torch.where(same, keys, keys.new_tensor(_NO_KEY), out=keys)
-        if self_ref:
-            keys.diagonal().fill_(_NO_KEY)
-        smallest = torch.topk(keys, min(k, dist.shape[1]), dim=1, largest=False, sorted=True).values
-        first = smallest[:, 0]
-        has_pos = first != _NO_KEY
-        # the missing positives of a row (keys _NO_KEY) stand in for its first: the maximum is the
-        # k-th positive, or the last where there are fewer (a row without any: _NO_KEY, column 0)
-        key = torch.where(smallest == _NO_KEY, first.unsqueeze(1), smallest).amax(1)
-        p_idx = key & 0xFFFFFFFF
-        d_pos = (key >> 32).to(torch.int32).view(torch.float32)
+    n_same = same.sum(1)
+    npos = n_same - 1 if self_ref else n_same
+    kth = (npos.clamp(max=k) - 1).clamp_min_(0)
+    d_pos_only = torch.where(same, dist, math.inf)
+    if self_ref:
+        d_pos_only.diagonal().fill_(math.inf)
+    if dist.dtype == torch.float32 and dist.shape[1] < 2**29:
+        cols = torch.topk(_order_keys(d_pos_only), min(k, dist.shape[1]), dim=1, largest=False).indices
+        p_idx = cols.gather(1, kth.unsqueeze(1)).squeeze(1)
     else:
-        pos = same & ~torch.eye(*same.shape, dtype=torch.bool, device=same.device) if self_ref else same
-        npos = pos.sum(1)
-        kth = (npos.clamp(max=k) - 1).clamp_min(0)
-        p_idx = kth_smallest_column(dist.masked_fill(~pos, math.inf), kth, k)
-        has_pos = npos > 0
-        d_pos = dist.gather(1, p_idx.unsqueeze(1)).squeeze(1)
+        p_idx = kth_smallest_column(d_pos_only, kth, k)
+    d_pos = dist.gather(1, p_idx.unsqueeze(1)).squeeze(1)
     d_neg, n_idx = dist.masked_fill_(same, math.inf).min(dim=1)
-    low, high = torch.aminmax(ref_labels)
-    has_neg = (labels != low) | (labels != high)
-    return p_idx, n_idx, d_pos, d_neg, has_pos, has_neg
+    return p_idx, n_idx, d_pos, d_neg, npos > 0, n_same != same.shape[1]
 
 
 @torch.no_grad()
