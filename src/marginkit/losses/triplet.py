@@ -123,8 +123,8 @@ def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     top = x.abs().amax(-1, keepdim=True)
     scale = torch.where(top > 0, top, 1.0)
     z = x / scale
-    norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min(1e-12)
-    return z / norm, norm, scale, top
+    norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min_(1e-12)
+    return z.div_(norm), norm, scale, top
 
 
 def _unit_backward(
@@ -149,9 +149,10 @@ class _LocalMarginTriplets(torch.autograd.Function):
     selection of :func:`marginkit.mining.triplets._local_select`; the hinge ``relu(d[a, p_a] −
     d[a, n_a] + margin)`` on the two selected entries of each anchor (0 where it has no positive
     or no negative), summed, averaged over the anchors that have both, or kept per anchor
-    (``reduction``). Outputs: that, then (not differentiable) ``valid``, ``active`` (loss > 0)
-    and, with ``checks``, the extremes :meth:`LocalMarginTripletLoss._report` reads (else an
-    empty tensor).
+    (``reduction``). Outputs: that, then (not differentiable) 1 for the anchors that count in
+    the mean, else 0, and ``stats``: the numbers of those and of the active ones (loss > 0), the
+    active fraction, then, with ``checks``, the four extremes
+    :meth:`LocalMarginTripletLoss._report` reads.
 
     Backward, by hand: only the two selected distances of an active anchor have a gradient,
     ``w = ∂L/∂loss_a`` for ``d[a, p]`` and ``−w`` for ``d[a, n]``, and ``∂d[a, j]/∂x_a =
@@ -176,7 +177,7 @@ class _LocalMarginTriplets(torch.autograd.Function):
         normalize: bool,
         reduction: str,
         checks: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if normalize:
             u, norm_u, scale_u, top_u = _unit(x)
             v, norm_v, scale_v, top_v = (u, norm_u, scale_u, top_u) if self_ref else _unit(y)
@@ -190,13 +191,13 @@ class _LocalMarginTriplets(torch.autograd.Function):
         valid = has_pos & has_neg
         loss = torch.where(valid, (d_pos - d_neg + margin).clamp_min_(0.0), 0.0)
         active = loss > 0
-        weight = None
+        counts = torch.stack((valid.sum(), active.sum())).to(loss.dtype)
+        n_valid = counts[0].clamp_min(1.0)
         if reduction == "mean":
-            weight = valid.sum().clamp_min_(1).to(loss.dtype)
-            loss = loss.sum() / weight
+            loss = loss.sum() / n_valid
         elif reduction == "sum":
             loss = loss.sum()
-        extremes = loss.new_empty(0)
+        stats = [counts, counts[1:] / n_valid]
         if top_d is not None:
             if normalize:
                 top = top_u.amax() if self_ref else torch.maximum(top_u.amax(), top_v.amax())
@@ -204,15 +205,18 @@ class _LocalMarginTriplets(torch.autograd.Function):
             else:
                 top = x.abs().amax() if self_ref else torch.maximum(x.abs().amax(), y.abs().amax())
                 scale = uu.amax() if self_ref else torch.maximum(uu.amax(), vv.amax())
-            extremes = torch.stack((top, top_d, scale, has_pos.any().to(top.dtype)))
+            stats.append(torch.stack((top, top_d, scale, has_pos.any().to(top.dtype))))
+        stats = torch.cat(stats)
+        weight = n_valid if reduction == "mean" else None
         ctx.set_materialize_grads(False)
         ctx.self_ref, ctx.normalize, ctx.mean = self_ref, normalize, weight is not None
         saved = (u, v, p_idx, n_idx, active, *(() if weight is None else (weight,)))
         if normalize:
             saved += (norm_u, scale_u) if self_ref else (norm_u, scale_u, norm_v, scale_v)
         ctx.save_for_backward(*saved)
-        ctx.mark_non_differentiable(valid, active, extremes)
-        return loss, valid, active, extremes
+        counted = valid.to(loss.dtype)
+        ctx.mark_non_differentiable(counted, stats)
+        return loss, counted, stats
 
     @staticmethod
     @once_differentiable
@@ -466,7 +470,7 @@ class LocalMarginTripletLoss(_TripletBase):
         self.last_counts = None
 
     def _mined(self, batch: PairBatch, margin: float) -> torch.Tensor:
-        out, valid, active, extremes = _LocalMarginTriplets.apply(
+        out, counted, stats = _LocalMarginTriplets.apply(
             batch.x,
             batch.y,
             batch.labels,
@@ -479,9 +483,9 @@ class LocalMarginTripletLoss(_TripletBase):
             self.validate,
         )
         if self.validate:
-            self._report(batch, extremes)
-        self.last_counts = valid.to(out.dtype)
-        self.last_active_fraction = (active.sum() / valid.sum().clamp_min(1)).to(out.dtype)
+            self._report(batch, stats[3:])
+        self.last_counts = counted
+        self.last_active_fraction = stats[2]
         return out
 
     def _report(self, batch: PairBatch, extremes: torch.Tensor) -> None:
