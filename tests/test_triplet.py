@@ -204,6 +204,85 @@ def test_local_margin_loop_property(seed, n, classes, k):
     _close(_vg(lambda x: loss(x, labels), emb), _vg(lambda x: loop_local_margin(x, labels, k, 0.2)[0], emb))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("with_refs", [False, True])
+def test_local_margin_gradcheck(reduction, normalize, with_refs):
+    # the hand-written backward (selected distances, unit rows) against finite differences, float64;
+    # noisy class centres: no tie or hinge kink within gradcheck's step, some anchors inside the
+    # margin and some outside
+    gen = torch.Generator().manual_seed(2)
+    labels = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3])  # class 3: no positive
+    ref_labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2])
+    centres = torch.randn(4, 4, generator=gen, dtype=torch.float64) * 2
+    emb = (centres[labels] + 0.8 * torch.randn(10, 4, generator=gen, dtype=torch.float64)).requires_grad_(
+        True
+    )
+    ref = (centres[ref_labels] + 0.8 * torch.randn(9, 4, generator=gen, dtype=torch.float64)).requires_grad_(
+        True
+    )
+    loss = LocalMarginTripletLoss(
+        k=2, margin=0.2 if normalize else 1.0, normalize=normalize, reduction=reduction
+    )
+    if with_refs:
+        assert torch.autograd.gradcheck(lambda e, r: loss(e, labels, r, ref_labels), (emb, ref))
+    else:
+        assert torch.autograd.gradcheck(lambda e: loss(e, labels), (emb,))
+    assert 0 < loss.last_active_fraction < 1  # some anchors inside the margin, some outside
+
+
+def test_local_margin_second_derivative_is_refused(gen):
+    emb, labels = _batch(gen, n=12, classes=3)
+    x = emb.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        torch.autograd.grad(LocalMarginTripletLoss(k=2, margin=1.0)(x, labels), x, create_graph=True)
+
+
+def test_local_margin_float32_keys_select_as_the_float64_reference(gen):
+    # dyadic vectors: float32 and float64 distances are the same numbers, with many ties; the
+    # float32 path ranks packed (distance, column) keys, float64 takes kth_smallest_column
+    from marginkit.mining import local_triplets
+
+    emb = _dyadic_unit_vectors(gen, 40)
+    for k in (1, 2, 5, 40):
+        for seed in range(3):
+            labels = torch.randint(0, 4, (40,), generator=torch.Generator().manual_seed(seed))
+            got = local_triplets(emb.float(), labels, k, 10.0, normalize=False)
+            want = local_triplets(emb, labels, k, 10.0, normalize=False)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (k, seed)
+
+
+@given(
+    values=st.lists(
+        st.sampled_from([0.0, -0.0, 0.5, 1.0, 1.0, 2.0, 1e-40, 3e38, float("inf"), float("nan")]),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_order_keys_are_the_stable_sort_order(values):
+    from marginkit.mining.triplets import _order_keys
+
+    d = torch.tensor([values], dtype=torch.float32)
+    want = torch.sort(d, dim=1, stable=True).indices
+    keys = _order_keys(d.clone())
+    assert keys.unique().numel() == keys.numel()  # distinct: topk's tie order cannot matter
+    assert torch.equal(torch.sort(keys, dim=1).indices, want)
+
+
+def test_local_margin_step_dispatch_budget(gen):
+    # forward + backward at B = 64: the aten ops it dispatches (they dominate a small step's time),
+    # none a device read; 93 at the time of writing (186 before issue 39)
+    from dispatch_counts import DispatchCounter
+
+    emb, labels = _batch(gen, n=64, classes=8, dtype=torch.float32)
+    x = emb.clone().requires_grad_(True)
+    loss = LocalMarginTripletLoss(k=5, margin=0.2)
+    with DispatchCounter() as counter:
+        loss(x, labels).backward()
+    assert counter.reads == 0
+    assert counter.ops <= 110, counter.by_name
+
+
 # ------------------------------------------------------------------ TripletMarginLoss vs loops
 
 

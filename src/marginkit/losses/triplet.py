@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from marginkit._validation import REDUCTIONS, choice, nonnegative, positive_int
 from marginkit.losses.pair_loss import PairLoss
@@ -161,7 +160,8 @@ class _LocalMarginTriplets(torch.autograd.Function):
     work where autograd carried a dense ``[B, R]`` gradient through two matrix products. Then
     the unit rows' derivative (:func:`_unit_backward`). Autograd through the clamped expansion
     gave 0 where rounding had made it negative (near-duplicates), this gives the exact
-    derivative there too; elsewhere the two agree up to rounding.
+    derivative there too; elsewhere the two agree up to rounding. Second derivatives
+    (``create_graph=True``) are refused by name.
     """
 
     @staticmethod
@@ -219,8 +219,12 @@ class _LocalMarginTriplets(torch.autograd.Function):
         return loss, counted, stats
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor | None, *_unused: Any) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: this backward is not differentiable
+            raise RuntimeError(
+                "LocalMarginTripletLoss has a hand-written first derivative only: second derivatives "
+                "(create_graph=True) are not supported"
+            )
         none = (None,) * 8
         if grad is None:
             return None, None, *none
