@@ -22,13 +22,18 @@ NORMS = ("l1", "l2")
 
 # --------------------------------------------------------------------------- validation
 def _positive_mask(
-    positives: Any, scores: torch.Tensor, name: str = "positives", validate: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    positives: Any,
+    scores: torch.Tensor,
+    name: str = "positives",
+    validate: bool = True,
+    need_mask: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Return ``(mask, labels)``: a bool mask shaped like ``scores``, and ``[..., 1]`` labels or ``None``.
 
     ``positives`` is either a bool mask of ``scores.shape`` or integer class ids of
-    ``scores.shape[:-1]`` (one positive per row; ``labels`` is then not ``None``).
-    ``validate=False`` skips the label range check (a host read).
+    ``scores.shape[:-1]`` (one positive per row; ``labels`` is then not ``None``, and the mask is
+    built only with ``need_mask``, else ``None``). ``validate=False`` skips the label range check
+    (a host read).
     """
     if not isinstance(positives, torch.Tensor):
         raise TypeError(
@@ -55,6 +60,8 @@ def _positive_mask(
         )
     label_tensor(positives, name, shape=scores.shape[:-1], num_classes=n if validate else None)
     labels = positives.to(device=scores.device, dtype=torch.long).unsqueeze(-1)
+    if not need_mask:
+        return None, labels
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     mask.scatter_(-1, labels, True)
     return mask, labels
@@ -206,10 +213,15 @@ def project(
 
     ``validate=False`` skips the checks that read values (finite scores, label range, margin
     tensor > 0): no host read, for callers that validate elsewhere or defer it.
+
+    The device-agnostic path (any device, or a gradient needed) is a fixed sequence of batched
+    torch ops; a float32/float64 CPU call without gradient (:func:`marginkit.ops.selection.fast_path`)
+    runs the same IEEE operations on the same operands in numpy (:func:`_project_numpy`), so both
+    give the same bits.
     """
     float_tensor(scores, "scores", check_values=validate)
     choice(norm, "norm", NORMS)
-    mask, labels = _positive_mask(positives, scores, positives_name, validate)
+    mask, labels = _positive_mask(positives, scores, positives_name, validate, need_mask=False)
     wd = compute_dtype(scores.dtype)
     m = _margin_tensor(margin, scores.shape[:-1], wd, scores.device, validate)
     x = scores.to(wd)
@@ -217,187 +229,200 @@ def project(
     if n == 1:  # one class: no row has both a positive and a negative
         return scores.clone()
     grad = torch.is_grad_enabled() and (x.requires_grad or (isinstance(m, torch.Tensor) and m.requires_grad))
+    if not grad and fast_path(x):
+        return _project_numpy(x, mask, labels, m, norm).to(scores.dtype)
 
-    # Breakpoints: x_i for positives, x_j + m for negatives.
+    # Breakpoints u: x_i for positives, x_j + m for negatives.
+    xm = x + m
     if labels is None:
-        negatives = ~mask
-        b = torch.where(mask, x, x + m)
-        n_neg = negatives.sum(-1, keepdim=True)
+        b = torch.where(mask, x, xm)
+        x_pos = None
     else:
         x_pos = x.gather(-1, labels)
-        b = (x + m).scatter_(-1, labels, x_pos)
-        n_neg = torch.full_like(labels, n - 1)
-
-    # level ℓ (= min z_P), plus min_P x and max_N b when they come for free. With one positive
-    # per row, "max_N b <= x_pos" is the same test as "max b <= x_pos" (b_pos = x_pos itself).
-    lo_pos = hi_neg = None
+        b = xm.scatter(-1, labels, x_pos)
     if norm == "l2":
-        level, b_max, extremes = _l2_level(b, mask, n_neg, labels, grad)
-        if labels is not None:
-            lo_pos, hi_neg = x_pos, b_max
-        elif extremes is not None:
-            lo_pos, hi_neg = extremes
-    elif labels is not None:
-        # |N| = n - 1 in every row: u_(n-1) is the second largest breakpoint, no sort needed.
-        top2 = torch.topk(b, 2, dim=-1).values
-        level = top2[..., 1:]
-        lo_pos, hi_neg = x_pos, top2[..., :1]
+        level, top = _l2_level(b, mask, labels, grad)
+        t = (level - m).to(wd)  # the negatives' value ℓ − m, rounded once from float64
     else:
-        index = (n_neg - 1).clamp_(0, n - 1)
-        if grad:  # values through a gather of the sorted order, as torch.sort's backward
-            level = b.gather(-1, stable_sort(b.detach())[1].gather(-1, index))
-        else:  # values only: the u_(|N|) of the stable order (numpy's sort on the CPU)
-            level = sort_values(b).gather(-1, index)
-    if lo_pos is None:
-        lo_pos = x.masked_fill(negatives, math.inf).amin(-1, keepdim=True)
-        hi_neg = b.masked_fill(mask, -math.inf).amax(-1, keepdim=True)
-    # Feasible rows (incl. no positive: lo = +inf, or no negative: hi = -inf) keep their scores:
-    # clamping at ±inf gives z = x exactly, with the identity as Jacobian.
-    feasible = hi_neg <= lo_pos
-    if grad:
-        feasible = feasible.detach()
-    top_neg = _below_margin(level, m, grad).masked_fill(feasible, math.inf)
-    level = level.masked_fill(feasible, -math.inf)
+        level, top = _l1_level(b, mask, labels, grad)
+        t = level - m
+    # ℓ = fl(t + m): then fl(t + m) <= ℓ holds exactly, so every projected row keeps the margin in
+    # the working precision (x_j + m <= x_i for every pair) and mep is exactly idempotent.
+    level = t + m
     if labels is None:
-        z = torch.where(mask, torch.clamp(x, min=level), torch.clamp(x, max=top_neg))
+        # The level is clamped into [min_P u, max_N u] (the order of the bounds matters: a feasible
+        # row, max_N u <= min_P u, gets ℓ = max_N u, which keeps every entry); an infeasible row's
+        # root lies inside already. fmax / fmin: a NaN level of a feasible row gives way.
+        hi = b.masked_fill(mask, -math.inf).amax(-1, keepdim=True)
+        lo = torch.where(mask, b, hi).amin(-1, keepdim=True)
+        level = torch.fmin(torch.fmax(level, lo), hi)
+        # an entry stays where it keeps the margin against ℓ: a positive at or above ℓ, a negative
+        # whose breakpoint is at or below ℓ; the others move to ℓ (positives) or t (negatives)
+        keep = torch.where(mask, b >= level, b <= level)
+        z = torch.where(keep, x, torch.where(mask, level, t))
     else:
-        z = torch.minimum(x, top_neg).scatter(-1, labels, torch.maximum(x_pos, level))
+        level = torch.fmin(torch.fmax(level, x_pos), top)  # top = max u = max(max_N u, x_pos)
+        z = torch.where(xm > level, t, x).scatter(-1, labels, torch.where(x_pos >= level, x_pos, level))
     return z.to(scores.dtype)
 
 
 def _l2_level(
-    b: torch.Tensor, mask: torch.Tensor, n_neg: torch.Tensor, labels: torch.Tensor | None, grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., n]`` → ``[..., 1]``).
+    b: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., n]`` → ``[..., 1]`` float64).
 
-    ``b`` holds the breakpoints (``x_i`` on ``mask``, ``x_j + m`` elsewhere). After one sort,
-    ``u`` ascending with signs ``s_k = +1`` (positive) / ``−1`` (negative), the prefix sums
+    ``b`` holds the breakpoints (``x_i`` on the positives, ``x_j + m`` elsewhere). After one stable
+    sort, ``u`` ascending with signs ``s_k = +1`` (positive) / ``−1`` (negative):
 
-        cnt_k = Σ_{j≤k} s_j + |N| = #{P at or below k} + #{N above k},
-        acc_k = Σ_{j≤k} s_j u_j + Σ_N u = Σ_{P at or below k} u + Σ_{N above k} u,
+        A_k = Σ_{j≤k} s_j u_j + Σ_N u  = Σ_{P at or below k} u + Σ_{N above k} u,
+        C_k = 2 #{P at or below k} + (n − 1 − k) − |P| = #{P at or below k} + #{N above k},
 
-    give ``h(u_k) = cnt_k u_k − acc_k`` at every breakpoint. ``h`` is non-decreasing, so with
-    ``K = #{k : h(u_k) < 0}`` the root lies in ``[u_{K−1}, u_K]``, where ``h`` is linear
-    with the active set of index ``K − 1``; hence ``ℓ = acc_{K−1} / cnt_{K−1}`` (the mean of
-    the active breakpoints — linear interpolation inside the bracket, exact, no iteration).
+    so ``h(u_k) = C_k u_k − A_k`` and, on the piece right of ``u_k``, the root of the linear ``h``
+    is ``M_k = A_k / C_k`` (the mean of the active breakpoints). ``h`` is non-decreasing, so
+    ``h(u_k) < 0`` ⟺ ``u_k < M_k`` holds for the breakpoints left of the root:
+    ``ℓ = M_idx`` with ``idx = #{k ≥ 1 : u_k < M_k}`` (linear interpolation inside the bracketing
+    interval, exact, no iteration; ``k = 0`` is left of the root in every infeasible row).
 
-    The sort is stable (ties in index order, :func:`marginkit.ops.selection.stable_sort`: numpy
-    on the CPU), so the order of the prefix sums — hence every rounding — is defined.
-
-    Accuracy: values are centred on the row's L1 level ``u_(|N|)`` (inside the bracket of an
-    infeasible row) and ``acc`` is accumulated in float64, so the prefix sums do not lose
-    digits to far-away negatives cancelling against ``Σ_N u``; counts are exact integers.
-    Infeasible rows have ``cnt_{K−1} ≥ 1``; other rows get a finite value that the caller
-    discards. Also returns the largest breakpoint ``max b`` (the last sorted entry), and, on the
-    numpy path with a mask, ``(min_P b, max_N b)`` read off the sorted rows (else ``None``).
+    Prefix sums and ``Σ_N u`` are accumulated in float64 (``Σ_N u`` by ``torch.sum``, in index
+    order), counts are exact integers, ``M_k`` is one float64 division. Rows that keep the margin
+    get some finite or infinite value that :func:`project` clamps away. Also returns the largest
+    breakpoint (with labels; ``None`` with a mask).
     """
     n = b.shape[-1]
-    if not grad and fast_path(b):
-        return _l2_level_numpy(b, mask, n_neg, labels)
     if grad:  # the values through a gather, so that autograd sees them (as torch.sort's backward)
-        order = stable_sort(b.detach())[1]
+        order = torch.sort(b.detach(), dim=-1, stable=True).indices
         u = b.gather(-1, order)
     else:
-        u, order = stable_sort(b)
-    pos = mask.gather(-1, order) if labels is None else order == labels
-    centre = u.gather(-1, (n_neg - 1).clamp_(0, n - 1))
+        u, order = torch.sort(b, dim=-1, stable=True)
+    if labels is None:
+        pos = mask.gather(-1, order)
+        others = b.masked_fill(mask, 0.0)
+    else:
+        pos = order == labels
+        others = b.scatter(-1, labels, 0.0)
+    s = torch.where(pos, u, -u)
+    a = torch.cumsum(s, -1, dtype=torch.float64) + others.sum(-1, keepdim=True, dtype=torch.float64)
+    cp = torch.cumsum(pos, -1)
+    if labels is None:
+        c = torch.add(torch.arange(n - 1, -1, -1, device=b.device) - cp[..., -1:], cp, alpha=2)
+    else:
+        c = torch.add(torch.arange(n - 2, -2, -1, device=b.device), cp, alpha=2)
+    top = u[..., -1:].detach() if labels is not None else None
     if grad:
-        centre = centre.detach()
-    uc = u - centre
-    sign = torch.where(pos, 1.0, -1.0).to(torch.float32 if n < 2**24 else torch.float64)
-    cum = torch.cumsum(uc * sign, -1, dtype=torch.float64)  # Σ_{j≤k} s_j u_j
-    # −Σ_N u (the negated total spares negating cum: fl(a − b) = −fl(b − a))
-    neg_tot = 0.5 * (cum[..., -1:] - uc.sum(-1, keepdim=True, dtype=torch.float64))
-    cnt = sign.cumsum(-1).add_(n_neg)
-    with torch.no_grad():  # h(u_k) < Σ_N u  <=>  cum_k − cnt_k u_k > −Σ_N u (the product is exact)
-        k = (torch.addcmul(cum, cnt, uc, value=-1) > neg_tot).sum(-1, keepdim=True).sub_(1).clamp_(min=0)
-    level = (centre + (cum.gather(-1, k) - neg_tot) / cnt.gather(-1, k).clamp(min=1.0)).to(b.dtype)
-    top = u[..., -1:]
-    return level, top.detach() if grad else top, None
+        with torch.no_grad():
+            idx = (u < a / c)[..., 1:].sum(-1, keepdim=True)
+        # no 0/0 on the backward of unused entries: divide the gathered pair only
+        return a.gather(-1, idx) / c.gather(-1, idx).clamp(min=1), top
+    means = a / c
+    idx = (u < means)[..., 1:].sum(-1, keepdim=True)
+    return means.gather(-1, idx), top
+
+
+def _l1_level(
+    b: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``ℓ = u_(|N|)`` per row (the source's choice among the L1 optima), and the largest breakpoint
+    with labels (``[..., 1]`` each; ``None`` with a mask)."""
+    n = b.shape[-1]
+    if labels is not None:
+        # |N| = n − 1 in every row: u_(n-1) is the second largest breakpoint, no sort needed.
+        top2 = torch.topk(b, 2, dim=-1).values
+        return top2[..., 1:], top2[..., :1].detach() if grad else top2[..., :1]
+    index = (n - 1 - mask.sum(-1, keepdim=True)).clamp_(min=0)
+    if grad:  # values through a gather of the sorted order, as torch.sort's backward
+        return b.gather(-1, torch.sort(b.detach(), dim=-1, stable=True).indices.gather(-1, index)), None
+    return torch.sort(b, dim=-1, stable=True).values.gather(-1, index), None
+
+
+def _project_numpy(
+    x: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, m: Any, norm: str
+) -> torch.Tensor:
+    """:func:`project` on the CPU without a gradient, in numpy: the same IEEE operations on the
+    same operands in the same order, hence the same bits.
+
+    The sort is :mod:`marginkit.ops.selection`'s (numpy's vectorised sort): with a mask, one
+    sort of packed ``(value, column, flag)`` keys gives the sorted values and their signs; with
+    labels the values are sorted alone and the positive's place is counted (entries below it,
+    plus entries equal to it at a smaller index). The two reductions whose order is torch's own
+    (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values.
+    """
+    shape = x.shape
+    n = shape[-1]
+    wd = x.dtype
+    xa = x.contiguous().numpy().reshape(-1, n)
+    mv = m if not isinstance(m, torch.Tensor) else m.contiguous().numpy().reshape(-1, 1)
+    xm = (x + m).contiguous().numpy().reshape(-1, n)  # torch's rounding of x + m, as the reference
+    rows = np.arange(xa.shape[0])[:, None]
+    if labels is None:
+        ma = mask.contiguous().numpy().reshape(-1, n)
+        b = np.where(ma, xa, xm)
+        lab = x_pos = None
+    else:
+        ma = None
+        lab = labels.contiguous().numpy().reshape(-1, 1)
+        x_pos = xa[rows, lab]
+        b = xm.copy()
+        b[rows, lab] = x_pos
+    bt = torch.from_numpy(b)
+    if norm == "l2":
+        level, top = _l2_level_numpy(b, ma, lab, shape)
+        t = (level - mv).astype(xa.dtype)
+    elif lab is not None:
+        srt = np.partition(b, n - 2, axis=-1)[:, n - 2 :]
+        level, top = srt[:, :1], srt[:, 1:]
+        t = level - mv
+    else:
+        index = np.maximum(n - 1 - ma.sum(-1, keepdims=True), 0)
+        level = np.take_along_axis(sort_values(bt).numpy(), index, -1)
+        t = level - mv
+    level = t + mv
+    with np.errstate(invalid="ignore"):
+        if lab is None:
+            hi = np.where(ma, -np.inf, b).max(-1, keepdims=True).astype(xa.dtype)
+            lo = np.where(ma, b, hi).min(-1, keepdims=True)
+            level = np.fmin(np.fmax(level, lo), hi)
+            keep = np.where(ma, b >= level, b <= level)
+            z = np.where(keep, xa, np.where(ma, level, t))
+        else:
+            level = np.fmin(np.fmax(level, x_pos), top)
+            z = np.where(xm > level, t, xa)
+            z[rows, lab] = np.where(x_pos >= level, x_pos, level)
+    return torch.from_numpy(np.ascontiguousarray(z, dtype=xa.dtype)).reshape(shape).to(wd)
 
 
 def _l2_level_numpy(
-    b: torch.Tensor, mask: torch.Tensor, n_neg: torch.Tensor, labels: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """:func:`_l2_level` on the CPU without a gradient, in numpy, with the same roundings.
-
-    Every step is the same IEEE operation on the same operands in the same order (float32
-    ``uc``, sequential float64 prefix sums, exact integer counts, one float64 product and one
-    rounded difference per breakpoint, the level rounded once from float64); the one reduction
-    whose order is torch's own (``Σ uc``) is torch's. With one positive per row, the stable
-    order needs no permutation: the values are sorted alone and the positive's place is counted
-    (entries below it, plus entries equal to it at a smaller index). Returns ``(level, max b,
-    None)`` with labels, ``(level, None, (min_P b, max_N b))`` with a mask (from the sorted rows).
-    """
-    shape = b.shape
-    n = shape[-1]
-    bn = b.detach().contiguous().numpy().reshape(-1, n)
-    nn = n_neg.numpy().reshape(-1, 1)
-    if labels is None and b.dtype == torch.float32:
-        u, pos = sort_with_flags(b, mask)
-    elif labels is None:
-        u, order = (t.numpy().reshape(-1, n) for t in stable_sort(b))
-        pos = np.take_along_axis(mask.numpy().reshape(-1, n), order, -1)
+    b: np.ndarray, ma: np.ndarray | None, lab: np.ndarray | None, shape: torch.Size
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`_l2_level` on ``[rows, n]`` numpy breakpoints (see :func:`_project_numpy`)."""
+    n = b.shape[1]
+    bt = torch.from_numpy(b)
+    if lab is None:
+        if b.dtype == np.float32:
+            u, pos = sort_with_flags(bt, torch.from_numpy(ma))
+        else:
+            u, order = (t.numpy() for t in stable_sort(bt))
+            pos = np.take_along_axis(ma, order, -1)
+        others = np.where(ma, b.dtype.type(0), b)
+        top = None
     else:
-        u = sort_values(b).numpy().reshape(-1, n)
-        lab = labels.numpy().reshape(-1, 1)
-        xp = np.take_along_axis(bn, lab, -1)
-        place = (bn < xp).sum(-1, keepdims=True)
-        equal = bn == xp
+        u = sort_values(bt).numpy()
+        xp = np.take_along_axis(b, lab, -1)
+        place = (b < xp).sum(-1, keepdims=True)
+        equal = b == xp
         tied = np.flatnonzero(equal.sum(-1) > 1)  # rows where another entry equals the positive
         if tied.size:  # ... and precedes it when its index is smaller
             place[tied] += (equal[tied] & (np.arange(n) < lab[tied])).sum(-1, keepdims=True)
-        pos = None
-    centre = np.take_along_axis(u, np.clip(nn - 1, 0, n - 1), -1)
-    uc = u - centre
-    if pos is None:  # one positive per row, at `place`
-        rows = np.arange(u.shape[0])[:, None]
-        signed = np.negative(uc)
-        signed[rows, place] = uc[rows, place]
-        signed = torch.from_numpy(signed)
-    else:
-        signed = torch.from_numpy(np.where(pos, uc, -uc))
-    cum = torch.cumsum(signed, -1, dtype=torch.float64).numpy()  # torch's is the faster scan
-    total = torch.from_numpy(uc).reshape(shape).sum(-1, keepdim=True, dtype=torch.float64).numpy()
-    neg_tot = 0.5 * (cum[:, -1:] - total.reshape(-1, 1))
-    if labels is None:
-        cnt = np.cumsum(pos, -1, dtype=np.int32)  # Σ_{j≤k} s_j = 2 #P − (k + 1)
-        cnt *= 2
-    else:
-        cnt = 2 * (np.arange(n, dtype=np.int32) >= place).astype(np.int32)
-    cnt -= np.arange(1, n + 1, dtype=np.int32)
-    cnt += nn.astype(np.int32)
-    h = np.multiply(cnt, uc, dtype=np.float64)  # exact: a count times a float32
-    np.subtract(cum, h, out=h)
-    k = np.maximum((h > neg_tot).sum(-1, keepdims=True) - 1, 0)
-    level = centre + (np.take_along_axis(cum, k, -1) - neg_tot) / np.maximum(
-        np.take_along_axis(cnt, k, -1), 1
-    )
-    level = torch.from_numpy(level.astype(bn.dtype)).reshape(*shape[:-1], 1)
-    if labels is not None:
-        return level, torch.from_numpy(u[:, -1:].copy()).reshape(*shape[:-1], 1), None
-    # min_P b and max_N b from the sorted rows: the first positive, the last negative (±inf if none)
-    rows = np.arange(u.shape[0])
-    first_pos, last_neg = pos.argmax(-1), n - 1 - (~pos)[:, ::-1].argmax(-1)
-    inf = bn.dtype.type(np.inf)
-    lo_pos = np.where(pos[rows, first_pos], u[rows, first_pos], inf)
-    hi_neg = np.where(pos[rows, last_neg], -inf, u[rows, last_neg])
-    extremes = (torch.from_numpy(v).reshape(*shape[:-1], 1) for v in (lo_pos, hi_neg))
-    return level, None, tuple(extremes)
-
-
-def _below_margin(level: torch.Tensor, m: Any, grad: bool = True) -> torch.Tensor:
-    """``t = level − m`` rounded down if needed so that ``t + m <= level`` holds in floating point.
-
-    This makes every projected row keep the margin exactly in the working precision (the
-    feasibility test of :func:`mep`), hence ``mep`` is exactly idempotent. The correction
-    (one ulp at most) carries no gradient.
-    """
-    t = level - m
-    if not grad:
-        return torch.where(t + m > level, torch.nextafter(t, t.new_full((), -math.inf)), t)
-    with torch.no_grad():
-        td = t.detach()
-        down = torch.where(td + m > level, torch.nextafter(td, torch.full_like(td, -math.inf)), td)
-        step = down - td
-    return t + step
+        pos = np.arange(n) == place
+        others = b.copy()
+        np.put_along_axis(others, lab, 0, -1)
+        top = u[:, -1:]
+    s = np.where(pos, u, -u)
+    total = torch.from_numpy(others).reshape(shape).sum(-1, keepdim=True, dtype=torch.float64)
+    a = torch.cumsum(torch.from_numpy(s), -1, dtype=torch.float64).numpy()  # torch's is the faster scan
+    a += total.numpy().reshape(-1, 1)
+    cp = np.cumsum(pos, -1, dtype=np.int64)
+    c = np.arange(n - 1, -1, -1, dtype=np.int64) - (cp[:, -1:] if lab is None else 1) + 2 * cp
+    with np.errstate(divide="ignore", invalid="ignore"):
+        means = a / c
+    idx = (u[:, 1:] < means[:, 1:]).sum(-1, keepdims=True)
+    return np.take_along_axis(means, idx, -1), top
