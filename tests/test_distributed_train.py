@@ -283,3 +283,46 @@ def _fp16_sharded_worker(me, world, data, root):
 def test_fp16_training_with_a_sharded_head_runs_on_two_ranks(tmp_path):
     data = "features:" + str(blobs(tmp_path / "blobs.npz"))
     run_distributed(_fp16_sharded_worker, 2, data, str(tmp_path), timeout_s=300.0)
+
+
+def _shard_worker(me, world, data, root):
+    from marginkit.data import load_dataset
+    from marginkit.data.loading import Loader, ShuffledBatches
+    from marginkit.distributed import balanced_slices
+
+    def share(n):
+        start, size = balanced_slices(n, world)[me]
+        return slice(start, start + size)
+
+    train_split = load_dataset(data, val_fraction=0.0).train
+    loader = Loader(
+        train_split.data, train_split.y, ShuffledBatches(len(train_split), 36, 4), share=share, workers=1
+    )
+    batches = {epoch: [b.y.tolist() for b in loader.epoch(epoch)] for epoch in (0, 1)}
+    loader.close()
+    result = train(
+        config(data, "cosface", epochs=2, workers=1), Path(root) / "wds-2", quiet=True, report=False
+    )
+    assert result.finished and len(result.history) == 2
+    Path(root, f"wds-rank{me}.json").write_text(
+        json.dumps({"batches": batches, "len": len(loader), "rows": len(train_split)})
+    )
+
+
+@pytest.mark.distributed
+def test_two_ranks_train_from_shards_with_equal_steps(tmp_path):
+    """``wds:`` under data parallelism: each rank reads its deal of the shards (its share of each
+    global batch), and every rank takes the same number of steps (else the run would hang at a
+    collective); the run ends on both ranks."""
+    from marginkit.data.datasets import read_source
+    from marginkit.data.shards import write_shards
+
+    write_shards(read_source("features:" + str(blobs(tmp_path / "blobs.npz"))), tmp_path / "shards",
+                 samples_per_shard=11, progress=False)  # fmt: skip
+    run_distributed(_shard_worker, 2, f"wds:{tmp_path / 'shards'}", str(tmp_path), timeout_s=300.0)
+    r0, r1 = (json.loads((tmp_path / f"wds-rank{r}.json").read_text()) for r in (0, 1))
+    for epoch in ("0", "1"):
+        a, b = r0["batches"][epoch], r1["batches"][epoch]
+        assert len(a) == len(b) == r0["len"] == r1["len"] == r0["rows"] // 36  # equal steps on every rank
+        assert all(len(x) == len(y) == 18 for x, y in zip(a, b, strict=True))  # each its half of 36
+    assert (tmp_path / "wds-2" / "metrics.json").is_file()
