@@ -126,16 +126,14 @@ def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     return z.div_(norm), norm, scale, top
 
 
-def _unit_backward(
-    grad: torch.Tensor, u: torch.Tensor, norm: torch.Tensor, scale: torch.Tensor
-) -> torch.Tensor:
-    """Gradient through :func:`_unit`: ``(g − u (u·g)) / (norm · scale)``.
+def _unit_backward(grad: torch.Tensor, u: torch.Tensor, norm_scale: torch.Tensor) -> torch.Tensor:
+    """Gradient through :func:`_unit`: ``(g − u (u·g)) / (norm · scale)``, in place of ``grad``.
 
     The projection is ``F.normalize``'s derivative; where the norm was clamped (all-zero rows)
     ``u = 0`` and it is ``g / (1e-12 · scale)``, as autograd's (the clamp stops the norm's part).
     """
     dot = (u * grad).sum(-1, keepdim=True)
-    return grad.addcmul_(u, dot, value=-1.0).div_(norm * scale)
+    return grad.addcmul_(u, dot, value=-1.0).div_(norm_scale)
 
 
 class _LocalMarginTriplets(torch.autograd.Function):
@@ -210,9 +208,9 @@ class _LocalMarginTriplets(torch.autograd.Function):
         weight = n_valid if reduction == "mean" else None
         ctx.set_materialize_grads(False)
         ctx.self_ref, ctx.normalize, ctx.mean = self_ref, normalize, weight is not None
-        saved = (u, v, p_idx, n_idx, active, *(() if weight is None else (weight,)))
+        saved = (u, v, torch.cat((p_idx, n_idx)), active, *(() if weight is None else (weight,)))
         if normalize:
-            saved += (norm_u, scale_u) if self_ref else (norm_u, scale_u, norm_v, scale_v)
+            saved += (norm_u * scale_u,) if self_ref else (norm_u * scale_u, norm_v * scale_v)
         ctx.save_for_backward(*saved)
         counted = valid.to(loss.dtype)
         ctx.mark_non_differentiable(counted, stats)
@@ -228,19 +226,19 @@ class _LocalMarginTriplets(torch.autograd.Function):
         none = (None,) * 8
         if grad is None:
             return None, None, *none
-        u, v, p_idx, n_idx, active, *rest = ctx.saved_tensors
+        u, v, pn_idx, active, *rest = ctx.saved_tensors
         if ctx.mean:
             grad = grad / rest.pop(0)
-        w2 = torch.where(active, 2.0 * grad, 0.0).unsqueeze(1)
-        to_p = v.index_select(0, p_idx).sub_(u).mul_(w2)  # 2w (y_p − x_a)
-        to_n = v.index_select(0, n_idx).sub_(u).mul_(w2)  # 2w (y_n − x_a)
-        grad_u = to_n - to_p  # 2w (y_n − y_p)
+        w2 = torch.where(active, 2.0 * grad, 0.0)
+        # rows [0]: 2w (y_p − x_a), the gradient of y_p; rows [1]: 2w (x_a − y_n), that of y_n
+        both = v.index_select(0, pn_idx).view(2, *u.shape).sub_(u).mul_(torch.stack((w2, -w2)).unsqueeze(2))
+        grad_u = both.sum(0).neg_()  # 2w (y_n − y_p)
         grad_v = grad_u if ctx.self_ref else torch.zeros_like(v)
-        grad_v.index_add_(0, p_idx, to_p).index_add_(0, n_idx, to_n, alpha=-1.0)
+        grad_v.index_add_(0, pn_idx, both.view(-1, u.shape[1]))
         if ctx.normalize:
-            grad_u = _unit_backward(grad_u, u, *rest[:2])
+            grad_u = _unit_backward(grad_u, u, rest[0])
             if not ctx.self_ref:
-                grad_v = _unit_backward(grad_v, v, *rest[2:])
+                grad_v = _unit_backward(grad_v, v, rest[1])
         return grad_u, (None if ctx.self_ref else grad_v), *none
 
 
