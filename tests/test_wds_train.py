@@ -233,3 +233,20 @@ def test_embed_from_shards_equals_embed_from_the_folder(packed, tmp_path):
         assert got.keys() == want.keys(), split
         for path, row in got.items():
             np.testing.assert_allclose(row, want[path], atol=1e-5, err_msg=path)
+
+
+def test_a_pooled_views_whole_array_keeps_its_rows_order(packed):
+    """``Split.x`` of a shard source (what the baselines read) holds row i at position i, though
+    the shards deliver rows in shard order."""
+    folder, shards = packed
+    a = load_dataset(f"folder:{folder}", stream=True, split="classes", test_classes=2, val_fraction=0.0)
+    b = load_dataset(f"wds:{shards}", split="classes", test_classes=2, val_fraction=0.0)
+    for side in ("train", "test"):
+        sa, sb = getattr(a, side), getattr(b, side)
+        xb = sb.x
+        classes = torch.tensor([int(b.class_names[int(y)][1:]) for y in sb.y])
+        assert torch.equal(_class_of((xb * 255).round().to(torch.uint8)), classes)
+        by_path = {sa.data.relative_path(i): i for i in range(len(sa))}
+        xa = sa.x
+        for i in range(len(sb)):
+            assert torch.equal(xb[i], xa[by_path[sb.data.relative_path(i)]])

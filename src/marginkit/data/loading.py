@@ -445,8 +445,9 @@ def read_all(
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:  # fmt: skip
     """Decode every row of a lazy source into one array (the in-memory path of a small source).
 
-    Returns ``(array [N', *sample_shape] in the source's dtype, kept row indices [N'], skipped)``;
-    ``N' < N`` only with ``on_bad_sample="skip"``. ``progress(n)`` is called with the rows done.
+    Returns ``(array [N', *sample_shape] in the source's dtype, kept row indices [N'] ascending,
+    skipped)``, the array's rows in row order; ``N' < N`` only with ``on_bad_sample="skip"``.
+    ``progress(n)`` is called with the rows done.
     """
     n = len(data)
     labels = torch.arange(n)
@@ -455,15 +456,15 @@ def read_all(
     )
     shape = tuple(int(s) for s in getattr(data, "sample_shape", ()))
     out: np.ndarray | None = None
-    kept: list[np.ndarray] = []
+    filled = np.zeros(n, dtype=bool)
     done = 0
     try:
         for batch in loader.epoch():
-            x = batch.x.numpy()
+            x, rows = batch.x.numpy(), batch.y.numpy()
             if out is None:
                 out = np.empty((n, *(shape or x.shape[1:])), dtype=x.dtype)
-            out[done : done + len(x)] = x
-            kept.append(batch.y.numpy())
+            out[rows] = x  # by row: a shard source delivers its rows in shard order
+            filled[rows] = True
             done += len(x)
             if progress is not None:
                 progress(done)
@@ -471,8 +472,9 @@ def read_all(
         loader.close()
     if out is None:
         out = np.empty((0, *shape), dtype=getattr(data, "dtype", np.uint8))
-    index = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
-    return out[:done], index, loader.skipped
+        return out, np.zeros(0, dtype=np.int64), loader.skipped
+    index = np.flatnonzero(filled)
+    return (out if index.size == n else out[index]), index, loader.skipped
 
 
 def _rank_and_world() -> tuple[int, int]:
