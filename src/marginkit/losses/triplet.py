@@ -183,7 +183,7 @@ class _LocalMarginTriplets(torch.autograd.Function):
             u, v = x, y
         uu = (u * u).sum(-1)
         vv = uu if self_ref else (v * v).sum(-1)
-        d = torch.addmm(uu.unsqueeze(1) + vv, u, v.T, alpha=-2.0).clamp_min_(0.0)
+        d = (uu.unsqueeze(1) + vv).addmm_(u, v.T, alpha=-2.0).clamp_min_(0.0)
         top_d = d.amax() if checks else None  # before the selection overwrites d
         p_idx, n_idx, d_pos, d_neg, has_pos, has_neg = _local_select(d, labels, ref_labels, self_ref, k)
         valid = has_pos & has_neg

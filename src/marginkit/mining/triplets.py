@@ -23,18 +23,22 @@ from marginkit.ops.selection import kth_smallest_column
 Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _order_keys(d: torch.Tensor) -> torch.Tensor:
+#: The key of ``+inf`` at column 0: the bits of the float64 ``+inf``.
+_INF_KEY = 0x7FF0000000000000
+
+
+def _order_keys(d: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """Distinct ``int64`` keys in the stable order of the rows of ``d`` (float32, ``>= 0`` or NaN).
 
     A float32 widened to float64 leaves the low 29 bits of its pattern 0, and the patterns of
-    non-negative float64 numbers are in their order as integers; the column fills those bits
-    (fewer than ``2**29`` columns). So ``key[i] < key[j]`` iff ``d[i] < d[j]``, or they are equal
-    and ``i < j``: the order of ``torch.sort(row, stable=True)``, ``+inf`` above every number and
-    NaN above ``+inf`` (NaNs with the one pattern arithmetic gives them tie among themselves).
-    ``d`` is overwritten with ``|d|`` (which only clears the sign of a NaN or of ``-0.0``).
+    non-negative float64 numbers are in their order as integers; the column (``columns``: the
+    ``arange`` of ``d``'s width, below ``2**29``) fills those bits. So ``key[i] < key[j]`` iff
+    ``d[i] < d[j]``, or they are equal and ``i < j``: the order of ``torch.sort(row,
+    stable=True)``, ``+inf`` (key ``_INF_KEY + column``) above every number and NaN above
+    ``+inf`` (NaNs with the one pattern arithmetic gives them tie among themselves). ``d`` is
+    overwritten with ``|d|`` (which only clears the sign of a NaN or of ``-0.0``).
     """
-    keys = d.abs_().to(torch.float64).view(torch.int64)
-    return keys.add_(torch.arange(d.shape[1], device=d.device))
+    return d.abs_().to(torch.float64).view(torch.int64).add_(columns)
 
 
 def _local_select(
@@ -42,31 +46,35 @@ def _local_select(
 ) -> tuple[torch.Tensor, ...]:
     """Per anchor: the k-th nearest positive (k capped by #positives) and the nearest negative.
 
-    ``dist [B, R]`` (detached; overwritten: the same-label entries become ``inf``) between the
-    anchors (``labels [B]``) and the references (``ref_labels [R]``; with ``self_ref`` they are
-    the anchors, and ``i == j`` is no positive). Called without grad. Returns ``(p_idx, n_idx,
-    d_pos, d_neg, has_pos, has_neg)``, all ``[B]``: the columns, their distances, and which
-    anchors have a positive / a negative (the other entries are in range but meaningless).
+    ``dist [B, R]`` (detached; overwritten) between the anchors (``labels [B]``) and the
+    references (``ref_labels [R]``; with ``self_ref`` they are the anchors, and ``i == j`` is no
+    positive). Called without grad. Returns ``(p_idx, n_idx, d_pos, d_neg, has_pos, has_neg)``,
+    all ``[B]``: the columns, their distances, and which anchors have a positive / a negative
+    (the other entries are in range but meaningless).
 
-    The k-th positive is the entry at rank ``min(k, #positives) − 1`` of the stable ascending
-    order of the row with every other entry set to ``inf`` (equal distances in index order):
-    for float32, the column of one ``torch.topk`` of the keys of :func:`_order_keys` (distinct,
-    so exact whatever order topk leaves ties in); for other dtypes
-    :func:`marginkit.ops.selection.kth_smallest_column`. The nearest negative is the first
-    minimal one (``torch.min``).
+    The k-th positive is the entry at rank ``min(k, #positives) − 1`` in the stable ascending
+    order of the row with every other entry set to ``+inf`` (equal distances in index order,
+    NaN last): for float32, the column of one ``torch.topk`` of the keys of :func:`_order_keys`
+    (distinct: exact whatever order topk leaves ties in); for other dtypes
+    :func:`marginkit.ops.selection.kth_smallest_column`. The nearest negative is the
+    first minimal one (``torch.min``).
     """
     same = labels.unsqueeze(1) == ref_labels
     n_same = same.sum(1)
     npos = n_same - 1 if self_ref else n_same
     kth = (npos.clamp(max=k) - 1).clamp_min_(0)
-    d_pos_only = torch.where(same, dist, math.inf)
-    if self_ref:
-        d_pos_only.diagonal().fill_(math.inf)
     if dist.dtype == torch.float32 and dist.shape[1] < 2**29:
-        cols = torch.topk(_order_keys(d_pos_only), min(k, dist.shape[1]), dim=1, largest=False).indices
+        columns = torch.arange(dist.shape[1], device=dist.device)
+        inf_keys = columns + _INF_KEY  # the other entries count as +inf (distinct keys: topk is faster)
+        keys = _order_keys(dist, columns)
+        keys = torch.where(same, keys, inf_keys, out=keys)
+        if self_ref:
+            keys.diagonal().copy_(inf_keys)
+        cols = torch.topk(keys, min(k, dist.shape[1]), dim=1, largest=False).indices
         p_idx = cols.gather(1, kth.unsqueeze(1)).squeeze(1)
     else:
-        p_idx = kth_smallest_column(d_pos_only, kth, k)
+        pos = same & ~torch.eye(*same.shape, dtype=torch.bool, device=same.device) if self_ref else same
+        p_idx = kth_smallest_column(dist.masked_fill(~pos, math.inf), kth, k)
     d_pos = dist.gather(1, p_idx.unsqueeze(1)).squeeze(1)
     d_neg, n_idx = dist.masked_fill_(same, math.inf).min(dim=1)
     return p_idx, n_idx, d_pos, d_neg, npos > 0, n_same != same.shape[1]
