@@ -147,8 +147,8 @@ class _LocalMarginTriplets(torch.autograd.Function):
     d[a, n_a] + margin)`` on the two selected entries of each anchor (0 where it has no positive
     or no negative), summed, averaged over the anchors that have both, or kept per anchor
     (``reduction``). Outputs: that, then (not differentiable) 1 for the anchors that count in
-    the mean, else 0, and ``stats``: the numbers of those and of the active ones (loss > 0), the
-    active fraction, then, with ``checks``, the four extremes
+    the mean, else 0, and ``stats``: the numbers of those, of the active ones (loss > 0) and of
+    the anchors with a positive, the active fraction, then, with ``checks``, the extremes
     :meth:`LocalMarginTripletLoss._report` reads.
 
     Backward, by hand: only the two selected distances of an active anchor have a gradient,
@@ -189,21 +189,21 @@ class _LocalMarginTriplets(torch.autograd.Function):
         valid = has_pos & has_neg
         loss = torch.where(valid, (d_pos - d_neg + margin).clamp_min_(0.0), 0.0)
         active = loss > 0
-        counts = torch.stack((valid.sum(), active.sum())).to(loss.dtype)
+        counts = torch.stack((valid.sum(), active.sum(), has_pos.sum())).to(loss.dtype)
         n_valid = counts[0].clamp_min(1.0)
         if reduction == "mean":
             loss = loss.sum() / n_valid
         elif reduction == "sum":
             loss = loss.sum()
-        stats = [counts, counts[1:] / n_valid]
+        stats = [counts, (counts[1] / n_valid).unsqueeze(0)]
         if top_d is not None:
             if normalize:
                 top = top_u.amax() if self_ref else torch.maximum(top_u.amax(), top_v.amax())
-                scale = torch.ones_like(top)
+                stats.append(torch.stack((top, top_d)))
             else:
                 top = x.abs().amax() if self_ref else torch.maximum(x.abs().amax(), y.abs().amax())
                 scale = uu.amax() if self_ref else torch.maximum(uu.amax(), vv.amax())
-            stats.append(torch.stack((top, top_d, scale, has_pos.any().to(top.dtype))))
+                stats.append(torch.stack((top, top_d, scale)))
         stats = torch.cat(stats)
         weight = n_valid if reduction == "mean" else None
         ctx.set_materialize_grads(False)
@@ -485,21 +485,24 @@ class LocalMarginTripletLoss(_TripletBase):
             self.validate,
         )
         if self.validate:
-            self._report(batch, stats[3:])
+            self._report(batch, stats[2:])
         self.last_counts = counted
-        self.last_active_fraction = stats[2]
+        self.last_active_fraction = stats[3]
         return out
 
-    def _report(self, batch: PairBatch, extremes: torch.Tensor) -> None:
-        """:meth:`_TripletBase._matrix_checks` from four numbers read in its one host sync.
+    def _report(self, batch: PairBatch, stats: torch.Tensor) -> None:
+        """:meth:`_TripletBase._matrix_checks` from a few numbers read in its one host sync.
 
-        ``extremes``: the inputs' largest magnitude (finite iff every entry is; it also decides
+        ``stats``: the number of anchors with a positive, the active fraction, the inputs'
+        largest magnitude (finite iff every entry is; it also decides
         :func:`marginkit.ops.pairs.underflow_flag`), ``max d`` (``d >= 0``, NaN and ``inf``
         propagate: finite iff every distance is; it decides
-        :func:`marginkit.ops.pairs.collapsed_flag`), the collapse scale, and whether any anchor
-        has a positive. The comparisons round their bounds to the dtype, as the tensor ops do.
+        :func:`marginkit.ops.pairs.collapsed_flag`) and, without ``normalize``, the collapse
+        scale (else 1). The comparisons round their bounds to the dtype, as the tensor ops do.
         """
-        top, top_d, scale, any_pos = extremes.tolist()
+        n_pos, _, top, top_d, *rest = stats.tolist()
+        scale = rest[0] if rest else 1.0
+        any_pos = n_pos > 0
         dtype = batch.x.dtype
         nonfinite, overflow = not math.isfinite(top), not math.isfinite(top_d)
         info = torch.finfo(dtype)
