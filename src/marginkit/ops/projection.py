@@ -256,20 +256,25 @@ def project(
         hi = b.masked_fill(mask, -math.inf).amax(-1, keepdim=True)
         lo = torch.where(mask, b, hi).amin(-1, keepdim=True)
         level = torch.fmin(torch.fmax(level, lo), hi)
-        # an entry stays where it keeps the margin against ℓ: a positive at or above ℓ, a negative
-        # whose breakpoint is at or below ℓ; the others move to ℓ (positives) or t (negatives)
-        keep = torch.where(mask, b >= level, b <= level)
-        z = torch.where(keep, x, torch.where(mask, level, t))
+        # a positive below ℓ moves up to ℓ; a negative whose breakpoint lies above ℓ moves down to t
+        z = torch.where(mask, _raise(x, level, grad), torch.where(b <= level, x, t))
     else:
         level = torch.fmin(torch.fmax(level, x_pos), top)  # top = max u = max(max_N u, x_pos)
-        z = torch.where(xm > level, t, x).scatter(-1, labels, torch.where(x_pos >= level, x_pos, level))
+        z = torch.where(xm <= level, x, t).scatter(-1, labels, _raise(x_pos, level, grad))
     return z.to(scores.dtype)
+
+
+def _raise(x: torch.Tensor, level: torch.Tensor, grad: bool) -> torch.Tensor:
+    """``max(x, level)``, ``x`` itself (its bits) where they are equal. With a gradient, a ``where``:
+    ``clamp`` splits the gradient of a tie between its operands, and an entry that keeps its
+    value must keep the identity Jacobian."""
+    return torch.where(x >= level, x, level) if grad else torch.clamp(x, min=level)
 
 
 def _l2_level(
     b: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., n]`` → ``[..., 1]`` float64).
+    r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., 1]``, float64).
 
     ``b`` holds the breakpoints (``x_i`` on the positives, ``x_j + m`` elsewhere). After one stable
     sort, ``u`` ascending with signs ``s_k = +1`` (positive) / ``−1`` (negative):
@@ -344,85 +349,131 @@ def _project_numpy(
     sort of packed ``(value, column, flag)`` keys gives the sorted values and their signs; with
     labels the values are sorted alone and the positive's place is counted (entries below it,
     plus entries equal to it at a smaller index). The two reductions whose order is torch's own
-    (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values.
+    (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values, and so is the
+    clamp of the positives. ``torch.where`` becomes a select on the bit patterns (exact, and
+    branch-free); ``min_P u`` and ``max_N u`` are read off the sorted rows.
     """
     shape = x.shape
     n = shape[-1]
-    wd = x.dtype
     xa = x.contiguous().numpy().reshape(-1, n)
+    ui = np.uint32 if xa.dtype == np.float32 else np.uint64
+    ones = ui(np.iinfo(ui).max)
     mv = m if not isinstance(m, torch.Tensor) else m.contiguous().numpy().reshape(-1, 1)
     xm = (x + m).contiguous().numpy().reshape(-1, n)  # torch's rounding of x + m, as the reference
     rows = np.arange(xa.shape[0])[:, None]
     if labels is None:
         ma = mask.contiguous().numpy().reshape(-1, n)
-        b = np.where(ma, xa, xm)
+        bits = ma.astype(ui)
+        bits *= ones  # all ones on the positives
+        b = _select(bits, xa, xm)
         lab = x_pos = None
     else:
-        ma = None
+        ma = bits = None
         lab = labels.contiguous().numpy().reshape(-1, 1)
         x_pos = xa[rows, lab]
         b = xm.copy()
         b[rows, lab] = x_pos
-    bt = torch.from_numpy(b)
+    bounds = None
     if norm == "l2":
-        level, top = _l2_level_numpy(b, ma, lab, shape)
+        level, bounds = _l2_level_numpy(b, xm, ma, bits, lab, shape)
         t = (level - mv).astype(xa.dtype)
     elif lab is not None:
         srt = np.partition(b, n - 2, axis=-1)[:, n - 2 :]
-        level, top = srt[:, :1], srt[:, 1:]
+        level, bounds = srt[:, :1], srt[:, 1:]
         t = level - mv
     else:
         index = np.maximum(n - 1 - ma.sum(-1, keepdims=True), 0)
-        level = np.take_along_axis(sort_values(bt).numpy(), index, -1)
+        level = np.take_along_axis(sort_values(torch.from_numpy(b)).numpy(), index, -1)
         t = level - mv
     level = t + mv
-    with np.errstate(invalid="ignore"):
-        if lab is None:
-            hi = np.where(ma, -np.inf, b).max(-1, keepdims=True).astype(xa.dtype)
-            lo = np.where(ma, b, hi).min(-1, keepdims=True)
-            level = np.fmin(np.fmax(level, lo), hi)
-            keep = np.where(ma, b >= level, b <= level)
-            z = np.where(keep, xa, np.where(ma, level, t))
+    if lab is None:
+        if bounds is None:
+            inf = np.full(1, np.inf, xa.dtype)
+            hi = _select(bits, -inf, xm).max(-1, keepdims=True)
+            lo = np.minimum(_select(bits, xa, inf).min(-1, keepdims=True), hi)
         else:
-            level = np.fmin(np.fmax(level, x_pos), top)
-            z = np.where(xm > level, t, xa)
-            z[rows, lab] = np.where(x_pos >= level, x_pos, level)
-    return torch.from_numpy(np.ascontiguousarray(z, dtype=xa.dtype)).reshape(shape).to(wd)
+            lo, hi = bounds
+        level = np.fmin(np.fmax(level, lo), hi)
+        up = torch.clamp(x, min=torch.from_numpy(level).reshape(*shape[:-1], 1)).numpy().reshape(-1, n)
+        stay = (b <= level).astype(ui)
+        stay *= ones
+        z = _select(bits, up, _select(stay, xa, t))
+    else:
+        level = np.fmin(np.fmax(level, x_pos), bounds)
+        stay = (xm <= level).astype(ui)
+        stay *= ones
+        z = _select(stay, xa, t)
+        z[rows, lab] = torch.clamp(torch.from_numpy(x_pos), min=torch.from_numpy(level)).numpy()
+    return torch.from_numpy(z).reshape(shape)
+
+
+def _select(bits: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.where(bits != 0, a, b)`` for float arrays (broadcast), with ``bits`` all ones or all
+    zeros in an unsigned integer of the floats' width: exact bit patterns, no branches."""
+    ui = bits.dtype
+    ub = np.ascontiguousarray(b).view(ui)
+    out = np.bitwise_xor(np.ascontiguousarray(a).view(ui), ub)
+    out &= bits
+    out ^= ub
+    return out.view(a.dtype)
 
 
 def _l2_level_numpy(
-    b: np.ndarray, ma: np.ndarray | None, lab: np.ndarray | None, shape: torch.Size
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """:func:`_l2_level` on ``[rows, n]`` numpy breakpoints (see :func:`_project_numpy`)."""
-    n = b.shape[1]
-    bt = torch.from_numpy(b)
+    b: np.ndarray,
+    xm: np.ndarray,
+    ma: np.ndarray | None,
+    bits: np.ndarray | None,
+    lab: np.ndarray | None,
+    shape: torch.Size,
+) -> tuple[np.ndarray, Any]:
+    """:func:`_l2_level` on ``[rows, n]`` numpy breakpoints (see :func:`_project_numpy`).
+
+    Returns the float64 level and, with a mask, ``(min(min_P u, max_N u), max_N u)`` (the sorted
+    rows' first positive and last negative, ``±inf`` when absent); with labels, ``max u``.
+    """
+    rows, n = b.shape
+    ui = np.uint32 if b.dtype == np.float32 else np.uint64
     if lab is None:
         if b.dtype == np.float32:
-            u, pos = sort_with_flags(bt, torch.from_numpy(ma))
+            u, pos = sort_with_flags(torch.from_numpy(b), torch.from_numpy(ma))
         else:
-            u, order = (t.numpy() for t in stable_sort(bt))
+            u, order = (t.numpy() for t in stable_sort(torch.from_numpy(b)))
             pos = np.take_along_axis(ma, order, -1)
-        others = np.where(ma, b.dtype.type(0), b)
-        top = None
+        flip = (~pos).astype(ui)
+        flip <<= ui(8 * b.itemsize - 1)
+        s = (u.view(ui) ^ flip).view(b.dtype)  # -u on the negatives: the sign bit flipped
+        others = (xm.view(ui) & ~bits).view(b.dtype)  # +0.0 on the positives
+        cp = torch.cumsum(torch.from_numpy(pos), -1, dtype=torch.int32).numpy()
+        c = np.arange(n - 1, -1, -1, dtype=np.int32) - cp[:, -1:]
+        c += cp
+        c += cp
+        at = np.arange(rows)
+        first_pos = pos.argmax(-1)
+        last_neg = n - 1 - (~pos)[:, ::-1].argmax(-1)
+        hi = np.where(pos[at, last_neg], -np.inf, u[at, last_neg]).astype(b.dtype)[:, None]
+        lo = np.where(pos[at, first_pos], u[at, first_pos], np.inf).astype(b.dtype)[:, None]
+        bounds: Any = (np.minimum(lo, hi), hi)
     else:
-        u = sort_values(bt).numpy()
+        u = sort_values(torch.from_numpy(b)).numpy()
         xp = np.take_along_axis(b, lab, -1)
         place = (b < xp).sum(-1, keepdims=True)
         equal = b == xp
         tied = np.flatnonzero(equal.sum(-1) > 1)  # rows where another entry equals the positive
         if tied.size:  # ... and precedes it when its index is smaller
             place[tied] += (equal[tied] & (np.arange(n) < lab[tied])).sum(-1, keepdims=True)
-        pos = np.arange(n) == place
-        others = b.copy()
-        np.put_along_axis(others, lab, 0, -1)
-        top = u[:, -1:]
-    s = np.where(pos, u, -u)
+        at = np.arange(rows)[:, None]
+        s = np.negative(u)
+        s[at, place] = u[at, place]
+        others = xm.copy()
+        others[at, lab] = 0
+        c = (np.arange(n) >= place).astype(np.int32)
+        c *= 2
+        c += np.arange(n - 2, -2, -1, dtype=np.int32)
+        bounds = u[:, -1:]
     total = torch.from_numpy(others).reshape(shape).sum(-1, keepdim=True, dtype=torch.float64)
     a = torch.cumsum(torch.from_numpy(s), -1, dtype=torch.float64).numpy()  # torch's is the faster scan
     a += total.numpy().reshape(-1, 1)
-    cp = np.cumsum(pos, -1, dtype=np.int64)
-    c = np.arange(n - 1, -1, -1, dtype=np.int64) - (cp[:, -1:] if lab is None else 1) + 2 * cp
     with np.errstate(divide="ignore", invalid="ignore"):
-        means = a / c
-    idx = (u[:, 1:] < means[:, 1:]).sum(-1, keepdims=True)
-    return np.take_along_axis(means, idx, -1), top
+        means = np.divide(a, c, out=a)
+    idx = np.count_nonzero(u[:, 1:] < means[:, 1:], axis=-1).reshape(-1, 1)
+    return np.take_along_axis(means, idx, -1), bounds
