@@ -359,7 +359,7 @@ def _project_numpy(
     ui = np.uint32 if xa.dtype == np.float32 else np.uint64
     ones = ui(np.iinfo(ui).max)
     mv = m if not isinstance(m, torch.Tensor) else m.contiguous().numpy().reshape(-1, 1)
-    xm = (x + m).contiguous().numpy().reshape(-1, n)  # torch's rounding of x + m, as the reference
+    xm = xa + mv  # in the working dtype with m rounded to it first, as torch's x + m
     rows = np.arange(xa.shape[0])[:, None]
     if labels is None:
         ma = mask.contiguous().numpy().reshape(-1, n)
@@ -377,9 +377,11 @@ def _project_numpy(
     if norm == "l2":
         level, bounds = _l2_level_numpy(b, xm, ma, bits, lab, shape)
         t = (level - mv).astype(xa.dtype)
-    elif lab is not None:
-        srt = np.partition(b, n - 2, axis=-1)[:, n - 2 :]
-        level, bounds = srt[:, :1], srt[:, 1:]
+    elif lab is not None:  # the two largest breakpoints (as torch.topk's values), b overwritten
+        first = b.argmax(-1)[:, None]
+        bounds = np.take_along_axis(b, first, -1)
+        b[rows, first] = -np.inf
+        level = b.max(-1, keepdims=True)
         t = level - mv
     else:
         index = np.maximum(n - 1 - ma.sum(-1, keepdims=True), 0)
@@ -395,14 +397,10 @@ def _project_numpy(
             lo, hi = bounds
         level = np.fmin(np.fmax(level, lo), hi)
         up = torch.clamp(x, min=torch.from_numpy(level).reshape(*shape[:-1], 1)).numpy().reshape(-1, n)
-        stay = (b <= level).astype(ui)
-        stay *= ones
-        z = _select(bits, up, _select(stay, xa, t))
+        z = _select(bits, up, np.where(b <= level, xa, t))  # (most entries stay: np.where is fast there)
     else:
         level = np.fmin(np.fmax(level, x_pos), bounds)
-        stay = (xm <= level).astype(ui)
-        stay *= ones
-        z = _select(stay, xa, t)
+        z = np.where(xm <= level, xa, t)
         z[rows, lab] = torch.clamp(torch.from_numpy(x_pos), min=torch.from_numpy(level)).numpy()
     return torch.from_numpy(z).reshape(shape)
 
