@@ -38,7 +38,7 @@ def _order_keys(d: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     ``+inf`` (NaNs with the one pattern arithmetic gives them tie among themselves). ``d`` is
     overwritten with ``|d|`` (which only clears the sign of a NaN or of ``-0.0``).
     """
-    return d.abs_().to(torch.float64).view(torch.int64).add_(columns)
+    return d.abs_().to(torch.float64).view(torch.int64).bitwise_or_(columns)
 
 
 def _local_select(
