@@ -411,10 +411,11 @@ class LocalMarginTripletLoss(_TripletBase):
     needs. ``"mean"`` averages over the anchors that have a positive and a negative; other
     anchors are skipped (0 in ``"none"``).
 
-    Fully vectorised: one ``[B, R]`` distance matrix, one stable sort of the masked
-    positive distances per row, one masked ``min``; the gradient flows through the two
-    selected distances of each anchor only, identical to the per-anchor formulation (ties
-    are taken in index order).
+    Fully vectorised: one ``[B, R]`` distance matrix, one ``topk`` of distinct keys for the
+    k-th positive (the rank of a stable sort: ties in index order), one masked ``min``; the
+    gradient flows through the two selected distances of each anchor only, identical to the
+    per-anchor formulation, by a hand-written backward (``O((B + R)·D)``; first derivatives
+    only: ``create_graph=True`` is refused).
 
     Normalisation: the paper's text is not available offline here; its brief's code is not
     either. We default to ``normalize=True`` (FaceNet's convention for triplet embeddings)

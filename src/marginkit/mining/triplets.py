@@ -34,7 +34,7 @@ def _order_keys(d: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     non-negative float64 numbers are in their order as integers; the column (``columns``: the
     ``arange`` of ``d``'s width, below ``2**29``) fills those bits. So ``key[i] < key[j]`` iff
     ``d[i] < d[j]``, or they are equal and ``i < j``: the order of ``torch.sort(row,
-    stable=True)``, ``+inf`` (key ``_INF_KEY + column``) above every number and NaN above
+    stable=True)``, ``+inf`` (key ``_INF_KEY | column``) above every number and NaN above
     ``+inf`` (NaNs with the one pattern arithmetic gives them tie among themselves). ``d`` is
     overwritten with ``|d|`` (which only clears the sign of a NaN or of ``-0.0``).
     """
@@ -65,7 +65,7 @@ def _local_select(
     kth = (npos.clamp(max=k) - 1).clamp_min_(0)
     if dist.dtype == torch.float32 and dist.shape[1] < 2**29:
         columns = torch.arange(dist.shape[1], device=dist.device)
-        inf_keys = columns + _INF_KEY  # the other entries count as +inf (distinct keys: topk is faster)
+        inf_keys = columns | _INF_KEY  # the other entries count as +inf (distinct keys: topk is faster)
         keys = _order_keys(dist, columns)
         keys = torch.where(same, keys, inf_keys, out=keys)
         if self_ref:
