@@ -257,18 +257,12 @@ def project(
         lo = torch.where(mask, b, hi).amin(-1, keepdim=True)
         level = torch.fmin(torch.fmax(level, lo), hi)
         # a positive below ℓ moves up to ℓ; a negative whose breakpoint lies above ℓ moves down to t
-        z = torch.where(mask, _raise(x, level, grad), torch.where(b <= level, x, t))
+        # (where, not clamp / maximum: those return either zero on a tie of -0.0 and +0.0)
+        z = torch.where(mask, torch.where(x < level, level, x), torch.where(b <= level, x, t))
     else:
         level = torch.fmin(torch.fmax(level, x_pos), top)  # top = max u = max(max_N u, x_pos)
-        z = torch.where(xm <= level, x, t).scatter(-1, labels, _raise(x_pos, level, grad))
+        z = torch.where(xm <= level, x, t).scatter(-1, labels, torch.where(x_pos < level, level, x_pos))
     return z.to(scores.dtype)
-
-
-def _raise(x: torch.Tensor, level: torch.Tensor, grad: bool) -> torch.Tensor:
-    """``max(x, level)``, ``x`` itself (its bits) where they are equal. With a gradient, a ``where``:
-    ``clamp`` splits the gradient of a tie between its operands, and an entry that keeps its
-    value must keep the identity Jacobian."""
-    return torch.where(x >= level, x, level) if grad else torch.clamp(x, min=level)
 
 
 def _l2_level(
@@ -312,7 +306,7 @@ def _l2_level(
         c = torch.add(torch.arange(n - 1, -1, -1, device=b.device) - cp[..., -1:], cp, alpha=2)
     else:
         c = torch.add(torch.arange(n - 2, -2, -1, device=b.device), cp, alpha=2)
-    top = u[..., -1:].detach() if labels is not None else None
+    top = None if labels is None else u[..., -1:].detach() if grad else u[..., -1:]
     if grad:
         with torch.no_grad():
             idx = (u < a / c)[..., 1:].sum(-1, keepdim=True)
@@ -349,9 +343,9 @@ def _project_numpy(
     sort of packed ``(value, column, flag)`` keys gives the sorted values and their signs; with
     labels the values are sorted alone and the positive's place is counted (entries below it,
     plus entries equal to it at a smaller index). The two reductions whose order is torch's own
-    (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values, and so is the
-    clamp of the positives. ``torch.where`` becomes a select on the bit patterns (exact, and
-    branch-free); ``min_P u`` and ``max_N u`` are read off the sorted rows.
+    (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values. ``torch.where``
+    on the mask becomes a select on the bit patterns (exact, and branch-free on a random mask);
+    ``min_P u`` and ``max_N u`` are read off the sorted rows.
     """
     shape = x.shape
     n = shape[-1]
@@ -396,12 +390,12 @@ def _project_numpy(
         else:
             lo, hi = bounds
         level = np.fmin(np.fmax(level, lo), hi)
-        up = torch.clamp(x, min=torch.from_numpy(level).reshape(*shape[:-1], 1)).numpy().reshape(-1, n)
+        up = np.where(xa < level, level, xa)
         z = _select(bits, up, np.where(b <= level, xa, t))  # (most entries stay: np.where is fast there)
     else:
         level = np.fmin(np.fmax(level, x_pos), bounds)
         z = np.where(xm <= level, xa, t)
-        z[rows, lab] = torch.clamp(torch.from_numpy(x_pos), min=torch.from_numpy(level)).numpy()
+        z[rows, lab] = np.where(x_pos < level, level, x_pos)
     return torch.from_numpy(z).reshape(shape)
 
 
