@@ -212,9 +212,12 @@ def _packed(a: np.ndarray, descending: bool, flags: np.ndarray | None = None) ->
 def _decode32(packed: np.ndarray) -> np.ndarray:
     """The float32 values of packed ascending keys (``-0.0`` comes back as ``+0.0``, NaN canonical)."""
     high = packed.view(np.uint32)[:, 1 if np.little_endian else 0 :: 2]
-    key = (high ^ _SIGN32).view(np.int32)
+    key = np.bitwise_xor(high, _SIGN32).view(np.int32)
     neg = key >> 31
-    return ((key + neg) ^ (neg & 0x7FFFFFFF)).view(np.float32)
+    key += neg
+    neg &= 0x7FFFFFFF
+    key ^= neg
+    return key.view(np.float32)
 
 
 def sort_with_flags(x: torch.Tensor, flags: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -230,8 +233,8 @@ def sort_with_flags(x: torch.Tensor, flags: torch.Tensor) -> tuple[np.ndarray, n
     packed = _packed(a, False, f)
     packed.sort(axis=-1)
     low = packed.view(np.uint32)[:, 0 if np.little_endian else 1 :: 2]
-    moved = (low & 1).astype(bool)
-    if np.isnan(a).any() or (np.signbit(a) & (a == 0)).any():
+    moved = np.bitwise_and(low, 1, out=np.empty(low.shape, np.uint8), casting="unsafe").view(bool)
+    if np.isnan(a).any() or (a.view(np.uint32) == _SIGN32).any():  # a NaN or a -0.0 keeps its bits
         values = np.take_along_axis(a, (low >> 1).astype(np.int64), axis=-1)
     else:
         values = _decode32(packed)
