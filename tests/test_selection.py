@@ -145,6 +145,25 @@ def test_mep_fast_path_equals_reference_large_rows():
                 assert torch.equal(bits(fast), bits(reference(mep, xd, positives, margins, norm)))
 
 
+def test_mep_fast_path_odd_inputs_equal_reference():
+    """Under ``no_grad`` with inputs that require a gradient, a non-contiguous view, half
+    precision, float64 margins per row: the numpy path still equals the torch path bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(9, 40, generator=g)).requires_grad_(True)
+    mask = torch.rand(9, 40, generator=g) < 0.2
+    labels = torch.randint(0, 40, (9,), generator=g)
+    margins = (torch.rand(9, generator=g, dtype=torch.float64) + 0.1).requires_grad_(True)
+    with torch.no_grad():
+        for scores in (x, x.t().contiguous().t(), x.half()):
+            for positives in (mask, labels):
+                for norm in ("l2", "l1"):
+                    for m in (margins, 0.7):
+                        fast = mep(scores, positives, m, norm)
+                        ref = reference(mep, scores, positives, m, norm)
+                        assert not fast.requires_grad and fast.dtype == scores.dtype
+                        assert torch.equal(fast, ref) and torch.equal(torch.signbit(fast), torch.signbit(ref))
+
+
 def test_mep_dispatch_counts():
     """The device-agnostic path (numpy off) on 256 x 1000 float32: no device read with
     ``validate=False``, a fixed number of aten ops whatever the data (feasible rows, ties), and

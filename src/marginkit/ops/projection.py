@@ -349,10 +349,10 @@ def _project_numpy(
     """
     shape = x.shape
     n = shape[-1]
-    xa = x.contiguous().numpy().reshape(-1, n)
+    xa = x.detach().contiguous().numpy().reshape(-1, n)
     ui = np.uint32 if xa.dtype == np.float32 else np.uint64
     ones = ui(np.iinfo(ui).max)
-    mv = m if not isinstance(m, torch.Tensor) else m.contiguous().numpy().reshape(-1, 1)
+    mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
     xm = xa + mv  # in the working dtype with m rounded to it first, as torch's x + m
     rows = np.arange(xa.shape[0])[:, None]
     if labels is None:
