@@ -431,17 +431,18 @@ def _l2_level_numpy(
         else:
             u, order = (t.numpy() for t in stable_sort(torch.from_numpy(b)))
             pos = np.take_along_axis(ma, order, -1)
-        flip = (~pos).astype(ui)
+        flip = np.subtract(1, pos.view(np.uint8), dtype=ui)
         flip <<= ui(8 * b.itemsize - 1)
-        s = (u.view(ui) ^ flip).view(b.dtype)  # -u on the negatives: the sign bit flipped
-        others = (xm.view(ui) & ~bits).view(b.dtype)  # +0.0 on the positives
+        s = np.bitwise_xor(u.view(ui), flip, out=flip).view(b.dtype)  # -u on the negatives: sign flipped
+        others = np.invert(bits)
+        others = np.bitwise_and(xm.view(ui), others, out=others).view(b.dtype)  # +0.0 on the positives
         cp = torch.cumsum(torch.from_numpy(pos), -1, dtype=torch.int32).numpy()
         c = np.arange(n - 1, -1, -1, dtype=np.int32) - cp[:, -1:]
         c += cp
         c += cp
         at = np.arange(rows)
         first_pos = pos.argmax(-1)
-        last_neg = n - 1 - (~pos)[:, ::-1].argmax(-1)
+        last_neg = n - 1 - pos[:, ::-1].argmin(-1)
         hi = np.where(pos[at, last_neg], -np.inf, u[at, last_neg]).astype(b.dtype)[:, None]
         lo = np.where(pos[at, first_pos], u[at, first_pos], np.inf).astype(b.dtype)[:, None]
         bounds: Any = (np.minimum(lo, hi), hi)
