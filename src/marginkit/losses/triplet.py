@@ -189,26 +189,28 @@ class _LocalMarginTriplets(torch.autograd.Function):
         valid = has_pos & has_neg
         loss = torch.where(valid, (d_pos - d_neg + margin).clamp_min_(0.0), 0.0)
         active = loss > 0
-        counts = torch.stack((valid.sum(), active.sum(), has_pos.sum())).to(loss.dtype)
+        counts = torch.stack((valid, active, has_pos)).sum(1, dtype=loss.dtype)
         n_valid = counts[0].clamp_min(1.0)
         if reduction == "mean":
             loss = loss.sum() / n_valid
         elif reduction == "sum":
             loss = loss.sum()
-        stats = [counts, (counts[1] / n_valid).unsqueeze(0)]
+        # [valid, active, with a positive] / max(valid, 1): [1 or 0, active fraction, > 0 iff any]
+        stats = counts / n_valid
         if top_d is not None:
             if normalize:
                 top = top_u.amax() if self_ref else torch.maximum(top_u.amax(), top_v.amax())
-                stats.append(torch.stack((top, top_d)))
+                extremes = torch.stack((top, top_d))
             else:
                 top = x.abs().amax() if self_ref else torch.maximum(x.abs().amax(), y.abs().amax())
                 scale = uu.amax() if self_ref else torch.maximum(uu.amax(), vv.amax())
-                stats.append(torch.stack((top, top_d, scale)))
-        stats = torch.cat(stats)
-        weight = n_valid if reduction == "mean" else None
+                extremes = torch.stack((top, top_d, scale))
+            stats = torch.cat((stats, extremes))
         ctx.set_materialize_grads(False)
-        ctx.self_ref, ctx.normalize, ctx.mean = self_ref, normalize, weight is not None
-        saved = (u, v, torch.cat((p_idx, n_idx)), active, *(() if weight is None else (weight,)))
+        ctx.self_ref, ctx.normalize = self_ref, normalize
+        # d loss / d d[a, p]: 2w for an active anchor (w = its weight in the reduction), else 0
+        w2 = active * (2.0 / n_valid if reduction == "mean" else 2.0)
+        saved = (u, v, torch.cat((p_idx, n_idx)), w2)
         if normalize:
             saved += (norm_u * scale_u,) if self_ref else (norm_u * scale_u, norm_v * scale_v)
         ctx.save_for_backward(*saved)
@@ -226,13 +228,12 @@ class _LocalMarginTriplets(torch.autograd.Function):
         none = (None,) * 8
         if grad is None:
             return None, None, *none
-        u, v, pn_idx, active, *rest = ctx.saved_tensors
-        if ctx.mean:
-            grad = grad / rest.pop(0)
-        w2 = torch.where(active, 2.0 * grad, 0.0)
-        # rows [0]: 2w (y_p − x_a), the gradient of y_p; rows [1]: 2w (x_a − y_n), that of y_n
-        both = v.index_select(0, pn_idx).view(2, *u.shape).sub_(u).mul_(torch.stack((w2, -w2)).unsqueeze(2))
-        grad_u = both.sum(0).neg_()  # 2w (y_n − y_p)
+        u, v, pn_idx, w2, *rest = ctx.saved_tensors
+        w2 = (w2 * grad).unsqueeze(1)
+        # rows [0]: 2w (y_p − x_a), the gradient of y_p; rows [1]: 2w (y_n − x_a), minus that of y_n
+        both = v.index_select(0, pn_idx).view(2, *u.shape).sub_(u).mul_(w2)
+        grad_u = torch.sub(both[1], both[0])  # 2w (y_n − y_p)
+        both[1].neg_()
         grad_v = grad_u if ctx.self_ref else torch.zeros_like(v)
         grad_v.index_add_(0, pn_idx, both.view(-1, u.shape[1]))
         if ctx.normalize:
@@ -488,20 +489,20 @@ class LocalMarginTripletLoss(_TripletBase):
         if self.validate:
             self._report(batch, stats[2:])
         self.last_counts = counted
-        self.last_active_fraction = stats[3]
+        self.last_active_fraction = stats[1]
         return out
 
     def _report(self, batch: PairBatch, stats: torch.Tensor) -> None:
         """:meth:`_TripletBase._matrix_checks` from a few numbers read in its one host sync.
 
-        ``stats``: the number of anchors with a positive, the active fraction, the inputs'
-        largest magnitude (finite iff every entry is; it also decides
+        ``stats``: the number of anchors with a positive over that of the valid ones (> 0 iff
+        any), the inputs' largest magnitude (finite iff every entry is; it also decides
         :func:`marginkit.ops.pairs.underflow_flag`), ``max d`` (``d >= 0``, NaN and ``inf``
         propagate: finite iff every distance is; it decides
         :func:`marginkit.ops.pairs.collapsed_flag`) and, without ``normalize``, the collapse
         scale (else 1). The comparisons round their bounds to the dtype, as the tensor ops do.
         """
-        n_pos, _, top, top_d, *rest = stats.tolist()
+        n_pos, top, top_d, *rest = stats.tolist()
         scale = rest[0] if rest else 1.0
         any_pos = n_pos > 0
         dtype = batch.x.dtype
