@@ -271,7 +271,7 @@ def test_order_keys_are_the_stable_sort_order(values):
 
 def test_local_margin_step_dispatch_budget(gen):
     # forward + backward at B = 64: the aten ops it dispatches (they dominate a small step's time),
-    # none a device read; 94 at the time of writing (184 before issue 39)
+    # none a device read; 90 at the time of writing (184 before issue 39)
     from dispatch_counts import DispatchCounter
 
     emb, labels = _batch(gen, n=64, classes=8, dtype=torch.float32)
