@@ -214,6 +214,11 @@ def problems(draw, max_n: int = 30, rows: int = 1):
     return x, pos, margin
 
 
+def same_bits(t: torch.Tensor) -> torch.Tensor:
+    """The IEEE patterns of ``t``: equal patterns are bit-identity (a -0.0 differs from +0.0)."""
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
 def breakpoint_feasible(z: torch.Tensor, pos: torch.Tensor, m: float) -> torch.Tensor:
     """x_j + m <= x_i for all i ∈ P, j ∈ N, evaluated exactly in z's dtype (the op's test)."""
     inf = torch.tensor(math.inf, dtype=z.dtype)
@@ -335,7 +340,24 @@ def test_feasible_rows_bit_identical(norm, prob, slack):
     keep = breakpoint_feasible(xt, pt, m)
     assume(bool(keep.any()))
     z = mep(xt, pt, m, norm)
-    assert torch.equal(z[keep], xt[keep])
+    assert torch.equal(same_bits(z[keep]), same_bits(xt[keep]))  # -0.0 included
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_negative_zero_on_the_level_kept(dtype):
+    """A feasible row whose positive -0.0 ties with the level (a negative at -m has breakpoint +0.0)
+    comes back bit-identical on every path; an infeasible row moves only what must move."""
+    x = torch.full((2, 40), -3.0, dtype=dtype)  # 40 columns: the -0.0 sits in a SIMD lane, not a tail
+    x[:, 0], x[0, 1], x[1, 1] = -0.0, -1.0, -0.5
+    y = torch.tensor([0, 0])
+    mask = y[:, None] == torch.arange(40)
+    for positives in (y, mask):
+        for norm in ("l2", "l1"):
+            for grad in (False, True):
+                xr = x.clone().requires_grad_(grad)
+                z = mep(xr, positives, 1.0, norm).detach()
+                assert torch.equal(same_bits(z[0]), same_bits(x[0])), (positives.dtype, norm, grad)
+                assert z[1, 2] == -3.0 and z[1, 1] < -0.5 and bool(breakpoint_feasible(z, mask, 1.0).all())
 
 
 @pytest.mark.parametrize("norm", ["l2", "l1"])
@@ -346,7 +368,7 @@ def test_degenerate_rows_bit_identical(norm, dtype, prob):
     pos[0], pos[1] = True, False  # all positive / no positive
     xt = torch.tensor(x).to(dtype)
     z = mep(xt, torch.tensor(pos), m, norm)
-    assert torch.equal(z[:2], xt[:2])
+    assert torch.equal(same_bits(z[:2]), same_bits(xt[:2]))
 
 
 @pytest.mark.parametrize("norm", ["l2", "l1"])
