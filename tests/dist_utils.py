@@ -70,8 +70,12 @@ def _spawn_worker(
     except BaseException:
         # Record when and why, before this process exits and its peers see the lost connection:
         # the parent reports the earliest failure (the cause), not a peer's consequence.
-        with open(os.path.join(error_dir, f"rank{local_rank}.txt"), "w") as file:
+        # Written aside and renamed: the parent terminates the peers of a failed rank, and a peer
+        # killed between open and write must leave no empty report behind.
+        final = os.path.join(error_dir, f"rank{local_rank}.txt")
+        with open(final + ".part", "w") as file:
             file.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(final + ".part", final)
         raise
     # Only on success: after a failure the process exits with the group still open.
     with contextlib.suppress(Exception):
@@ -107,6 +111,8 @@ def run_distributed(
             except ProcessException as error:
                 failures = []
                 for name in os.listdir(error_dir):
+                    if not name.endswith(".txt"):  # a report its writer was killed before renaming
+                        continue
                     with open(os.path.join(error_dir, name)) as file:
                         stamp, _, trace = file.read().partition("\n")
                     failures.append((float(stamp), int(name[4:-4]), trace))
