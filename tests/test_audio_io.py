@@ -302,3 +302,93 @@ def test_uploaded_bytes(tmp_path) -> None:
     sf.write(wav, tone(), 16000, subtype="PCM_16")
     with pytest.raises(BadSampleError, match="truncated"):
         decode_audio_bytes(wav.read_bytes()[:9000], 16000)
+
+
+# ------------------------------------------------------------------------------- audio:FILE.csv
+
+
+def _manifest(path, rows, header="path,label,split") -> None:
+    path.write_text(header + "\n" + "\n".join(",".join(r) for r in rows) + "\n")
+
+
+def test_csv_manifest_of_utterances(tmp_path, speaker_dir) -> None:
+    """``audio:FILE.csv``: csv:'s convention (path, label, split) listing audio; the speaker is the
+    label, a row's name is its path as written (what a trial list names)."""
+    from marginkit.audio.sources import read_audio_files, read_audio_manifest
+    from marginkit.data import load_dataset
+    from marginkit.train.sources import register_sources
+
+    files = sorted(speaker_dir.rglob("*.wav"))
+    rows = []
+    for i, f in enumerate(files):
+        rel = f.relative_to(speaker_dir).as_posix()
+        speaker = rel.split("/")[0]
+        side = "test" if speaker in ("spk004", "spk005") else "train"
+        # relative to the CSV's folder, or absolute
+        rows.append((rel if i % 2 else str(f), f"person-{speaker}", side))
+    csv_file = speaker_dir / "utterances.csv"
+    _manifest(csv_file, rows)
+    try:
+        raw = read_audio_source(str(csv_file), crop_seconds=0.25)
+        assert raw.kind == "audio" and raw.info["split"].startswith(
+            "the manifest's train / validation / test"
+        )
+        assert raw.class_names == [f"person-spk00{i}" for i in range(6)]
+        assert len(raw.x_train) == 12 and len(raw.x_test) == 6
+        test_speakers = {raw.class_names[c] for c in raw.y_test.tolist()}
+        assert test_speakers == {"person-spk004", "person-spk005"}
+        names = raw.x_train.relative_paths().tolist() + raw.x_test.relative_paths().tolist()
+        assert sorted(names) == sorted(r[0] for r in rows)
+        row = names.index(rows[3][0])
+        pooled = concat_samples([raw.x_train, raw.x_test])
+        np.testing.assert_array_equal(pooled.read(row), read_audio(files[3], 16000))
+        assert pooled.read(row, np.random.default_rng(0)).shape == (4000,)
+        # The trial-list reader lists the same utterances, whole and unsplit.
+        listed, y, speakers = read_audio_files(str(csv_file))
+        assert len(listed) == 18 and speakers == raw.class_names and listed.crop_seconds is None
+        assert sorted(y.tolist()) == sorted(raw.y_train.tolist() + raw.y_test.tolist())
+        # Through load_dataset (the trainer's path).
+        register_sources()
+        data = load_dataset(f"audio:{csv_file}", crop_seconds=0.25, val_fraction=0.0)
+        assert data.open_set and data.num_classes == 4 and len(data.test) == 6
+
+        # train rows only: the speakers are split, as for audio:DIR
+        _manifest(csv_file, [(r[0], r[1], "train") for r in rows])
+        raw = read_audio_manifest(csv_file, test_fraction=1 / 3, split_seed=0)
+        assert raw.info["split"].startswith("speaker-disjoint") and len(raw.x_test) == 6
+        assert set(raw.y_test.tolist()).isdisjoint(raw.y_train.tolist())
+        # OML's convention: validation rows are the test split when no row is 'test'
+        _manifest(csv_file, [(r[0], r[1], "validation" if r[2] == "test" else "train") for r in rows])
+        raw = read_audio_manifest(csv_file)
+        assert len(raw.x_test) == 6 and raw.x_val is None and "OML" in raw.info["split"]
+    finally:
+        csv_file.unlink()
+
+
+def test_csv_manifest_refusals_name_the_file_and_line(tmp_path, speaker_dir) -> None:
+    from marginkit.audio.sources import read_audio_manifest
+    from marginkit.data.manifest import read_manifest
+
+    wav = next(speaker_dir.rglob("*.wav"))
+    (tmp_path / "a.png").write_bytes(b"\x89PNG")
+    bad = tmp_path / "m.csv"
+    _manifest(bad, [(str(wav), "s1", "train"), ("a.png", "s2", "train")])
+    with pytest.raises(ValueError, match=r"m\.csv, line 3: 'a\.png' is not a \.wav or \.flac file"):
+        read_audio_manifest(bad)
+    _manifest(bad, [(str(wav), "s1", "train"), ("gone.wav", "s2", "train")])
+    with pytest.raises(ValueError, match=r"m\.csv, line 3: .*gone\.wav: no such file"):
+        read_audio_manifest(bad)
+    _manifest(bad, [(str(wav), "s1", "training")])
+    with pytest.raises(ValueError, match=r"m\.csv, line 2: unknown split 'training'"):
+        read_audio_manifest(bad)
+    _manifest(bad, [(str(wav), "s1", "train")], header="file,speaker,split")
+    with pytest.raises(ValueError, match=r"m\.csv: missing column\(s\) path, label"):
+        read_audio_manifest(bad)
+    # csv: (images) refuses a manifest of utterances and names the audio spec
+    _manifest(bad, [(str(wav), "s1", "train"), (str(wav), "s2", "test")])
+    with pytest.raises(ValueError, match=r"lists audio files .*--data audio:.*m\.csv"):
+        read_manifest(bad)
+    with pytest.raises(FileNotFoundError, match=r"absent\.csv: no such file \(expected a CSV manifest"):
+        read_audio_source(str(tmp_path / "absent.csv"))
+    with pytest.raises(FileNotFoundError, match="no such folder, wav.scp or CSV manifest"):
+        read_audio_source(str(tmp_path / "absent"))

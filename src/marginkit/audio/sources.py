@@ -20,6 +20,11 @@ Layouts:
   Kaldi also allows ``<command> |`` (a pipe whose output is the audio) and ``file.ark:offset``
   entries: both are refused — no command named in a data file is ever run.
 
+* ``FILE.csv`` — the manifest of ``csv:`` (open-metric-learning's convention: ``path``, ``label``,
+  ``split``; ``is_query`` / ``is_gallery`` optional) listing audio files, ``label`` the speaker.
+  Paths are relative to the CSV's folder (or absolute); a row's relative path is its ``path``
+  as written. ``split`` as for ``csv:``; a manifest of ``train`` rows only is split by speaker.
+
 Without a ``train`` / ``test`` layout the speakers are split, not the utterances: a seeded
 ``test_fraction`` of the speakers (20 %) is held out, the field's convention (test speakers
 are unseen in training); ``split`` options of :func:`marginkit.data.load_dataset` re-split.
@@ -36,6 +41,12 @@ import numpy as np
 
 from marginkit.audio.io import MAX_SECONDS, audio_info, read_audio, read_crop
 from marginkit.data.loaders import RawSplits
+from marginkit.data.manifest import (
+    AUDIO_SUFFIXES,
+    manifest_flags,
+    manifest_split_rows,
+    read_manifest_rows,
+)
 from marginkit.data.samples import LazySamples
 
 __all__ = [
@@ -43,12 +54,13 @@ __all__ = [
     "AudioFiles",
     "read_audio_files",
     "read_audio_folder",
+    "read_audio_manifest",
     "read_audio_source",
     "read_wav_scp",
 ]
 
 #: File suffixes ``audio:DIR`` lists (case-insensitive).
-AUDIO_EXTENSIONS = (".wav", ".flac")
+AUDIO_EXTENSIONS = AUDIO_SUFFIXES
 _MAX_LIST_BYTES = 2**30  # a wav.scp / utt2spk over 1 GiB is refused before reading
 
 
@@ -393,6 +405,70 @@ def _scp_files(path: str | os.PathLike[str], **options: Any) -> tuple[AudioFiles
     return AudioFiles(locations, names, root=scp.parent, **options), y, speakers
 
 
+def _is_manifest(path: Path) -> bool:
+    return path.suffix.lower() == ".csv" and not path.is_dir()
+
+
+def _manifest_files(
+    path: str | os.PathLike[str], **options: Any
+) -> tuple[AudioFiles, np.ndarray, list[str], Any]:
+    """Every utterance of ``audio:FILE.csv``, its speaker label, the speakers and the parsed rows."""
+    rows = read_manifest_rows(path)
+    others = [p for p in rows.paths if not p.lower().endswith(AUDIO_EXTENSIONS)]
+    if others:
+        line = rows.lines[rows.paths.index(others[0])]
+        raise ValueError(
+            f"{rows.where}, line {line}: {others[0]!r} is not a {' or '.join(AUDIO_EXTENSIONS)} file; an "
+            "audio manifest lists audio files only"
+        )
+    if rows.boxes:
+        raise ValueError(
+            f"{rows.where}: bounding-box columns (x_1, x_2, y_1, y_2) hold values; audio has none"
+        )
+    files = AudioFiles(rows.paths, rows.paths, root=rows.root, **options)
+    return files, rows.labels, rows.class_names, rows
+
+
+def read_audio_manifest(
+    path: str | os.PathLike[str],
+    *,
+    sample_rate: int = 16000,
+    crop_seconds: float | None = 2.0,
+    channel: int | str = 0,
+    resample: bool = True,
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+) -> RawSplits:
+    """``audio:FILE.csv``: a manifest in ``csv:``'s convention listing utterances (module doc).
+
+    The manifest's ``split`` column is used as given (``validation`` rows are the test split when
+    no row is ``test``, as for ``csv:``); with ``train`` rows only, a seeded ``test_fraction`` of
+    the *speakers* is held out, as for ``audio:DIR``.
+    """
+    files, y, speakers, rows = _manifest_files(
+        path, sample_rate=sample_rate, crop_seconds=crop_seconds, channel=channel, resample=resample
+    )
+    info = _info(rows.where, files, "", len(speakers))
+    parts = manifest_split_rows(rows, info)
+    if not parts["test"].size:
+        train = parts["train"]
+        test = _speaker_split(y[train], len(speakers), test_fraction, split_seed)
+        parts["train"], parts["test"] = train[~test], train[test]
+        info["split"] = (
+            f"speaker-disjoint: test_fraction={test_fraction} of the speakers held out, "
+            f"split_seed={split_seed} (the manifest has only train rows)"
+            if test_fraction
+            else "every speaker in one pool (split by class: data_options.split / test_classes)"
+        )
+    manifest_flags(rows, parts, info)
+    val = parts["val"] if parts["val"].size else None
+    return RawSplits(
+        files[parts["train"]], y[parts["train"]], files[parts["test"]], y[parts["test"]],
+        x_val=None if val is None else files[val], y_val=None if val is None else y[val],
+        kind="audio", class_names=speakers, info=info,
+    )  # fmt: skip
+
+
 def read_audio_files(
     location: str, *, sample_rate: int = 16000, channel: int | str = 0, resample: bool = True
 ) -> tuple[AudioFiles, np.ndarray, list[str]]:
@@ -404,16 +480,22 @@ def read_audio_files(
     }  # fmt: skip
     if path.is_dir():
         return _folder_files(path, **options)[:3]
+    if _is_manifest(path):
+        files, y, speakers, _ = _manifest_files(path, **options)
+        return files, y, speakers
     if path.is_file():
         return _scp_files(path, **options)
-    raise FileNotFoundError(f"audio:{location}: no such folder or wav.scp file")
+    raise FileNotFoundError(f"audio:{location}: no such folder, wav.scp or CSV manifest")
 
 
 def read_audio_source(location: str, **options: Any) -> RawSplits:
-    """``audio:LOCATION``: a folder (:func:`read_audio_folder`) or a ``wav.scp`` (:func:`read_wav_scp`)."""
+    """``audio:LOCATION``: a folder (:func:`read_audio_folder`), a CSV manifest
+    (:func:`read_audio_manifest`, a ``.csv`` file) or a ``wav.scp`` (:func:`read_wav_scp`)."""
     path = Path(location)
     if path.is_dir():
         return read_audio_folder(path, **options)
+    if _is_manifest(path):
+        return read_audio_manifest(path, **options)
     if path.is_file():
         return read_wav_scp(path, **options)
-    raise FileNotFoundError(f"audio:{location}: no such folder or wav.scp file")
+    raise FileNotFoundError(f"audio:{location}: no such folder, wav.scp or CSV manifest")

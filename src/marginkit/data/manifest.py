@@ -19,6 +19,10 @@ The CSV has a header row and the columns (others are ignored, see below):
 OML's optional ``category`` column is ignored; its bounding-box columns ``x_1, x_2, y_1, y_2``
 are *not applied* (images are used whole), and a warning says so when they hold values.
 
+The same manifest with audio paths (``.wav`` / ``.flac``) is ``audio:FILE.csv``
+(:func:`marginkit.audio.sources.read_audio_manifest`, speakers as labels); ``csv:`` refuses it
+and names that spec. Both read the rows with :func:`read_manifest_rows`.
+
 Every bad row is a :class:`ValueError` naming the file and the row's line number: a missing or
 empty ``path``, a file that does not exist, an empty or non-integer label among integer labels,
 an unknown ``split``, a boolean that is not one. Images are decoded on
@@ -32,6 +36,7 @@ import csv
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +45,15 @@ import numpy as np
 from marginkit.data.folder import ImageFiles
 from marginkit.data.loaders import RawSplits, _seeded_split, split_note
 
-__all__ = ["SPLIT_NAMES", "read_manifest"]
+__all__ = [
+    "AUDIO_SUFFIXES",
+    "SPLIT_NAMES",
+    "ManifestRows",
+    "manifest_flags",
+    "manifest_split_rows",
+    "read_manifest",
+    "read_manifest_rows",
+]
 
 #: The ``split`` values a manifest may use, and the split each one is read as.
 SPLIT_NAMES = {"train": "train", "validation": "val", "val": "val", "test": "test"}
@@ -48,6 +61,8 @@ _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "
 _INT = re.compile(r"[0-9]+")
 _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _BBOX = ("x_1", "x_2", "y_1", "y_2")
+#: Suffixes of audio files: a manifest listing them is ``audio:FILE.csv``'s, not ``csv:``'s.
+AUDIO_SUFFIXES = (".wav", ".flac")
 
 
 def _labels(raw: list[str], lines: list[int], where: str) -> tuple[np.ndarray, list[str]]:
@@ -76,22 +91,30 @@ def _boolean(value: str, column: str, where: str, line: int) -> bool:
     return flag
 
 
-def read_manifest(
-    path: str | os.PathLike[str],
-    *,
-    image_size: int | tuple[int, int] | None = None,
-    color: str = "auto",
-    test_fraction: float = 0.2,
-    split_seed: int = 0,
-    check_files: bool = True,
-) -> RawSplits:
-    """``csv:FILE`` as :class:`~marginkit.data.loaders.RawSplits` of lazy image rows (module doc).
+@dataclass(frozen=True)
+class ManifestRows:
+    """A manifest's rows as listed, checked (:func:`read_manifest_rows`), before any file is read.
 
-    ``image_size`` / ``color``: as ``folder:``; ``test_fraction`` / ``split_seed``: the held-out
-    test split of a manifest with only ``train`` rows; ``check_files``: check that every listed
-    file exists while reading the manifest (one ``stat`` a row), so a missing file is named with
-    its line before training starts.
+    ``paths`` as written (relative to ``root`` or absolute); ``labels`` class indices into
+    ``class_names``; ``side`` each row's split (``train`` / ``val`` / ``test``, as written);
+    ``flags`` the ``is_query`` / ``is_gallery`` values (``None`` where empty); ``boxes`` the
+    number of rows giving a bounding box; ``lines`` each row's line number in the file.
     """
+
+    where: str
+    root: Path
+    paths: list[str]
+    labels: np.ndarray
+    class_names: list[str]
+    side: np.ndarray
+    flags: dict[str, list[bool | None]]
+    boxes: int
+    lines: list[int]
+
+
+def read_manifest_rows(path: str | os.PathLike[str], *, check_files: bool = True) -> ManifestRows:
+    """Parse and check ``csv:FILE``'s rows (module doc); ``check_files``: one ``stat`` a row, so a
+    missing file is named with its line before anything is read."""
     where = str(path)
     csv_path = Path(path)
     if not csv_path.is_file():
@@ -148,44 +171,84 @@ def read_manifest(
         raise ValueError(f"{where}: malformed CSV ({exc})") from exc
     if not paths:
         raise ValueError(f"{where}: the manifest lists no rows")
-    if boxes:
+    labels, class_names = _labels(raw_labels, lines, where)
+    side = np.array(splits)
+    if not (side == "train").any():
+        raise ValueError(f"{where}: no row has split 'train'")
+    return ManifestRows(where, root, paths, labels, class_names, side, flags, boxes, lines)
+
+
+def manifest_split_rows(rows: ManifestRows, info: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Row indices of ``train`` / ``val`` / ``test`` by the manifest's ``split`` column (OML's
+    convention: ``validation`` rows are the test split when there is no ``test`` row); the note
+    goes to ``info["split"]``. ``test`` is empty when the manifest has train rows only."""
+    side = rows.side.copy()
+    if not (side == "test").any() and (side == "val").any():
+        side[side == "val"] = "test"
+        info["split"] = "the manifest's train rows; its validation rows are the test split (OML's convention)"
+    elif (side == "test").any():
+        info["split"] = "the manifest's train / validation / test rows as given"
+    return {s: np.flatnonzero(side == s) for s in ("train", "val", "test")}
+
+
+def manifest_flags(rows: ManifestRows, parts: dict[str, np.ndarray], info: dict[str, Any]) -> None:
+    """``info["is_query"]`` / ``info["is_gallery"]``: one boolean array per split, where given."""
+    for column, values in rows.flags.items():
+        if any(v is not None for v in values):
+            array = np.array([bool(v) for v in values])
+            info[column] = {s: array[r] for s, r in parts.items() if r.size}
+
+
+def read_manifest(
+    path: str | os.PathLike[str],
+    *,
+    image_size: int | tuple[int, int] | None = None,
+    color: str = "auto",
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+    check_files: bool = True,
+) -> RawSplits:
+    """``csv:FILE`` as :class:`~marginkit.data.loaders.RawSplits` of lazy image rows (module doc).
+
+    ``image_size`` / ``color``: as ``folder:``; ``test_fraction`` / ``split_seed``: the held-out
+    test split of a manifest with only ``train`` rows; ``check_files``: check that every listed
+    file exists while reading the manifest (one ``stat`` a row), so a missing file is named with
+    its line before training starts.
+    """
+    rows = read_manifest_rows(path, check_files=check_files)
+    where = rows.where
+    audio = [p for p in rows.paths if p.lower().endswith(AUDIO_SUFFIXES)]
+    if audio:
+        raise ValueError(
+            f"{where}: lists audio files ({audio[0]!r}, {len(audio)} of {len(rows.paths)} rows); a manifest "
+            f"of utterances is read by the audio source: --data audio:{where}"
+        )
+    if rows.boxes:
         warnings.warn(
-            f"{where}: {boxes} row(s) give a bounding box (x_1, x_2, y_1, y_2); it is not applied, the "
+            f"{where}: {rows.boxes} row(s) give a bounding box (x_1, x_2, y_1, y_2); it is not applied, the "
             "whole image is used",
             UserWarning,
             stacklevel=2,
         )
-    labels, class_names = _labels(raw_labels, lines, where)
-    side = np.array(splits)
-    files = ImageFiles.from_paths(root, paths, image_size=image_size, color=color, source=where)
+    labels = rows.labels
+    files = ImageFiles.from_paths(rows.root, rows.paths, image_size=image_size, color=color, source=where)
     info: dict[str, Any] = {
         "source": where,
         "color": files.layout.mode,
         "image_size": tuple(files.sample_shape[1:]),
         "layout": files.layout.note,
-        "files": len(paths),
+        "files": len(rows.paths),
         "lazy": True,
     }
-    has_test = bool((side == "test").any())
-    if not has_test and (side == "val").any():
-        side[side == "val"] = "test"
-        info["split"] = "the manifest's train rows; its validation rows are the test split (OML's convention)"
-    elif has_test:
-        info["split"] = "the manifest's train / validation / test rows as given"
-    if not (side == "train").any():
-        raise ValueError(f"{where}: no row has split 'train'")
-    rows = {s: np.flatnonzero(side == s) for s in ("train", "val", "test")}
-    if not rows["test"].size:
-        train_pos, test_pos = _seeded_split(labels[rows["train"]], test_fraction, split_seed)
-        rows["test"], rows["train"] = rows["train"][test_pos], rows["train"][train_pos]
+    parts = manifest_split_rows(rows, info)
+    if not parts["test"].size:
+        train_pos, test_pos = _seeded_split(labels[parts["train"]], test_fraction, split_seed)
+        parts["test"], parts["train"] = parts["train"][test_pos], parts["train"][train_pos]
         info["split"] = split_note(test_fraction, split_seed) + " (the manifest has only train rows)"
-    for column, values in flags.items():
-        if any(v is not None for v in values):
-            array = np.array([bool(v) for v in values])
-            info[column] = {s: array[r] for s, r in rows.items() if r.size}
-    val = rows["val"] if rows["val"].size else None
+    manifest_flags(rows, parts, info)
+    val = parts["val"] if parts["val"].size else None
     return RawSplits(
-        files[rows["train"]], labels[rows["train"]], files[rows["test"]], labels[rows["test"]],
+        files[parts["train"]], labels[parts["train"]], files[parts["test"]], labels[parts["test"]],
         x_val=files[val] if val is not None else None, y_val=labels[val] if val is not None else None,
-        kind="image", class_names=class_names, info=info,
+        kind="image", class_names=rows.class_names, info=info,
     )  # fmt: skip

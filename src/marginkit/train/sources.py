@@ -23,7 +23,8 @@ def _audio(
 
     if not rest:
         raise ValueError(
-            "dataset spec 'audio:' needs a folder or a wav.scp after the colon: 'audio:/data/vox'"
+            "dataset spec 'audio:' needs a folder, a wav.scp or a CSV manifest after the colon: "
+            "'audio:/data/vox'"
         )
     return read_audio_source(
         rest, sample_rate=sample_rate, crop_seconds=crop_seconds, channel=channel, resample=resample,
@@ -32,8 +33,12 @@ def _audio(
 
 
 def register_sources() -> None:
-    """Register ``audio:DIR`` / ``audio:wav.scp`` with :func:`marginkit.data.load_dataset` (idempotent)."""
+    """Register ``audio:DIR`` / ``audio:wav.scp`` / ``audio:FILE.csv`` with
+    :func:`marginkit.data.load_dataset` (idempotent)."""
     from marginkit.data.datasets import register_source
 
-    what = "speech: DIR/<speaker>/**/*.wav|.flac or a Kaldi wav.scp (+ utt2spk); always streamed"
+    what = (
+        "speech: DIR/<speaker>/**/*.wav|.flac, a Kaldi wav.scp (+ utt2spk) or a CSV manifest (path, label, "
+        "split); always streamed"
+    )
     register_source("audio", _audio, what)
