@@ -184,6 +184,37 @@ def test_compare_rows_get_the_trial_metrics(data, tmp_path, monkeypatch):
     assert "trials_eer" in table and "pretrained_ge2e (baseline)" in table
     run_metrics = json.loads((out / "runs" / "cosface" / "seed0" / "metrics.json").read_text())
     assert run_metrics["trials"]["eer"] == pytest.approx(rows["cosface"]["trials_eer"])
+    assert run_metrics["trials"]["norm"] == "none"
+    # --norm without --protocol is the trial list's: the finished run is reused, not retrained, and
+    # scored again with AS-norm (the baseline goes through the same trial_metrics; not here: the
+    # random GE2E weights above embed every utterance alike, and AS-norm refuses constant scores)
+    trained = (out / "runs" / "cosface" / "seed0" / "best.pt").stat().st_mtime_ns
+    code = main(["compare", "--data", f"audio:{data / 'unseen'}", "--losses", "cosface", *TRAIN, "--k", "3",
+                 "--trials", str(data / "unseen_trials.txt"), "--norm", "as-norm", "--no-baselines",
+                 "--out", str(out), "-q"])  # fmt: skip
+    assert code == 0
+    assert (out / "runs" / "cosface" / "seed0" / "best.pt").stat().st_mtime_ns == trained
+    normed = json.loads((out / "runs" / "cosface" / "seed0" / "metrics.json").read_text())["trials"]
+    assert normed["norm"].startswith("as-norm (top ") and normed["num_trials"] == 120
+    rows = {row["loss"]: row for row in json.loads((out / "summary.json").read_text())}
+    assert set(rows) == {"cosface"} and rows["cosface"]["trials_eer"] == pytest.approx(normed["eer"])
+
+
+def test_train_trials_as_norm_equals_eval(data, tmp_path):
+    """``train --trials F --norm as-norm`` scores the list as ``eval RUN --trials F --norm as-norm``."""
+    out = tmp_path / "normed"
+    code = main(["train", "--data", f"audio:{data / 'dev'}", "--loss", "cosface", *TRAIN, "--trials",
+                 str(data / "dev_trials.txt"), "--norm", "as-norm", "--top-k", "3", "--out", str(out),
+                 "--no-report", "-q"])  # fmt: skip
+    assert code == 0
+    stored = json.loads((out / "metrics.json").read_text())["trials"]
+    assert stored["norm"] == "as-norm (top 3 of 6 cohort rows)"  # the 6 training speakers
+    code = main(["eval", str(out), "--trials", str(data / "dev_trials.txt"), "--norm", "as-norm",
+                 "--top-k", "3", "--json", str(tmp_path / "e.json")])  # fmt: skip
+    assert code == 0
+    again = json.loads((tmp_path / "e.json").read_text())["trials"]
+    assert again["norm"] == stored["norm"]
+    assert_matches(again, stored)
 
 
 def test_bad_trial_inputs_are_named(data, run, tmp_path, capsys):
@@ -219,3 +250,13 @@ def test_bad_trial_inputs_are_named(data, run, tmp_path, capsys):
     assert "--protocol does not apply with --trials" in capsys.readouterr().err
     assert main(["eval", str(run), "--trials", str(stray), "--norm", "z-norm"]) == 2
     assert "as-norm only" in capsys.readouterr().err
+    # train / compare: --norm is the trial list's and needs one
+    assert main(["train", "--data", dev, "--loss", "cosface", *TRAIN, "--norm", "as-norm",
+                 "--out", str(tmp_path / "r4"), "-q"]) == 2  # fmt: skip
+    assert "trials_norm (--norm) normalises the scores of a trial list: set trials" in capsys.readouterr().err
+    assert main(["compare", "--data", dev, "--losses", "cosface", *TRAIN, "--trials", str(stray),
+                 "--norm", "z-norm", "--out", str(tmp_path / "c2"), "-q"]) == 2  # fmt: skip
+    assert "unknown trials_norm 'z-norm' (--norm); valid: as-norm, none" in capsys.readouterr().err
+    assert main(["train", "--data", dev, "--loss", "cosface", *TRAIN, "--trials", str(stray), "--norm",
+                 "as-norm", "--top-k", "0", "--out", str(tmp_path / "r5"), "-q"]) == 2  # fmt: skip
+    assert "trials_top_k must be >= 1" in capsys.readouterr().err

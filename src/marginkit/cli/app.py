@@ -202,6 +202,22 @@ def _overrides(p: argparse.ArgumentParser, *, with_loss: bool) -> None:
         "relative to the audio: data root, in any split) scored after training, each utterance embedded "
         "once: EER, minDCF at p_target 0.01 and 0.05, TAR@FAR under 'trials' in metrics.json (default: none)",
     )
+    if with_loss:  # compare's --norm / --top-k are its protocol flags, and the trial list's without one
+        g.add_argument(
+            "--norm",
+            dest="opt_trials_norm",
+            choices=("as-norm", "none"),
+            help="with --trials: adaptive S-norm of the trial scores against a cohort of the training "
+            "speakers (as eval --trials --norm as-norm; default: none)",
+        )
+        g.add_argument(
+            "--top-k",
+            dest="opt_trials_top_k",
+            type=int,
+            metavar="K",
+            help="with --norm as-norm: the cohort scores kept on each side (default: 300, at most the "
+            "speakers)",
+        )
     g.add_argument(
         "--pretrained",
         dest="opt_pretrained",
@@ -254,8 +270,18 @@ def _protocol_flags(p: argparse.ArgumentParser) -> None:
         help="also evaluate this protocol: 1:1 pairs, open-set 1:N search, or pooled templates",
     )
     g.add_argument("--cohort", type=int, metavar="N", help="normalisation cohort: N training embeddings")
-    g.add_argument("--norm", metavar="|".join(NORMS), help="cohort score normalisation of pair scores")
-    g.add_argument("--top-k", type=int, metavar="K", help="cohort scores kept by as-norm (default: N // 10)")
+    g.add_argument(
+        "--norm",
+        metavar="|".join(NORMS),
+        help="cohort score normalisation of pair scores; without --protocol, with --trials: the trial "
+        "list's (as-norm against the training speakers)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="cohort scores kept by as-norm (default: N // 10; a trial list's: 300)",
+    )
     g.add_argument("--template-size", type=int, metavar="S", help="samples per template (default: 4)")
 
 

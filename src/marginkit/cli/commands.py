@@ -703,6 +703,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     losses = [s.strip() for s in args.losses.split(",") if s.strip()]
     if not losses:
         raise UserError("--losses needs at least one loss name")
+    if args.protocol is None:  # --norm / --top-k without a protocol: the trial list's (eval's reading)
+        args.opt_trials_norm, args.opt_trials_top_k = args.norm, args.top_k
+        args.norm = args.top_k = None
     protocol = _protocol(args)
     from marginkit.train.config import load_config
 

@@ -288,6 +288,18 @@ def _columns(summary: list[dict[str, Any]]) -> list[str]:
     return [*cols, "seconds"]  # mean training time per run (epochs only, not evaluation)
 
 
+def _trials_scored_as(metrics: dict[str, Any], config: Any) -> bool:
+    """Whether ``metrics["trials"]`` scored ``config.trials`` normalised as ``config`` asks."""
+    got = metrics.get("trials") or {}
+    if got.get("source") != config.trials:
+        return False
+    norm = str(got.get("norm", "none"))
+    if config.trials_norm != "as-norm":
+        return norm == "none"
+    kept = re.fullmatch(r"as-norm \(top (\d+) of (\d+) cohort rows\)", norm)
+    return kept is not None and int(kept[1]) == min(config.trials_top_k, int(kept[2]))
+
+
 def _run_one(
     config: Any, run_dir: Path, *, splits: Any, overwrite: bool, protocol: Any = None
 ) -> dict[str, Any]:
@@ -295,15 +307,17 @@ def _run_one(
     then evaluate ``protocol`` on it unless its metrics.json holds that protocol already."""
     res = _train_one(config, run_dir, splits=splits, overwrite=overwrite)
     # a reused run evaluated with another protocol (or with one, when none is asked), or without
-    # this comparison's trial list, is re-evaluated
-    scored = (res["metrics"].get("trials") or {}).get("source")
+    # this comparison's trial list and its normalisation, is re-evaluated
     if res["metrics"].get("protocol") != (protocol.as_dict() if protocol is not None else None) or (
-        config.trials and scored != config.trials
+        config.trials and not _trials_scored_as(res["metrics"], config)
     ):
         from marginkit.train.evaluate import evaluate_run
 
         with user_errors(f"{run_dir}: "):
-            res["metrics"] = evaluate_run(run_dir, splits=splits, protocol=protocol, trials=config.trials)
+            res["metrics"] = evaluate_run(
+                run_dir, splits=splits, protocol=protocol, trials=config.trials,
+                trials_norm=config.trials_norm or "none", trials_top_k=config.trials_top_k,
+            )  # fmt: skip
     return res
 
 

@@ -64,7 +64,7 @@ SELECTIONS = ("auto", "knn_accuracy", "precision_at_1", "eer")
 # Keys that change how a run executes but not what it computes: they may differ on --resume.
 RUNTIME_KEYS = frozenset(
     {"device", "num_threads", "eval_batch_size", "collective_timeout", "checkpoint_every", "tracking"}
-    | {"workers", "sync_every", "trials"}
+    | {"workers", "sync_every", "trials", "trials_norm", "trials_top_k"}
 )
 
 
@@ -125,7 +125,10 @@ class TrainConfig:
         ``precision_at_1`` or ``eer`` (of the validation pairs, lower is better);
         ``trials`` — a speaker-verification trial list (VoxCeleb format, paths relative to the
         ``audio:`` data root) scored after training into ``metrics.json`` ``trials``
-        (:mod:`marginkit.audio.trials`); it changes no training, so it may differ on ``--resume``.
+        (:mod:`marginkit.audio.trials`); it changes no training, so it may differ on ``--resume``;
+        ``trials_norm`` — ``as-norm``: the trial scores adaptive-S-normalised against a cohort of
+        the training speakers (the mean unit embedding of 3 utterances each), keeping the
+        ``trials_top_k`` (300) largest cohort scores of each side; default none.
     Runtime
         ``seed``, ``device`` (cpu | cuda | auto), ``num_threads`` (default: the available cores
         divided by the processes sharing them), ``deterministic``
@@ -192,6 +195,8 @@ class TrainConfig:
     max_impostors: int | None = 200_000
     selection: str = "auto"
     trials: str | None = None
+    trials_norm: str | None = None
+    trials_top_k: int = 300
     device: str = "cpu"
     num_threads: int | None = None
     deterministic: bool = True
@@ -404,6 +409,14 @@ def _trials_need_audio(c: TrainConfig, kind: str) -> str | None:
     return None
 
 
+def _trials_norm_of_a_list(c: TrainConfig, kind: str) -> str | None:
+    if c.trials_norm not in (None, "as-norm"):
+        return f"unknown trials_norm {c.trials_norm!r} (--norm); valid: as-norm, none"
+    if c.trials_norm is not None and c.trials is None:
+        return "trials_norm (--norm) normalises the scores of a trial list: set trials (--trials) too"
+    return None
+
+
 #: Rules between fields: each returns the error message, or None. (Single values: ranges.py.)
 _RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
     _own_model_named,
@@ -413,6 +426,7 @@ _RULES: tuple[Callable[[TrainConfig, str], str | None], ...] = (
     _pair_batches_have_positives,
     _pair_batches_have_negatives,
     _trials_need_audio,
+    _trials_norm_of_a_list,
 )
 
 

@@ -332,15 +332,24 @@ def trial_metrics(
     (:func:`marginkit.audio.evaluate.score_trial_parts`, :func:`marginkit.audio.trials.score_trials`).
 
     ``known``: ``{split: embeddings of all its rows}`` already computed, reused. ``cohort`` /
-    ``top_k``: AS-norm against these cohort rows (one per training speaker).
+    ``top_k``: AS-norm against these cohort rows (one per training speaker); without ``cohort``,
+    ``config.trials_norm="as-norm"`` builds the cohort of :func:`evaluate_run_trials` from the
+    training split (:func:`marginkit.audio.evaluate.speaker_cohort`) and keeps
+    ``config.trials_top_k`` scores, so that ``eval RUN --trials F --norm as-norm`` repeats it.
     """
-    from marginkit.audio.evaluate import score_trial_parts
+    from marginkit.audio.evaluate import score_trial_parts, speaker_cohort
     from marginkit.train.errors import ConfigError
 
     path = trials or config.trials
     if not path:
         raise ConfigError("no trial list: pass trials= or set the run's trials option")
     check_trials(config, splits, path)
+    if cohort is None and config.trials_norm == "as-norm":
+        cohort = speaker_cohort(
+            model, splits.train.data, splits.train.y.numpy(), seed=config.seed, device=device,
+            workers=config.workers,
+        )  # fmt: skip
+        top_k = config.trials_top_k
     parts = [
         (part.data, part.y.numpy(), (known or {}).get(name))
         for name in _TRIAL_SPLITS
@@ -666,9 +675,12 @@ def evaluate_checkpoint(
     protocol: Any = None,
     model: Any = None,
     trials: str | None = None,
+    trials_norm: str | None = None,
+    trials_top_k: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], Any, bool]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (``None``: the run's own data set), as
-    :func:`evaluate_run` does, but write nothing. ``model``, ``trials``: as in :func:`evaluate_run`.
+    :func:`evaluate_run` does, but write nothing. ``model``, ``trials``, ``trials_norm``,
+    ``trials_top_k``: as in :func:`evaluate_run`.
 
     Returns the (JSON-able) metrics, the report's arrays, the K-NN index fitted on the
     training embeddings, and whether ``splits`` is the run's own data set.
@@ -693,6 +705,10 @@ def evaluate_checkpoint(
         head = None  # another label space: the head's classes mean nothing here
     if not own_data:  # the run's trial list names utterances of its own data root
         config = dataclasses.replace(config, trials=None)
+    if trials_norm is not None:
+        config = dataclasses.replace(config, trials_norm=None if trials_norm == "none" else trials_norm)
+    if trials_top_k is not None:
+        config = dataclasses.replace(config, trials_top_k=trials_top_k)
     metrics, arrays, knn = evaluate_model(
         run["model"], head, splits, config, device, k=k, protocol=protocol, trials=trials
     )
@@ -724,6 +740,8 @@ def evaluate_run(
     protocol: Any = None,
     model: Any = None,
     trials: str | None = None,
+    trials_norm: str | None = None,
+    trials_top_k: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``RUN_DIR/{which}.pt`` on ``splits`` (default: the run's own data set).
 
@@ -733,14 +751,15 @@ def evaluate_run(
     ``protocol``: see :func:`evaluate_model`. ``model``: for a run that trained your own module
     (``train(..., model=module)``), a new instance of its class (the checkpoint's weights go
     into it). ``trials``: a trial list to score into ``metrics["trials"]`` (default: the run's
-    ``trials`` option, on its own data; see :func:`trial_metrics`).
+    ``trials`` option, on its own data; see :func:`trial_metrics`). ``trials_norm`` (``as-norm``
+    or ``none``) / ``trials_top_k``: how its scores are normalised (default: the run's options).
     """
     from marginkit.train.rundir import RunDir
 
     with RunDir(run_dir, create=False) if write else contextlib.nullcontext() as rundir:
         metrics, arrays, knn, own_data = evaluate_checkpoint(
             run_dir, splits=splits, device=device, which=which, k=k, protocol=protocol, model=model,
-            trials=trials,
+            trials=trials, trials_norm=trials_norm, trials_top_k=trials_top_k,
         )  # fmt: skip
         if rundir is not None and own_data:
             rundir.write_results(metrics, arrays, knn, report=report)

@@ -137,6 +137,7 @@ FIELD_RANGES: dict[str, Spec] = {
     "eval_batch_size": _int(1, 10**7),
     "workers": _int(0, 256),
     "sync_every": _int(1, 10**6),
+    "trials_top_k": _int(1, 10**6),  # cohort scores kept by AS-norm (at most the cohort's size)
     "collective_timeout": _real(0, 7 * 86_400, open_lo=True, unit="seconds"),  # a stalled peer ends the run
     "backbone_lr_mult": _real(0, 100),  # 0: the trunk does not move (as freeze: trunk, but in the optimiser)
 }

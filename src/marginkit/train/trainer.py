@@ -761,7 +761,13 @@ def _final_evaluation(run: _Run, *, report: bool) -> dict[str, Any]:
     if run.rundir is not None:
         own = copy.deepcopy(run.model) if run.config.model == CUSTOM_MODEL else None  # best.pt goes into it
         metrics, arrays, knn, _ = evaluate_checkpoint(
-            run.run_dir, splits=run.splits, device=run.device, model=own, trials=run.config.trials
+            run.run_dir,
+            splits=run.splits,
+            device=run.device,
+            model=own,
+            trials=run.config.trials,
+            trials_norm=run.config.trials_norm or "none",
+            trials_top_k=run.config.trials_top_k,
         )
         skipped = sorted(set(run.splits.info.get("skipped_samples", [])) | set(run.loader.skipped))
         if skipped or run.splits.on_bad_sample == "skip":  # never silently: counted, the first named
