@@ -121,6 +121,16 @@ def test_train_reports_the_trial_list_equal_to_brute_force_from_embed(data, run,
     assert trials["min_dcf_0.05"] <= 1
 
 
+def test_the_run_report_shows_the_trial_metrics(run):
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    trials = json.loads((run / "metrics.json").read_text())["trials"]
+    assert "trial-list EER" in page and "Speaker verification: the trial list" in page
+    for label in ("minDCF (P_target 0.01)", "minDCF (P_target 0.05)", "TAR @ FAR 0.01", "target trials"):
+        assert f"<td>{label}</td>" in page, label
+    assert str(trials["num_trials"]) in page
+
+
 def test_eval_scores_exactly_the_listed_utterances_of_other_data(data, run, tmp_path, capsys):
     out = tmp_path / "eval.json"
     code = main(["eval", str(run), "--data", f"audio:{data / 'unseen'}", "--trials",

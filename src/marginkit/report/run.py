@@ -53,6 +53,7 @@ _SCALARS = (
 _METRIC_SECTIONS = (
     *((key, heading) for key, _, heading in _PAIR_SCORES),
     ("identification", "Open-set identification (1:N)"),
+    ("trials", "Speaker verification: the trial list (--trials)"),
 )
 
 
@@ -76,6 +77,9 @@ _LABELS = {
     "num_nonmated": "non-mated probes", "num_gallery_labels": "gallery labels",
     "num_subjects": "subjects", "decision": "decision rule", "confidence_intervals": "CI:",
     "dcf_params": "DCF", "valid_replicates": "valid replicates",
+    "min_dcf_0.01": "minDCF (P_target 0.01)", "min_dcf_0.05": "minDCF (P_target 0.05)",
+    "num_trials": "trials", "num_target": "target trials", "num_nontarget": "non-target trials",
+    "num_utterances": "utterances embedded", "norm": "score normalisation", "source": "trial list",
 }  # fmt: skip
 
 
@@ -83,6 +87,8 @@ def _metric_label(key: str, section: str) -> str:
     """``tar_at_far.0.01`` → ``TAR @ FAR 0.01``; ``dcf_params.c_miss`` → ``DCF C_miss``;
     ``thresholds.x`` → ``threshold @ FAR x`` (``FPIR`` in the identification block). The rates
     are float keys, so the dotted path is split at the first name that takes one."""
+    if "{}" not in _LABELS.get(key, "{}"):  # a whole key with a dot of its own (min_dcf_0.01)
+        return _LABELS[key]
     parts = key.split(".")
     words: list[str] = []
     for i, name in enumerate(parts):
@@ -107,6 +113,7 @@ def _run_headline(metrics: dict[str, Any], history: list[dict[str, Any]]) -> str
     for key, label in (
         ("verification", "EER"), ("verification_normalized", "normalised EER"),
         ("templates", "template EER"), ("templates_normalized", "normalised template EER"),
+        ("trials", "trial-list EER"),
     ):  # fmt: skip
         block = metrics.get(key)
         if isinstance(block, dict) and number(block.get("eer")) is not None:
