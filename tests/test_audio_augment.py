@@ -209,3 +209,35 @@ def test_spec_augment_absent_from_the_onnx_export(tmp_path):
     with torch.no_grad():
         want = model(torch.from_numpy(wave)).numpy()
     np.testing.assert_allclose(load_model_file(tmp_path / "m.onnx", "onnx")(wave), want, atol=2e-5)
+
+
+def test_an_augmented_run_resumes_bit_identically_with_any_worker_count(folders, tmp_path):
+    """``marginkit train --augment speed,noise,reverb,spec_mask`` on audio: stopped after epoch 1 and
+    resumed with 2 workers, it ends with the weights of an uninterrupted run with none; a run
+    without augmentation ends elsewhere (so the augmentation took part)."""
+    from marginkit.cli import main
+
+    base, speakers = folders
+    common = ["train", "--data", f"audio:{speakers}", "--model", "ecapa_tdnn", "--loss", "cosface",
+              "--epochs", "2", "--batch-size", "4", "--set", "model_options.channels=16",
+              "--set", "model_options.aggregation_channels=24", "--set", "model_options.num_bins=24",
+              "--set", "data_options.crop_seconds=0.4", "--set", f"data_options.noise_dir={base / 'noise'}",
+              "--set", f"data_options.rir_dir={base / 'rir'}", "--set", "data_options.test_fraction=0.34",
+              "--no-report", "-q"]  # fmt: skip
+    augment = ["--augment", "speed,noise,reverb,spec_mask"]
+    assert main([*common, *augment, "--workers", "0", "--out", str(tmp_path / "whole")]) == 0
+    assert (
+        main([*common, *augment, "--workers", "0", "--out", str(tmp_path / "cut"), "--stop-after", "1"]) == 0
+    )
+    assert (
+        main(["train", "--resume", "--out", str(tmp_path / "cut"), "--workers", "2", "-q", "--no-report"])
+        == 0
+    )
+    assert main([*common, "--workers", "0", "--out", str(tmp_path / "plain")]) == 0
+
+    def weights(run: str) -> dict[str, torch.Tensor]:
+        return torch.load(tmp_path / run / "last.pt", weights_only=True)["model"]
+
+    whole, cut, plain = weights("whole"), weights("cut"), weights("plain")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert not all(torch.equal(whole[k], plain[k]) for k in whole)
