@@ -270,3 +270,56 @@ def test_bad_trial_inputs_are_named(data, run, tmp_path, capsys):
     assert main(["train", "--data", dev, "--loss", "cosface", *TRAIN, "--trials", str(stray), "--norm",
                  "as-norm", "--top-k", "0", "--out", str(tmp_path / "r5"), "-q"]) == 2  # fmt: skip
     assert "trials_top_k must be >= 1" in capsys.readouterr().err
+
+
+def test_trial_scores_are_calibrated_on_the_validation_speakers(data, tmp_path):
+    """min Cllr always; Cllr and actual DCF (P_target 0.01) of llrs calibrated on the run's
+    validation speakers, equal to an independent fit (sklearn's class-balanced logistic regression
+    on `marginkit embed`'s validation pairs) and hand-computed costs; skipped, saying why, when the
+    list names validation utterances."""
+    from sklearn.linear_model import LogisticRegression
+
+    out = tmp_path / "cal"
+    code = main(["train", "--data", f"audio:{data / 'dev'}", "--loss", "cosface", *TRAIN,
+                 "--set", "data_options.split=classes", "--set", "data_options.test_classes=[spk006,spk007]",
+                 "--set", "data_options.val_classes=[spk004,spk005]",
+                 "--trials", str(data / "dev_trials.txt"), "--out", str(out), "--no-report",
+                 "-q"])  # fmt: skip
+    assert code == 0
+    own = json.loads((out / "metrics.json").read_text())["trials"]
+    assert own["calibration"]["skipped"].startswith("the trial list names utterances of the validation split")
+    assert own["cllr"] is None and 0 <= own["min_cllr"] <= 1
+
+    code = main(["eval", str(out), "--data", f"audio:{data / 'unseen'}", "--trials",
+                 str(data / "unseen_trials.txt"), "--json", str(tmp_path / "u.json")])  # fmt: skip
+    assert code == 0
+    found = json.loads((tmp_path / "u.json").read_text())["trials"]
+    cal = found["calibration"]
+    assert cal["num_genuine"] == 12 and cal["num_impostor"] == 16  # 2 speakers x 4 utterances
+    # the fit, independently
+    assert main(["embed", str(out), "--split", "val", "--out", str(tmp_path / "v.npz")]) == 0
+    with np.load(tmp_path / "v.npz") as z:
+        emb, labels = z["val_embeddings"].astype(np.float64), z["val_labels"]
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    i, j = np.triu_indices(len(unit), 1)
+    scores, genuine = np.sum(unit[i] * unit[j], axis=1), labels[i] == labels[j]
+    fit = LogisticRegression(C=1e12, class_weight="balanced", tol=1e-12, max_iter=10_000)
+    fit.fit(scores[:, None], genuine)
+    assert cal["slope"] == pytest.approx(fit.coef_[0, 0], rel=1e-3)
+    assert cal["offset"] == pytest.approx(fit.intercept_[0], rel=1e-3, abs=1e-3)
+    # the costs of the calibrated llrs, by hand, on brute-force trial scores
+    assert main(["embed", str(out), "--data", f"audio:{data / 'unseen'}", "--out", str(tmp_path / "u")]) == 0
+    with np.load(tmp_path / "u.npz") as z:
+        names = np.concatenate([z[f"{s}_paths"] for s in ("train", "val", "test") if f"{s}_paths" in z])
+        vecs = np.concatenate([z[f"{s}_embeddings"] for s in ("train", "val", "test") if f"{s}_paths" in z])
+    vecs = vecs.astype(np.float64) / np.linalg.norm(vecs, axis=1, keepdims=True)
+    target, a, b = trial_arrays(data / "unseen_trials.txt")
+    where = {n: k for k, n in enumerate(names.tolist())}
+    trial = np.array([vecs[where[x]] @ vecs[where[y]] for x, y in zip(a, b, strict=True)])
+    llr = cal["slope"] * trial + cal["offset"]
+    cllr = 0.5 * (np.mean(np.log2(1 + np.exp(-llr[target]))) + np.mean(np.log2(1 + np.exp(llr[~target]))))
+    assert found["cllr"] == pytest.approx(cllr, rel=1e-4)
+    p = 0.01
+    accept = llr > -np.log(p / (1 - p))
+    dcf = (p * np.mean(~accept[target]) + (1 - p) * np.mean(accept[~target])) / min(p, 1 - p)
+    assert found["actual_dcf_0.01"] == pytest.approx(dcf, abs=1e-9)

@@ -138,6 +138,7 @@ def score_trial_parts(
     top_k: int = 300,
     bootstrap: int = 0,
     seed: int = 0,
+    calibration: Any = None,
 ) -> dict[str, object]:
     """Score ``trials`` over the utterances of several sources, e.g. the train / val / test splits
     of one data root, embedding only the rows the list names, each once.
@@ -149,7 +150,7 @@ def score_trial_parts(
         where: the data's name in the error raised (:func:`~marginkit.audio.trials.missing_message`,
             with the trial file, line and path) when an utterance of the list is in no part;
             checked before anything is embedded.
-        cohort, top_k, bootstrap, seed: as in :func:`~marginkit.audio.trials.score_trials`
+        cohort, top_k, bootstrap, seed, calibration: as in :func:`~marginkit.audio.trials.score_trials`
             (``bootstrap`` resamples the speakers of ``labels``).
     """
     names = [relative_paths(samples) for samples, _, _ in parts]
@@ -171,6 +172,49 @@ def score_trial_parts(
     metrics = score_trials(
         trials, np.concatenate(embeddings), np.concatenate(paths), cohort=cohort, top_k=top_k,
         bootstrap=bootstrap, speakers=np.concatenate(speakers).astype(str), seed=seed,
+        calibration=calibration,
     )  # fmt: skip
     metrics["source"] = trials.source
     return metrics
+
+
+def validation_calibration(
+    model: torch.nn.Module,
+    samples: Any,
+    labels: np.ndarray,
+    *,
+    cohort: np.ndarray | None = None,
+    top_k: int = 300,
+    max_impostors: int | None = 200_000,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    workers: int | None = 0,
+) -> Any:
+    """A score-to-llr calibration (:func:`marginkit.metrics.calibrate`, prior-weighted logistic
+    regression) fitted on every genuine and up to ``max_impostors`` impostor pairs (seeded) of
+    whole utterances of ``samples`` (a validation split: speakers of neither the training nor
+    the trial list), AS-normalised against ``cohort`` as the trial scores are; or a string
+    saying why there is none (fewer than 2 speakers, no genuine pair, separable scores).
+    """
+    from marginkit.metrics import calibrate, pair_scores
+
+    labels = np.asarray(labels)
+    counts = np.unique(labels, return_counts=True)[1] if labels.size else np.zeros(0, int)
+    if counts.size < 2 or counts.max() < 2:
+        return "the validation split has no genuine and impostor pairs (2 speakers, one with 2 utterances)"
+    emb, kept, _ = embed_utterances(model, samples, device=device, workers=workers)
+    # float32 cosines and the raw cohort, as score_trials scores the list
+    unit = torch.nn.functional.normalize(torch.from_numpy(emb), dim=1)
+    scores, genuine, pairs = pair_scores(
+        unit, torch.from_numpy(labels[kept]), max_impostors=max_impostors, seed=seed, return_pairs=True
+    )
+    if cohort is not None:
+        from marginkit.metrics.normalization import cohort_stats, normalize_scores
+
+        c = torch.as_tensor(cohort)
+        stats = cohort_stats(unit, c, top_k=min(int(top_k), c.shape[0]))
+        scores = normalize_scores(scores, stats, stats, method="as-norm", trials=pairs)
+    try:
+        return calibrate(scores, genuine)
+    except ValueError as exc:  # perfectly separated validation scores: no finite fit
+        return str(exc).split(":")[0]

@@ -23,6 +23,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,8 +202,9 @@ def score_trials(
     bootstrap: int = 0,
     speakers: Sequence[str] | np.ndarray | None = None,
     seed: int = 0,
+    calibration: Any = None,
 ) -> dict[str, object]:
-    """EER, minDCF (p_target 0.01 and 0.05, C_miss = C_fa = 1), TAR@FAR of a trial list.
+    """EER, minDCF (p_target 0.01 and 0.05, C_miss = C_fa = 1), TAR@FAR, min Cllr of a trial list.
 
     Args:
         trials: from :func:`read_trials`.
@@ -212,12 +214,18 @@ def score_trials(
             adaptive-S-normalised (AS-norm) with the ``min(top_k, C)`` largest cohort scores of each side.
         bootstrap, speakers, seed: subject-bootstrap intervals (``bootstrap`` replicates) for EER and
             TAR@FAR; ``speakers[i]`` is the speaker of utterance ``paths[i]`` (required with ``bootstrap``).
+        calibration: a :class:`~marginkit.metrics.Calibration` fitted on other trials (normalised
+            like these): adds ``cllr`` and ``actual_dcf_0.01`` of the calibrated llrs (Brümmer and
+            du Preez 2006: Cllr = mean over both classes of log2(1 + e^(∓llr))) and its slope and
+            offset under ``calibration``; a string: why there is none (``calibration.skipped``).
 
     Returns:
         ``{"eer", "min_dcf_0.01", "min_dcf_0.05", "tar_at_far": {far: tar | None}, "auc",
-        "num_trials", "num_target", "num_nontarget", "num_utterances", "norm"}``, and
-        ``"confidence_intervals"`` with ``bootstrap``.
+        "num_trials", "num_target", "num_nontarget", "num_utterances", "norm", "min_cllr"}``,
+        ``"confidence_intervals"`` with ``bootstrap``, and ``"cllr"``, ``"actual_dcf_0.01"``,
+        ``"calibration"`` with ``calibration``.
     """
+    from marginkit.metrics.calibration import actual_dcf, cllr, min_cllr
     from marginkit.metrics.verification import min_dcf, verification_metrics
 
     scores = trial_scores(trials, embeddings, paths)
@@ -255,7 +263,19 @@ def score_trials(
         "num_nontarget": int((~trials.labels).sum()),
         "num_utterances": int(trials.utterances.size),
         "norm": norm,
+        "min_cllr": min_cllr(scores, genuine),
     }
+    if isinstance(calibration, str):
+        out.update({"cllr": None, "actual_dcf_0.01": None, "calibration": {"skipped": calibration}})
+    elif calibration is not None:
+        llr = calibration.llr(scores)
+        out["cllr"] = cllr(llr, genuine)
+        out["actual_dcf_0.01"] = actual_dcf(llr, genuine, p_target=P_TARGETS[0])
+        out["calibration"] = {
+            "fitted_on": "validation split (all pairs, normalised alike)", "slope": calibration.slope,
+            "offset": calibration.offset, "num_genuine": calibration.num_genuine,
+            "num_impostor": calibration.num_impostor,
+        }  # fmt: skip
     if "confidence_intervals" in metrics:
         out["confidence_intervals"] = metrics["confidence_intervals"]
     return out

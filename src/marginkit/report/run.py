@@ -80,6 +80,7 @@ _LABELS = {
     "min_dcf_0.01": "minDCF (P_target 0.01)", "min_dcf_0.05": "minDCF (P_target 0.05)",
     "num_trials": "trials", "num_target": "target trials", "num_nontarget": "non-target trials",
     "num_utterances": "utterances embedded", "norm": "score normalisation", "source": "trial list",
+    "actual_dcf_0.01": "actual DCF (P_target 0.01)", "calibration": "calibration",
 }  # fmt: skip
 
 

@@ -355,10 +355,31 @@ def trial_metrics(
         for name in _TRIAL_SPLITS
         if len(part := getattr(splits, name))
     ]
+    listed = _read_trials(path)
     return score_trial_parts(
-        model, parts, _read_trials(path), device=device, workers=config.workers,
+        model, parts, listed, device=device, workers=config.workers,
         where=f"data {splits.name!r}", cohort=cohort, top_k=top_k, bootstrap=BOOTSTRAP_REPLICATES,
         seed=config.seed,
+        calibration=_trial_calibration(model, splits, listed, config, device, cohort, top_k),
+    )  # fmt: skip
+
+
+def _trial_calibration(
+    model: nn.Module, splits: Any, listed: Any, config: TrainConfig, device: torch.device | str,
+    cohort: np.ndarray | None, top_k: int,
+) -> Any:  # fmt: skip
+    """The trial list's calibration, fitted on the run's validation speakers
+    (:func:`marginkit.audio.evaluate.validation_calibration`), or why there is none."""
+    from marginkit.audio.evaluate import relative_paths, validation_calibration
+
+    val = splits.val
+    if len(val) == 0:
+        return "no validation split"
+    if np.isin(relative_paths(val.data), listed.utterances).any():
+        return "the trial list names utterances of the validation split (a fit there would see them)"
+    return validation_calibration(
+        model, val.data, val.y.numpy(), cohort=cohort, top_k=top_k, max_impostors=config.max_impostors,
+        seed=config.seed, device=device, workers=config.workers,
     )  # fmt: skip
 
 
@@ -404,7 +425,13 @@ def evaluate_run_trials(
         )
     listed = _read_trials(trials)
     own = spec == config.data
+    unreadable = ""
     splits = load_splits(config) if own or norm else None
+    if splits is None:  # only for the calibration (its validation speakers): optional
+        try:
+            splits = load_splits(config)
+        except (OSError, ValueError) as exc:
+            unreadable = f"the run's data {config.data!r} is not readable here ({exc})"
     if own:
         parts = [(part.data, part.y.numpy(), None) for n in _TRIAL_SPLITS if len(part := getattr(splits, n))]
     else:  # the signal options the model was trained with; no split
@@ -426,6 +453,10 @@ def evaluate_run_trials(
         found = score_trial_parts(
             model, parts, listed, device=device, workers=config.workers, where=f"data {spec!r}",
             cohort=cohort, top_k=top_k, bootstrap=BOOTSTRAP_REPLICATES, seed=config.seed,
+            calibration=(
+                unreadable if splits is None
+                else _trial_calibration(model, splits, listed, config, device, cohort, top_k)
+            ),
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
