@@ -124,6 +124,35 @@ def test_lazy_rows_read_in_workers_with_per_row_generators():
     assert ev[:, 0, 0, 0].tolist() == list(range(30))
 
 
+class FixedRows(Rows):
+    """:class:`Rows` of a source that declares it draws nothing (as images): no generator."""
+
+    uses_rng = False
+
+    def _read_key(self, key: int, rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is None  # no generator seeded per row for a source that does not draw
+        return super()._read_key(key, rng)
+
+
+def test_a_source_that_draws_nothing_gets_no_generator_and_workers_stack_in_shared_memory():
+    data, y = FixedRows(30), torch.arange(30)
+    plan = ShuffledBatches(30, 8, seed=1)
+    got = {}
+    for workers in (0, 1):
+        loader = Loader(data, y, plan, workers=workers, seed=5)
+        try:
+            batches = list(loader.epoch(2))
+        finally:
+            loader.close()
+        # a worker stacks its batch straight into shared memory (no second copy to send it)
+        assert all(b.x.is_shared() == (workers > 0) for b in batches)
+        got[workers] = torch.cat([b.x for b in batches])
+    plan.set_epoch(2)
+    order = torch.cat(list(plan))
+    assert torch.equal(got[0], got[1]) and got[0][:, 0, 0, 0].tolist() == order.tolist()
+    assert got[1].is_contiguous() and got[1].shape == (24, 3, 4, 4)
+
+
 def test_bad_samples_raise_naming_the_file_or_are_skipped_and_counted():
     data, y = Rows(12, bad=(3, 8)), torch.arange(12)
     with pytest.raises(BadSampleError, match="/data/rows/3.jpg: truncated JPEG"):

@@ -97,6 +97,7 @@ class ImageFiles(LazySamples):
 
     kind = "image"
     dtype = np.dtype(np.uint8)
+    uses_rng = False  # no random draw: an image decodes to the same pixels in every epoch
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ in-memory tensors none (a gather in the training process is faster than any hand
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -182,8 +183,10 @@ class SplitDataset(Dataset):
 
     def _read(self, request: Request) -> Batch:
         rows, kept, skipped = [], [], []
+        # a generator per row only for a source that draws from it (images do not)
+        draws = request.epoch is not None and getattr(self.data, "uses_rng", True)
         for i in request.index.tolist():
-            rng = None if request.epoch is None else np.random.default_rng([self.seed, request.epoch, i])
+            rng = np.random.default_rng([self.seed, request.epoch, i]) if draws else None
             row = read_or_skip(self.data, i, rng, self.on_bad_sample)
             if row is None:
                 skipped.append(self.data.where(i))
@@ -194,7 +197,24 @@ class SplitDataset(Dataset):
         if not rows:
             empty = torch.empty((0, *getattr(self.data, "sample_shape", ())), dtype=_torch_dtype(self.data))
             return Batch(empty, y, request.total, tuple(skipped))
-        return Batch(torch.from_numpy(np.stack(rows)), y, request.total, tuple(skipped))
+        return Batch(_stacked(rows), y, request.total, tuple(skipped))
+
+
+def _stacked(rows: list[np.ndarray]) -> torch.Tensor:
+    """``np.stack(rows)`` as a tensor. In a ``DataLoader`` worker the rows are stacked straight
+    into shared memory (as torch's ``default_collate`` does): sending the batch to the training
+    process then passes its file descriptor, where a batch in private memory is first copied
+    into a new shared-memory segment."""
+    first = rows[0]
+    if torch.utils.data.get_worker_info() is None or any(
+        r.shape != first.shape or r.dtype != first.dtype for r in rows
+    ):
+        return torch.from_numpy(np.stack(rows))
+    shape = (len(rows), *first.shape)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * first.dtype.itemsize)
+    out = torch.empty(0, dtype=_torch_dtype(first)).set_(storage, 0, shape)
+    np.stack(rows, out=out.numpy())
+    return out
 
 
 def _torch_dtype(data: Any) -> torch.dtype:
