@@ -125,14 +125,20 @@ def train_run(data: str, out: Path, extra: list[str]) -> dict[str, float]:
 
 
 def _cpu_ns(pids: list[int]) -> int:
-    """CPU time (user + system, nanoseconds, from ``/proc/PID/schedstat``) of ``pids``."""
+    """CPU time (nanoseconds) of ``pids``, all their threads (a worker pickles and sends its
+    batches from a second thread): ``/proc/PID/task/TID/schedstat``."""
     total = 0
     for p in pids:
         try:
-            with open(f"/proc/{p}/schedstat") as fh:
-                total += int(fh.read().split()[0])
-        except (OSError, IndexError, ValueError):
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
             continue
+        for t in tids:
+            try:
+                with open(f"/proc/{p}/task/{t}/schedstat") as fh:
+                    total += int(fh.read().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
     return total
 
 

@@ -185,7 +185,9 @@ def decode_image(
         if image.format != "JPEG":  # type: ignore[attr-defined]
             image.verify()  # type: ignore[attr-defined]
             image = Image.open(io.BytesIO(data), formats=_FORMATS)
-        converted = image.convert(mode)  # type: ignore[attr-defined]
+        image.load()  # type: ignore[attr-defined]  # decodes (a truncated file fails here)
+        # convert() to the image's own mode is a copy of the same pixels: skipped
+        converted = image if own_mode == mode else image.convert(mode)  # type: ignore[attr-defined]
         if size is not None and converted.size != (size[1], size[0]):
             converted = converted.resize((size[1], size[0]), Image.Resampling.BILINEAR)
         array = np.asarray(converted, dtype=np.uint8)

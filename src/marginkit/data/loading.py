@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -121,6 +123,7 @@ class Batch(NamedTuple):
     y: torch.Tensor
     total: int
     skipped: tuple[str, ...] = ()
+    lease: tuple[int, int] | None = None  # (worker, slot) of a worker's reused buffer holding x
 
 
 def _identity(batch: Batch) -> Batch:  # module level: workers pickle the collate function
@@ -168,6 +171,10 @@ class SplitDataset(Dataset):
         if len(self.data) != len(self.labels):
             raise ValueError(f"{len(self.data)} samples but {len(self.labels)} labels; they must match")
         self.seed, self.on_bad_sample = int(seed), on_bad_sample
+        # [workers, RING] flags in shared memory, 1 while the training process holds a worker's
+        # batch buffer (:class:`Loader` sets it when it starts workers); None: a fresh buffer each
+        self.ring_flags: torch.Tensor | None = None
+        self._ring: tuple[int, dict[str, Any]] | None = None  # (pid, this process's buffers)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -182,39 +189,106 @@ class SplitDataset(Dataset):
         return self._read(request)
 
     def _read(self, request: Request) -> Batch:
-        rows, kept, skipped = [], [], []
+        """Each row decoded and copied into the batch at once (a batch's worth of decoded rows
+        held until one ``np.stack`` at the end costs fresh heap pages every batch)."""
+        index = request.index.tolist()
+        kept, skipped = [], []
+        out: np.ndarray | None = None  # the batch, filled row by row
+        rows: list[np.ndarray] | None = None  # rows of differing shapes: np.stack's error at the end
+        x: torch.Tensor | None = None
+        lease = None
         # a generator per row only for a source that draws from it (images do not)
         draws = request.epoch is not None and getattr(self.data, "uses_rng", True)
-        for i in request.index.tolist():
-            rng = np.random.default_rng([self.seed, request.epoch, i]) if draws else None
-            row = read_or_skip(self.data, i, rng, self.on_bad_sample)
-            if row is None:
-                skipped.append(self.data.where(i))
-                continue
-            rows.append(row)
-            kept.append(i)
+        try:
+            for i in index:
+                rng = np.random.default_rng([self.seed, request.epoch, i]) if draws else None
+                row = read_or_skip(self.data, i, rng, self.on_bad_sample)
+                if row is None:
+                    skipped.append(self.data.where(i))
+                    continue
+                if rows is None and out is None:
+                    x, lease = self._batch_buffer((len(index), *row.shape), row.dtype)
+                    out = x.numpy()
+                if rows is None and (row.shape != out.shape[1:] or row.dtype != out.dtype):
+                    rows = list(out[: len(kept)])
+                if rows is not None:
+                    rows.append(row)
+                else:
+                    out[len(kept)] = row
+                kept.append(i)
+        except BaseException:
+            self._give_back(lease)
+            raise
         y = self.labels[torch.tensor(kept, dtype=torch.long)]
-        if not rows:
+        if x is None:
             empty = torch.empty((0, *getattr(self.data, "sample_shape", ())), dtype=_torch_dtype(self.data))
             return Batch(empty, y, request.total, tuple(skipped))
-        return Batch(_stacked(rows), y, request.total, tuple(skipped))
+        if rows is not None:
+            self._give_back(lease)
+            return Batch(torch.from_numpy(np.stack(rows)), y, request.total, tuple(skipped))
+        return Batch(x[: len(kept)], y, request.total, tuple(skipped), lease)
+
+    def _batch_buffer(
+        self, shape: tuple[int, ...], dtype: np.dtype
+    ) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """An empty batch ``shape`` / ``dtype`` to fill, and the lease of the buffer it is in.
+
+        In a ``DataLoader`` worker the batch is in shared memory (as torch's ``default_collate``
+        makes it), so sending it passes a file descriptor rather than copying it into a new
+        segment; and in one of the worker's :data:`RING` buffers that the training process has
+        released (:func:`_leased`), since filling fresh shared pages costs more than the copy
+        itself (the kernel zeroes every page). When none is free (a caller that keeps its
+        batches) the batch gets a fresh segment: nothing waits, nothing is overwritten while the
+        training process can still see it."""
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return torch.from_numpy(np.empty(shape, dtype=dtype)), None
+        storage, lease = self._buffer(info.id, math.prod(shape) * np.dtype(dtype).itemsize)
+        return torch.empty(0, dtype=_torch_dtype(np.empty(0, dtype))).set_(storage, 0, shape), lease
+
+    def _give_back(self, lease: tuple[int, int] | None) -> None:
+        if lease is not None and self.ring_flags is not None:
+            _release(self.ring_flags, *lease)
+
+    def _buffer(self, worker: int, nbytes: int) -> tuple[torch.UntypedStorage, tuple[int, int] | None]:
+        flags = self.ring_flags
+        if flags is None or not 0 <= worker < flags.shape[0]:
+            return torch.UntypedStorage._new_shared(nbytes), None
+        pid = os.getpid()
+        if self._ring is None or self._ring[0] != pid:
+            self._ring = (pid, {"next": 0, "buffers": [None] * flags.shape[1]})
+        ring = self._ring[1]
+        for _ in range(flags.shape[1]):
+            slot = ring["next"]
+            ring["next"] = (slot + 1) % flags.shape[1]
+            if int(flags[worker, slot]) == 0:
+                buffer = ring["buffers"][slot]
+                if buffer is None or buffer.nbytes() < nbytes:
+                    buffer = ring["buffers"][slot] = torch.UntypedStorage._new_shared(nbytes)
+                flags[worker, slot] = 1
+                return buffer, (worker, slot)
+        return torch.UntypedStorage._new_shared(nbytes), None
 
 
-def _stacked(rows: list[np.ndarray]) -> torch.Tensor:
-    """``np.stack(rows)`` as a tensor. In a ``DataLoader`` worker the rows are stacked straight
-    into shared memory (as torch's ``default_collate`` does): sending the batch to the training
-    process then passes its file descriptor, where a batch in private memory is first copied
-    into a new shared-memory segment."""
-    first = rows[0]
-    if torch.utils.data.get_worker_info() is None or any(
-        r.shape != first.shape or r.dtype != first.dtype for r in rows
-    ):
-        return torch.from_numpy(np.stack(rows))
-    shape = (len(rows), *first.shape)
-    storage = torch.UntypedStorage._new_shared(math.prod(shape) * first.dtype.itemsize)
-    out = torch.empty(0, dtype=_torch_dtype(first)).set_(storage, 0, shape)
-    np.stack(rows, out=out.numpy())
-    return out
+#: Batch buffers each worker reuses: the batches in flight (``prefetch_factor`` 2), the one a
+#: caller holds and the one :func:`~marginkit.data.device.prefetched` moves ahead, and a spare.
+RING = 5
+
+
+def _release(flags: torch.Tensor, worker: int, slot: int) -> None:
+    flags[worker, slot] = 0
+
+
+def _leased(x: torch.Tensor, flags: torch.Tensor | None, lease: Any) -> torch.Tensor:
+    """``x`` (a worker's batch in one of its ring buffers) as a tensor whose last reference, when
+    dropped, hands the buffer back to the worker: the tensor is made from a numpy view of ``x``
+    with a finaliser, and every view or slice of it keeps that view alive."""
+    if flags is None or lease is None:
+        return x
+    worker, slot = (int(v) for v in lease)
+    view = x.numpy()
+    weakref.finalize(view, _release, flags, worker, slot)
+    return torch.from_numpy(view)
 
 
 def _torch_dtype(data: Any) -> torch.dtype:
@@ -392,6 +466,8 @@ class Loader:
                 generator=torch.Generator().manual_seed(self.dataset.seed),
             )
         if self._loader is None:
+            if self.workers > 0:
+                self.dataset.ring_flags = torch.zeros((self.workers, RING), dtype=torch.int32).share_memory_()
             self._loader = DataLoader(
                 self.dataset,
                 batch_sampler=self.batches,
@@ -424,6 +500,13 @@ class Loader:
                 raise WorkerDied(f"DataLoader worker exited unexpectedly: its pipe closed ({exc!r})") from exc
             except BadSampleError as exc:  # a worker's: torch wrapped its traceback into the message
                 raise _unwrapped(exc) from None
+            if batch.lease is not None:  # the worker may reuse its buffer once x is dropped
+                flags = self.dataset.ring_flags
+                if self._loader is not None and self._loader.pin_memory and flags is not None:
+                    _release(flags, *(int(v) for v in batch.lease))  # x is already a pinned copy
+                    batch = batch._replace(lease=None)
+                else:
+                    batch = batch._replace(x=_leased(batch.x, flags, batch.lease), lease=None)
             if batch.skipped:
                 self.skipped.extend(batch.skipped)
             if self._reader is not None:  # rows of the view -> rows of the split -> labels
