@@ -135,28 +135,32 @@ def _sparse_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None,
     entries go in chunks of at most ``_SPARSE_CHUNK`` values of ``[chunk, D]``).
     """
     e_hat, e_inv, e_live, w, w_inv, w_live, cos = ctx.saved_tensors
-    e2, c2 = e_hat.reshape(-1, e_hat.shape[-1]), cos.reshape(-1, w.shape[0])
+    flat = e_hat.dim() != 2  # (2-D inputs need no reshape)
+    e2 = e_hat.reshape(-1, e_hat.shape[-1]) if flat else e_hat
+    c2 = cos.reshape(-1, w.shape[0]) if flat else cos
     values = grad._values().to(cos.dtype)
     row, col = grad._indices()
-    g_scaled = values * w_inv.index_select(0, col)  # g_bj / ‖w_j‖
+    g_scaled = (values * w_inv.index_select(0, col)).unsqueeze(1)  # g_bj / ‖w_j‖
     chunk = max(1, _SPARSE_CHUNK // max(1, w.shape[1]))
-    parts = list(zip(row.split(chunk), col.split(chunk), g_scaled.split(chunk), strict=True))
+    if len(row) > chunk:
+        parts = list(zip(row.split(chunk), col.split(chunk), g_scaled.split(chunk), strict=True))
+    else:
+        parts = [(row, col, g_scaled)]
     grad_e = grad_w = None
     if ctx.needs_input_grad[0]:
         d_hat = torch.zeros_like(e2)  # ∂L/∂ê
         for r, c, g in parts:
-            d_hat.index_add_(0, r, w.index_select(0, c).mul_(g.unsqueeze(1)))
-        d_hat = d_hat.reshape(e_hat.shape)
-        radial = (d_hat * e_hat).sum(dim=-1, keepdim=True) * e_live
-        grad_e = (d_hat - radial * e_hat) * e_inv
+            d_hat.index_add_(0, r, w.index_select(0, c).mul_(g))
+        d_hat = d_hat.reshape(e_hat.shape) if flat else d_hat
+        radial = (d_hat * e_hat).sum(dim=-1, keepdim=True).mul_(e_live)
+        grad_e = torch.addcmul(d_hat, radial, e_hat, value=-1.0).mul_(e_inv)
     if ctx.needs_input_grad[1]:
-        k_scaled = torch.zeros_like(w_inv).index_add_(
-            0, col, g_scaled * c2.view(-1).index_select(0, row * c2.shape[1] + col)
-        )
+        # −k_j/‖w_j‖ = −Σ_b g_bj c_bj / ‖w_j‖ (an index_add with alpha −1)
+        neg_k = torch.zeros_like(w_inv).index_add_(0, col, g_scaled.squeeze(1) * c2[row, col], alpha=-1.0)
         # the radial part is the one dense [C, D] pass; the entries are added on top of it
-        grad_w = w * (-(w_inv * k_scaled) * w_live).unsqueeze(1)
+        grad_w = w * neg_k.mul_(w_inv).mul_(w_live).unsqueeze(1)
         for r, c, g in parts:
-            grad_w.index_add_(0, c, e2.index_select(0, r).mul_(g.unsqueeze(1)))
+            grad_w.index_add_(0, c, e2.index_select(0, r).mul_(g))
     return grad_e, grad_w, None
 
 

@@ -102,9 +102,10 @@ class _AlphaCosineLoss(nn.Module):
             name=name,
             cosines=not self.logits,
         )
-        self.last_support_size = support.reshape(block.batch_shape)
-        keep = None if block.keep is None else block.keep.reshape(block.batch_shape)
-        return reduce_kept(loss.reshape(block.batch_shape), keep, self.reduction)
+        shape = block.batch_shape
+        self.last_support_size = support if support.shape == shape else support.reshape(shape)
+        keep = None if block.keep is None else block.keep.reshape(shape)
+        return reduce_kept(loss if loss.shape == shape else loss.reshape(shape), keep, self.reduction)
 
     def extra_repr(self) -> str:
         topk = "" if self.topk is None else f", topk={self.topk}"

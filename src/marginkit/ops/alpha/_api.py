@@ -16,10 +16,12 @@ from marginkit.ops.alpha._candidates import (
     _Blocks,
     _label_bounds,
     _label_maxima,
+    _logits,
     _offset_overflows,
     _widened_for_measure,
 )
 from marginkit.ops.alpha._memory import _serial
+from marginkit.ops.alpha._static import lean_eligible
 from marginkit.ops.classes import ClassBlock, class_block
 from marginkit.ops.softmax import ScaledLogits, check_scores, class_cross_entropy
 
@@ -416,18 +418,31 @@ def qmargin_loss(
     k = None if axis.partitioned else _topk_count(topk, n)
     override = log_q_label != 0.0
     column, owned = block.column, block.owned
-    blocks = _Blocks(x2d)
-    lo_c = x2d.amin()
-    with _serial(blocks.bmax.numel(), x2d.device):
-        others, x_y = _label_maxima(x2d, blocks, column, owned, override)
-        others, x_y = check_scores(block, lo_c, blocks.rowmax.amax(), name, others, x_y, cosines=cosines)
-        logq_y = torch.full((n_rows,), log_q_label, dtype=cdt, device=x2d.device) if override else None
-        shift = torch.maximum(others, x_y)  # the row maximum over every class: the solver's frame
-        lo, hi, theta_y = _label_bounds(others, x_y, scale, beta, cdt, logq_y, axis.num_classes, shift)
+    beta_scalar = None if scalar_alpha is None else scalar_alpha - 1.0
+    lean = owned is None and lean_eligible(n_rows, n, k, beta_scalar, bool(candidates), axis.partitioned)
+    with torch.no_grad():  # (the bounds and checks carry no gradient)
+        blocks = _Blocks(x2d)
+        lo_c = x2d.amin()
+    with _serial(blocks.bmax.numel(), x2d.device), torch.no_grad():
+        # (the lean solver takes the label's weight as a number: logq_value)
+        full = override and not lean
+        logq_y = torch.full((n_rows,), log_q_label, dtype=cdt, device=x2d.device) if full else None
+        if lean:  # the lean solver bounds τ itself; the frame is the row maximum
+            x_y = x2d[torch.arange(n_rows, device=x2d.device), column]
+            (x_y,) = check_scores(block, lo_c, blocks.rowmax.amax(), name, x_y, cosines=cosines)
+            shift = blocks.rowmax
+            theta_y = _logits(x_y, shift, scale, cdt)
+            bounds: tuple[Tensor, Tensor] | None = None
+        else:
+            others, x_y = _label_maxima(x2d, blocks, column, owned, override)
+            others, x_y = check_scores(block, lo_c, blocks.rowmax.amax(), name, others, x_y, cosines=cosines)
+            shift = torch.maximum(others, x_y)  # the row maximum over every class: the solver's frame
+            lo, hi, theta_y = _label_bounds(others, x_y, scale, beta, cdt, logq_y, axis.num_classes, shift)
+            bounds = (lo, hi)
         # the label's weight on the entries of this block: q = 1 (no override) on rows it does not own
         logq_label = logq_y if logq_y is None or owned is None else torch.where(owned, logq_y, 0.0)
-    on = _OnAxis(axis, (lo, hi), theta_y, logq_y, owned, shift, min(0.0, log_q_label))
-    beta_scalar = None if scalar_alpha is None else scalar_alpha - 1.0
+    logq_value = log_q_label if override else None
+    on = _OnAxis(axis, bounds, theta_y, logq_y, owned, shift, min(0.0, log_q_label), logq_value)
     return _LossFunction.apply(
         x2d, None, column, blocks, beta, beta_scalar, scale, logq_label, k, candidates, sparse_grad, on
     )

@@ -114,7 +114,14 @@ class _SoftargmaxFunction(torch.autograd.Function):
         return grad_x, grad_logq, None, grad_beta, None, None, None
 
 
-def _exact(x: Tensor, blocks: _Blocks | None, *, logq_label_min: float = 0.0, **kw: Any) -> _Solution:
+def _exact(
+    x: Tensor,
+    blocks: _Blocks | None,
+    *,
+    logq_label_min: float = 0.0,
+    logq_value: float | None = None,
+    **kw: Any,
+) -> _Solution:
     """The solution of every row (q ≡ 1 but the label): the fixed-shape solver, verified on the device.
 
     When its flag says "not exact" (a candidate budget overflowed, or the root did not converge
@@ -125,10 +132,12 @@ def _exact(x: Tensor, blocks: _Blocks | None, *, logq_label_min: float = 0.0, **
     would cost what the candidate filter saves).
     """
     blocks = _Blocks(x) if blocks is None else blocks
-    sol, not_exact = _solve_static(x, blocks, logq_label_min=logq_label_min, **kw)
+    sol, not_exact = _solve_static(x, blocks, logq_label_min=logq_label_min, logq_value=logq_value, **kw)
     checks = active_checks()
     if checks is None:
         if bool(not_exact):
+            if logq_value is not None and kw.get("label") is not None and kw.get("logq_label") is None:
+                kw["logq_label"] = torch.full_like(kw["beta"], logq_value)
             return _solve(x, blocks, **kw)
         return sol
     size, n_blocks = budgets(x.shape[0], x.shape[1], kw.get("k"))
@@ -158,16 +167,23 @@ class _OnAxis(NamedTuple):
     """
 
     axis: ClassAxis
-    bounds: tuple[Tensor, Tensor]
+    bounds: tuple[Tensor, Tensor] | None  # None: the solver computes them
     theta_y: Tensor
     logq_y: Tensor | None
     owned: Tensor | None
     shift: Tensor
     logq_min: float = 0.0  # a lower bound of logq_y (a Python float: the solver reads nothing)
+    logq_value: float | None = None  # logq_y when it is this one number on every row
 
 
 def _loss_value(
-    sol: _Solution, theta_y: Tensor, logq_y: Tensor | None, beta: Tensor, label: Tensor | None = None
+    sol: _Solution,
+    theta_y: Tensor,
+    logq_y: Tensor | None,
+    beta: Tensor,
+    label: Tensor | None = None,
+    beta_scalar: float | None = None,
+    logq_value: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""Fenchel–Young loss and support size per row, from the support only (no inactive terms).
 
@@ -178,24 +194,37 @@ def _loss_value(
     product and the support size come with the Newton evaluations when those carried them (a
     partitioned axis), else from the solution's entries; there, with ``label``, a row whose only
     active entry is the label has :math:`p = e_y` and its loss is exactly 0 (τ itself is only
-    known to rounding).
+    known to rounding). ``beta_scalar`` (and ``logq_value``, the one value of ``logq_y``) turn
+    the per-row constants into Python numbers.
     """
     stats = sol.stats
+    mass = None
     if stats is not None and stats.inner is not None and stats.support is not None:
-        inner, support = stats.inner / stats.mass, stats.support
+        inner, mass, support = stats.inner, stats.mass, stats.support  # (with the unnormalised p)
     else:
         entries = sol.entries
         spread = torch.where(sol.p > 0, sol.theta - entries.per_entry(theta_y), 0.0)
         inner = entries.rowsum(sol.p * spread)
         support = entries.rowsum((sol.p > 0).to(sol.p.dtype))
-    inv_alpha = 1.0 / (1.0 + beta)
-    e_y = torch.zeros_like(theta_y) if logq_y is None else _offset(logq_y, beta)
-    loss = (1.0 - inv_alpha) * inner + (sol.tau - theta_y + e_y) * inv_alpha
+    if beta_scalar is not None and (logq_y is None or logq_value is not None):
+        b = beta_scalar
+        rest = sol.tau - theta_y  # α ℓ = β I + τ − θ_y + E(q_y)
+        if logq_value:
+            rest = rest + math.expm1(-b * logq_value) / b
+        if mass is None:
+            loss = torch.add(rest, inner, alpha=b).mul_(1.0 / (1.0 + b))
+        else:
+            loss = torch.addcdiv(rest, inner, mass, value=b).mul_(1.0 / (1.0 + b))
+    else:
+        inv_alpha = 1.0 / (1.0 + beta)
+        e_y = torch.zeros_like(theta_y) if logq_y is None else _offset(logq_y, beta)
+        inner = inner if mass is None else inner / mass
+        loss = (1.0 - inv_alpha) * inner + (sol.tau - theta_y + e_y) * inv_alpha
     if label is not None:
         at_label = sol.entries.is_column(label) & (sol.p > 0)
         only_label = (support == 1) & (sol.entries.rowsum(at_label.to(sol.p.dtype)) > 0)
         loss = loss.masked_fill_(only_label, 0.0)
-    return loss.clamp_min_(0.0), support.round().long()
+    return loss.clamp_min_(0.0), support if support.dtype == torch.long else support.round().long()
 
 
 def _expm1_slope(z: Tensor) -> Tensor:
@@ -269,6 +298,7 @@ class _LossFunction(torch.autograd.Function):
         on: _OnAxis | None = None,
     ) -> tuple[Tensor, Tensor]:
         cdt = compute_dtype(x.dtype)
+        logq_value = None
         if on is None:  # the label entries are in x
             bounds, axis, owned, theta_y = None, ONE_PROCESS, None, None
             shift = x.amax(1) if blocks is None else blocks.rowmax
@@ -276,19 +306,25 @@ class _LossFunction(torch.autograd.Function):
                 logq_y = logq.gather(1, label.unsqueeze(1)).squeeze(1).to(cdt)
             else:
                 logq_y = None if logq_label is None else logq_label.to(cdt)
+                # (q ≡ 1 but the label: the frame is the row maximum, θ_y known before the solve)
+                theta_y = _logits(x.gather(1, label.unsqueeze(1)).squeeze(1), shift, scale, cdt)
         else:
-            axis, bounds, theta_y, logq_y, owned, shift, _ = on
+            axis, bounds, theta_y, logq_y, owned, shift, _, logq_value = on
         kw: dict[str, Any] = {"scale": scale, "beta": beta, "beta_scalar": beta_scalar, "k": k}
         kw.update(label=label, logq_label=logq_label, candidates=candidates, bounds=bounds)
         kw.update(axis=axis, theta_y=theta_y, shift=shift)
         if logq is not None:
             sol = _solve(x, blocks, logq=logq, **kw)
         else:
-            sol = _exact(x, blocks, logq_label_min=0.0 if on is None else on.logq_min, **kw)
+            logq_min = 0.0 if on is None else on.logq_min
+            sol = _exact(x, blocks, logq_label_min=logq_min, logq_value=logq_value, **kw)
         if theta_y is None:  # in the frame the solve settled on (per row)
             theta_y = _logits(x.gather(1, label.unsqueeze(1)).squeeze(1), sol.shift, scale, cdt)
         with _serial(sol.p.numel(), sol.p.device):
-            loss, support = _loss_value(sol, theta_y, logq_y, beta, label if on is None else None)
+            loss, support = _loss_value(
+                sol, theta_y, logq_y, beta, label if on is None else None, beta_scalar, logq_value
+            )
+        ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(support)
         ctx.shape, ctx.scale, ctx.sparse_grad = x.shape, scale, sparse_grad
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
@@ -297,12 +333,13 @@ class _LossFunction(torch.autograd.Function):
         return loss, support
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor, _grad_support: Tensor | None) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor | None, _grad_support: Tensor | None) -> tuple[Tensor | None, ...]:
+        if grad is None:  # (the loss itself is not in the graph)
+            return (None,) * 12
         p, u, label, owned, beta, logq_y, *saved = ctx.saved_tensors
         entries = _Entries.restore(ctx.shape[0], ctx.shape[1], tuple(saved))
         x_dtype, q_dtype = ctx.dtypes
         g = grad.to(p.dtype)
-        y = label.unsqueeze(1)
         grad_x = grad_logq = None
         if ctx.needs_input_grad[0]:
             gs = g * ctx.scale
@@ -317,13 +354,13 @@ class _LossFunction(torch.autograd.Function):
             else:
                 grad_x = entries.scatter(values, x_dtype, gradient=True)
                 with _serial(p.numel(), p.device):
-                    grad_x.scatter_add_(1, y, at_label.unsqueeze(1).to(x_dtype))
+                    grad_x.scatter_add_(1, label.unsqueeze(1), at_label.unsqueeze(1).to(x_dtype))
         if ctx.needs_input_grad[1]:
             # ∂ℓ/∂log q_k = [p_k u_k − δ_ky q_y^{−β}] / α
             ga = g / (1.0 + beta)
             grad_logq = entries.scatter(p * u * entries.per_entry(ga), q_dtype, gradient=True)
             at_y = -torch.exp(-beta * logq_y) * ga
-            grad_logq.scatter_add_(1, y, at_y.unsqueeze(1).to(q_dtype))
+            grad_logq.scatter_add_(1, label.unsqueeze(1), at_y.unsqueeze(1).to(q_dtype))
         grad_beta = None
         if ctx.beta_terms is not None:
             grad_beta = (g * _loss_beta_derivative(p, u, entries, beta, logq_y, *ctx.beta_terms)).to(

@@ -40,14 +40,21 @@ class _Blocks:
         self.nb = n // _BLOCK
         self.main = x[:, : self.nb * _BLOCK].view(n_rows, self.nb, _BLOCK)
         parts = [self.main.amax(2)]
-        self.tail = None
+        self._tail: Tensor | None = None
         with _serial(parts[0].numel(), x.device):
             if n > self.nb * _BLOCK:
-                self.tail = x.new_full((n_rows, _BLOCK), -math.inf)
-                self.tail[:, : n - self.nb * _BLOCK] = x[:, self.nb * _BLOCK :]
-                parts.append(self.tail.amax(1, keepdim=True))
+                parts.append(x[:, self.nb * _BLOCK :].amax(1, keepdim=True))
             self.bmax = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
             self.rowmax = self.bmax.amax(1)
+
+    @property
+    def tail(self) -> Tensor | None:
+        """The last, partial block, padded with ``-inf`` to ``[N, _BLOCK]`` (``None``: none)."""
+        n_rows, n, start = self.x.shape[0], self.n, self.nb * _BLOCK
+        if self._tail is None and n > start:
+            self._tail = self.x.new_full((n_rows, _BLOCK), -math.inf)
+            self._tail[:, : n - start] = self.x[:, start:]
+        return self._tail
 
     def _values(self, bi: Tensor, bj: Tensor) -> Tensor:
         """The ``_BLOCK`` values of the blocks ``(bi, bj)``, ``[k, _BLOCK]``.
@@ -115,7 +122,9 @@ class _Entries:
     Padded layout (``flat is None``): per-entry tensors are ``[N, K]`` and ``col`` is ``[N, K]``
     (``None``: all ``n`` columns in order). Flat layout: per-entry tensors are ``[m]``, sorted by
     their row-major ``flat`` index ``row * n + column``; ``counts[i]`` entries belong to row ``i``
-    (no padding however unequal the rows), so row sums are segment sums.
+    (no padding however unequal the rows), so row sums are segment sums. ``offsets`` (``[N + 1]``,
+    instead of ``counts``) delimit the rows' entries (those past ``offsets[-1]`` belong to none);
+    ``cols``: the column of each flat entry, when known.
     """
 
     def __init__(
@@ -127,9 +136,12 @@ class _Entries:
         row: Tensor | None = None,
         counts: Tensor | None = None,
         col: Tensor | None = None,
+        offsets: Tensor | None = None,
+        cols: Tensor | None = None,
     ) -> None:
         self.n_rows, self.n_cols, self.flat, self.col = n_rows, n_cols, flat, col
-        if flat is not None and counts is None:
+        self.offsets, self.cols = offsets, cols
+        if flat is not None and counts is None and offsets is None:
             starts = torch.arange(n_rows + 1, device=flat.device) * n_cols
             counts = torch.searchsorted(flat, starts).diff()
         if flat is not None and row is None:
@@ -148,6 +160,8 @@ class _Entries:
         return v.index_select(0, self.row) if self.row is not None else v.unsqueeze(-1)
 
     def rowsum(self, e: Tensor) -> Tensor:
+        if self.offsets is not None:
+            return torch.segment_reduce(e, "sum", offsets=self.offsets)
         if self.counts is None:
             return e.sum(-1)
         return torch.segment_reduce(e, "sum", lengths=self.counts)
@@ -208,12 +222,13 @@ class _Entries:
         rows = torch.arange(self.n_rows, device=e.device)
         if self.flat is not None:
             assert self.row is not None
-            row, col = self.row, self.flat - self.row * self.n_cols
+            row = self.row
+            col = self.flat - self.row * self.n_cols if self.cols is None else self.cols
         else:
             assert self.col is not None
             row, col = rows.repeat_interleave(self.col.shape[1]), self.col.reshape(-1)
         index = torch.stack([torch.cat([row, rows]), torch.cat([col, label])])
-        values = torch.cat([e.reshape(-1), at_label])
+        values = torch.cat([e if e.dim() == 1 else e.reshape(-1), at_label])
         return torch.sparse_coo_tensor(index, values, (self.n_rows, self.n_cols), check_invariants=False)
 
     def gather(self, dense: Tensor) -> Tensor:
@@ -222,13 +237,13 @@ class _Entries:
             return dense.reshape(-1).index_select(0, self.flat)
         return dense if self.col is None else dense.gather(1, self.col)
 
-    def saved(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-        return self.flat, self.row, self.counts, self.col
+    def saved(self) -> tuple[Tensor | None, ...]:
+        return self.flat, self.row, self.counts, self.col, self.offsets, self.cols
 
     @classmethod
     def restore(cls, n_rows: int, n_cols: int, saved: tuple[Tensor | None, ...]) -> _Entries:
-        flat, row, counts, col = saved
-        return cls(n_rows, n_cols, flat=flat, row=row, counts=counts, col=col)
+        flat, row, counts, col, offsets, cols = saved
+        return cls(n_rows, n_cols, flat=flat, row=row, counts=counts, col=col, offsets=offsets, cols=cols)
 
 
 def _offset(logq: Tensor, beta: Tensor | float) -> Tensor:
