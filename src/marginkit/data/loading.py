@@ -219,7 +219,11 @@ class SplitDataset(Dataset):
         except BaseException:
             self._give_back(lease)
             raise
-        y = self.labels[torch.tensor(kept, dtype=torch.long)]
+        y: Any = self.labels[torch.tensor(kept, dtype=torch.long)]
+        if torch.utils.data.get_worker_info() is not None:
+            # a worker's labels travel inside its message: a tensor would be a second shared-memory
+            # segment and file descriptor per batch (:meth:`Loader.epoch` makes it a tensor again)
+            y = y.numpy()
         if x is None:
             empty = torch.empty((0, *getattr(self.data, "sample_shape", ())), dtype=_torch_dtype(self.data))
             return Batch(empty, y, request.total, tuple(skipped))
@@ -500,9 +504,13 @@ class Loader:
                 raise WorkerDied(f"DataLoader worker exited unexpectedly: its pipe closed ({exc!r})") from exc
             except BadSampleError as exc:  # a worker's: torch wrapped its traceback into the message
                 raise _unwrapped(exc) from None
+            pinned = self._loader is not None and self._loader.pin_memory
+            if isinstance(batch.y, np.ndarray):  # a worker's labels (SplitDataset._read)
+                y = torch.from_numpy(batch.y)
+                batch = batch._replace(y=y.pin_memory() if pinned else y)
             if batch.lease is not None:  # the worker may reuse its buffer once x is dropped
                 flags = self.dataset.ring_flags
-                if self._loader is not None and self._loader.pin_memory and flags is not None:
+                if pinned and flags is not None:
                     _release(flags, *(int(v) for v in batch.lease))  # x is already a pinned copy
                     batch = batch._replace(lease=None)
                 else:
