@@ -225,6 +225,14 @@ def _speaker_split(
     return np.isin(labels, chosen)
 
 
+def _speaker_split_note(test_fraction: float, split_seed: int) -> str:
+    """How :func:`_speaker_split` split the speakers, for ``info["split"]``."""
+    if test_fraction:
+        held = f"test_fraction={test_fraction} of the speakers held out"
+        return f"speaker-disjoint: {held}, split_seed={split_seed}"
+    return "every speaker in one pool (split by class: data_options.split / test_classes)"
+
+
 def _info(source: str, files: AudioFiles, split: str, num_speakers: int) -> dict[str, Any]:
     return {
         "source": source, "kind": "audio", "sample_rate": files.sample_rate,
@@ -247,11 +255,7 @@ def _splits(
             info=_info(source, files, "train/ and test/ sub-folders as given", len(speakers)),
         )  # fmt: skip
     test = _speaker_split(labels, len(speakers), test_fraction, split_seed)
-    note = (
-        f"speaker-disjoint: test_fraction={test_fraction} of the speakers held out, split_seed={split_seed}"
-        if test_fraction
-        else "every speaker in one pool (split by class: data_options.split / test_classes)"
-    )
+    note = _speaker_split_note(test_fraction, split_seed)
     return RawSplits(
         files[~test], labels[~test], files[test], labels[test], kind="audio", class_names=speakers,
         info=_info(source, files, note, len(speakers)),
@@ -454,11 +458,8 @@ def read_audio_manifest(
         train = parts["train"]
         test = _speaker_split(y[train], len(speakers), test_fraction, split_seed)
         parts["train"], parts["test"] = train[~test], train[test]
-        info["split"] = (
-            f"speaker-disjoint: test_fraction={test_fraction} of the speakers held out, "
-            f"split_seed={split_seed} (the manifest has only train rows)"
-            if test_fraction
-            else "every speaker in one pool (split by class: data_options.split / test_classes)"
+        info["split"] = _speaker_split_note(test_fraction, split_seed) + (
+            " (the manifest has only train rows)" if test_fraction else ""
         )
     manifest_flags(rows, parts, info)
     val = parts["val"] if parts["val"].size else None

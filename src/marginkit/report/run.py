@@ -88,7 +88,7 @@ def _metric_label(key: str, section: str) -> str:
     """``tar_at_far.0.01`` → ``TAR @ FAR 0.01``; ``dcf_params.c_miss`` → ``DCF C_miss``;
     ``thresholds.x`` → ``threshold @ FAR x`` (``FPIR`` in the identification block). The rates
     are float keys, so the dotted path is split at the first name that takes one."""
-    if "{}" not in _LABELS.get(key, "{}"):  # a whole key with a dot of its own (min_dcf_0.01)
+    if key in _LABELS and "{}" not in _LABELS[key]:  # a whole key, dot included (min_dcf_0.01)
         return _LABELS[key]
     parts = key.split(".")
     words: list[str] = []

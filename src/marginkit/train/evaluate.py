@@ -337,7 +337,7 @@ def trial_metrics(
     training split (:func:`marginkit.audio.evaluate.speaker_cohort`) and keeps
     ``config.trials_top_k`` scores, so that ``eval RUN --trials F --norm as-norm`` repeats it.
     """
-    from marginkit.audio.evaluate import score_trial_parts, speaker_cohort
+    from marginkit.audio.evaluate import score_trial_parts
     from marginkit.train.errors import ConfigError
 
     path = trials or config.trials
@@ -345,11 +345,7 @@ def trial_metrics(
         raise ConfigError("no trial list: pass trials= or set the run's trials option")
     check_trials(config, splits, path)
     if cohort is None and config.trials_norm == "as-norm":
-        cohort = speaker_cohort(
-            model, splits.train.data, splits.train.y.numpy(), seed=config.seed, device=device,
-            workers=config.workers,
-        )  # fmt: skip
-        top_k = config.trials_top_k
+        cohort, top_k = _trial_cohort(model, splits, config, device), config.trials_top_k
     parts = [
         (part.data, part.y.numpy(), (known or {}).get(name))
         for name in _TRIAL_SPLITS
@@ -361,6 +357,19 @@ def trial_metrics(
         where=f"data {splits.name!r}", cohort=cohort, top_k=top_k, bootstrap=BOOTSTRAP_REPLICATES,
         seed=config.seed,
         calibration=_trial_calibration(model, splits, listed, config, device, cohort, top_k),
+    )  # fmt: skip
+
+
+def _trial_cohort(
+    model: nn.Module, splits: Any, config: TrainConfig, device: torch.device | str
+) -> np.ndarray:
+    """The AS-norm cohort of a trial list: the run's training speakers
+    (:func:`marginkit.audio.evaluate.speaker_cohort`)."""
+    from marginkit.audio.evaluate import speaker_cohort
+
+    return speaker_cohort(
+        model, splits.train.data, splits.train.y.numpy(), seed=config.seed, device=device,
+        workers=config.workers,
     )  # fmt: skip
 
 
@@ -404,7 +413,7 @@ def evaluate_run_trials(
     Returns ``{"run", "checkpoint", "epoch", "data", "model", "fingerprint", "trials": {...}}``,
     ``trials`` as in :func:`trial_metrics`. Writes nothing.
     """
-    from marginkit.audio.evaluate import score_trial_parts, speaker_cohort
+    from marginkit.audio.evaluate import score_trial_parts
     from marginkit.audio.sources import read_audio_files
     from marginkit.train.components import load_splits, resolve_model_name
     from marginkit.train.errors import ConfigError
@@ -426,12 +435,13 @@ def evaluate_run_trials(
     listed = _read_trials(trials)
     own = spec == config.data
     unreadable = ""
-    splits = load_splits(config) if own or norm else None
-    if splits is None:  # only for the calibration (its validation speakers): optional
-        try:
-            splits = load_splits(config)
-        except (OSError, ValueError) as exc:
-            unreadable = f"the run's data {config.data!r} is not readable here ({exc})"
+    try:
+        splits = load_splits(config)
+    except (OSError, ValueError) as exc:
+        if own or norm:  # its rows or its training speakers are needed
+            raise
+        splits = None  # only the calibration (its validation speakers) is lost
+        unreadable = f"the run's data {config.data!r} is not readable here ({exc})"
     if own:
         parts = [(part.data, part.y.numpy(), None) for n in _TRIAL_SPLITS if len(part := getattr(splits, n))]
     else:  # the signal options the model was trained with; no split
@@ -443,12 +453,7 @@ def evaluate_run_trials(
             raise ConfigError(str(exc)) from None
         parts = [(files, labels, None)]
     model = run["model"]
-    cohort = None
-    if norm:
-        cohort = speaker_cohort(
-            model, splits.train.data, splits.train.y.numpy(), seed=config.seed, device=device,
-            workers=config.workers,
-        )  # fmt: skip
+    cohort = _trial_cohort(model, splits, config, device) if norm else None
     try:
         found = score_trial_parts(
             model, parts, listed, device=device, workers=config.workers, where=f"data {spec!r}",
