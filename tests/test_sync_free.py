@@ -135,7 +135,6 @@ def test_qmargin_with_a_head_at_1e5_classes_reads_nothing_and_its_op_count_is_da
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 36 goal not met yet: 305 ops against CosFace's 150 (2x = 300)")
 def test_qmargin_dispatches_at_most_twice_cosface_ops():
     head, e, y = _head_batch(100_000, 16, 128, 0, 0.5)
     q = _count(QMarginLoss(), head, e, y).ops

@@ -21,15 +21,11 @@ from marginkit.ops.alpha._candidates import (
     _widened_for_measure,
 )
 from marginkit.ops.alpha._memory import _serial
-from marginkit.ops.alpha._static import lean_eligible
+from marginkit.ops.alpha._static import _BETA_FLOOR, beta_rows, lean_eligible
 from marginkit.ops.classes import ClassBlock, class_block
 from marginkit.ops.softmax import ScaledLogits, check_scores, class_cross_entropy
 
 __all__ = ["alpha_divergence_loss", "alpha_softargmax", "qmargin_loss"]
-
-# alpha == 1 rows of a per-row alpha tensor run through the same formulas with beta floored
-# here: every beta-dependent expression is then softmax's up to a relative O(beta) = 1e-12.
-_BETA_FLOOR = 1e-12
 
 
 def _checked_blocks(x2d: Tensor, name: str) -> _Blocks:
@@ -59,12 +55,18 @@ _ALPHA_BELOW_ONE = (
 
 
 def _alpha_rows(
-    alpha: Any, batch_shape: torch.Size | tuple[int, ...], cdt: torch.dtype, device: torch.device
-) -> tuple[Tensor, float | None]:
+    alpha: Any,
+    batch_shape: torch.Size | tuple[int, ...],
+    cdt: torch.dtype,
+    device: torch.device,
+    scalar_rows: bool = True,
+) -> tuple[Tensor | None, float | None]:
     """``beta = alpha − 1`` per row ``[N]`` (floored at ``_BETA_FLOOR``), and ``alpha`` if a fixed scalar.
 
     An ``alpha`` tensor that requires grad gives a ``beta`` in its graph (the floor passes the
     gradient straight through) and no scalar: the solver then computes the gradient w.r.t. β.
+    ``scalar_rows=False``: no ``beta`` tensor for a fixed scalar (``None``; :func:`beta_rows` makes
+    it when a solver needs it).
     """
     n_rows = math.prod(batch_shape)
     if isinstance(alpha, Tensor):
@@ -72,7 +74,7 @@ def _alpha_rows(
             raise TypeError(f"alpha must be a real tensor, got dtype {alpha.dtype}")
         learnable = alpha.requires_grad and torch.is_grad_enabled()
         if alpha.numel() == 1 and not learnable:
-            return _alpha_rows(float(alpha), batch_shape, cdt, device)
+            return _alpha_rows(float(alpha), batch_shape, cdt, device, scalar_rows)
         a = alpha.detach()
         if bool(torch.isnan(a).any()) or not bool(torch.isfinite(a).all()):
             raise ValueError("alpha must be finite everywhere, got NaN or infinite values")
@@ -92,8 +94,7 @@ def _alpha_rows(
         floor = (_BETA_FLOOR - beta.detach()).clamp_min(0.0)
         return beta + floor, None  # max(β, floor) in value, gradient 1
     a = checked_alpha(alpha)
-    beta = torch.full((n_rows,), max(a - 1.0, _BETA_FLOOR), dtype=cdt, device=device)
-    return beta, a
+    return (beta_rows(a - 1.0, n_rows, cdt, device) if scalar_rows else None), a
 
 
 def checked_alpha(alpha: Any) -> float:
@@ -393,7 +394,7 @@ def qmargin_loss(
     cdt = compute_dtype(x2d.dtype)
     if n_rows == 0:  # empty, but connected to the graph
         return x2d.to(cdt).sum(-1), torch.zeros(0, dtype=torch.long, device=x2d.device)
-    beta, scalar_alpha = _alpha_rows(alpha, block.batch_shape, cdt, x2d.device)
+    beta, scalar_alpha = _alpha_rows(alpha, block.batch_shape, cdt, x2d.device, scalar_rows=False)
     if scalar_alpha == 1.0:  # softmax(θ + log q): CosFace
         loss = class_cross_entropy(
             block, lambda c: scale * c - scale * margin, ScaledLogits(scale), name=name, cosines=cosines
@@ -413,13 +414,16 @@ def qmargin_loss(
         )
     x2d = x2d.contiguous()
     if _offset_overflows(cdt, beta_max, log_q_label):  # e.g. α = 3, s·m ≥ 40: loss beyond float32
-        x2d, cdt, beta = x2d.double(), torch.float64, beta.double()
+        x2d, cdt, beta = x2d.double(), torch.float64, None if beta is None else beta.double()
     sparse_grad = sparse_grad and x2d is block.scores
     k = None if axis.partitioned else _topk_count(topk, n)
     override = log_q_label != 0.0
     column, owned = block.column, block.owned
     beta_scalar = None if scalar_alpha is None else scalar_alpha - 1.0
     lean = owned is None and lean_eligible(n_rows, n, k, beta_scalar, bool(candidates), axis.partitioned)
+    if beta is None and not lean:  # (the lean solver takes β as a number)
+        assert beta_scalar is not None
+        beta = beta_rows(beta_scalar, n_rows, cdt, x2d.device)
     with torch.no_grad():  # (the bounds and checks carry no gradient)
         blocks = _Blocks(x2d)
         lo_c = x2d.amin()

@@ -18,7 +18,7 @@ from marginkit._validation import active_checks, compute_dtype
 from marginkit.ops.alpha._candidates import _Blocks, _Entries, _logits, _offset
 from marginkit.ops.alpha._memory import _serial
 from marginkit.ops.alpha._solve import _Solution, _solve
-from marginkit.ops.alpha._static import _solve_static, budgets
+from marginkit.ops.alpha._static import _solve_static, beta_rows, budgets
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
 
 # Below this |v| the series of v + log(1 − v) is summed (the direct form cancels).
@@ -136,6 +136,8 @@ def _exact(
     checks = active_checks()
     if checks is None:
         if bool(not_exact):
+            if kw.get("beta") is None:  # (the lean solver's callers pass β as a number only)
+                kw["beta"] = beta_rows(kw["beta_scalar"], x.shape[0], compute_dtype(x.dtype), x.device)
             if logq_value is not None and kw.get("label") is not None and kw.get("logq_label") is None:
                 kw["logq_label"] = torch.full_like(kw["beta"], logq_value)
             return _solve(x, blocks, **kw)
@@ -328,7 +330,7 @@ class _LossFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(support)
         ctx.shape, ctx.scale, ctx.sparse_grad = x.shape, scale, sparse_grad
         ctx.dtypes = (x.dtype, None if logq is None else logq.dtype)
-        ctx.save_for_backward(sol.p, sol.u, label, owned, beta, logq_y, *sol.entries.saved())
+        ctx.save_for_backward(sol.p, sol.u, label, owned, beta, logq_y, sol.p_mass, *sol.entries.saved())
         ctx.beta_terms = (sol.theta, sol.tau, theta_y, loss, axis) if ctx.needs_input_grad[4] else None
         return loss, support
 
@@ -336,16 +338,18 @@ class _LossFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor | None, _grad_support: Tensor | None) -> tuple[Tensor | None, ...]:
         if grad is None:  # (the loss itself is not in the graph)
             return (None,) * 12
-        p, u, label, owned, beta, logq_y, *saved = ctx.saved_tensors
+        p, u, label, owned, beta, logq_y, p_mass, *saved = ctx.saved_tensors
         entries = _Entries.restore(ctx.shape[0], ctx.shape[1], tuple(saved))
         x_dtype, q_dtype = ctx.dtypes
+        if p_mass is not None and (ctx.needs_input_grad[1] or ctx.beta_terms is not None):
+            p, p_mass = p / entries.per_entry(p_mass), None
         g = grad.to(p.dtype)
         grad_x = grad_logq = None
         if ctx.needs_input_grad[0]:
             gs = g * ctx.scale
             at_label = -gs if owned is None else torch.where(owned, -gs, 0.0)  # −s·g·e_y on its owner
-            with _serial(p.numel(), p.device):
-                values = (p * entries.per_entry(gs)).to(x_dtype)
+            with _serial(p.numel(), p.device):  # (an unnormalised p: its row's mass divides s·g)
+                values = (p * entries.per_entry(gs if p_mass is None else gs / p_mass)).to(x_dtype)
             # the head gathers a row of D per entry (padding included): worth it only for few entries
             few = p.numel() * _SPARSE_FRACTION <= ctx.shape[0] * ctx.shape[1]
             if ctx.sparse_grad and few and (entries.is_flat or entries.col is not None):

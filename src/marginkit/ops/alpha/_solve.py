@@ -45,6 +45,7 @@ class _Solution(NamedTuple):
     entries: _Entries
     stats: _Stats | None = None  # the row sums at τ (over every class of the axis)
     shift: Tensor | None = None  # the frame of τ and θ per row, in the units of x (set by _solve)
+    p_mass: Tensor | None = None  # set: p is unnormalised, p / p_mass (per row) is the distribution
 
     def to_flat(self) -> _Solution:
         """The flat layout; ``-inf`` entries (padding of a padded layout, masked classes) dropped."""

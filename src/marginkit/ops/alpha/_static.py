@@ -283,6 +283,16 @@ _LEAN_ITERATIONS = {torch.float32: 5, torch.float64: 6}
 _LEAN_SPARSEMAX_ITERATIONS = {torch.float32: 10, torch.float64: 12}
 
 
+# alpha == 1 rows of a per-row alpha tensor run through the same formulas with beta floored
+# here: every beta-dependent expression is then softmax's up to a relative O(beta) = 1e-12.
+_BETA_FLOOR = 1e-12
+
+
+def beta_rows(beta: float, n_rows: int, cdt: torch.dtype, device: torch.device) -> Tensor:
+    """A fixed ``beta`` as the per-row ``[N]`` tensor the solvers take (floored at ``_BETA_FLOOR``)."""
+    return torch.full((n_rows,), max(beta, _BETA_FLOOR), dtype=cdt, device=device)
+
+
 def lean_eligible(
     n_rows: int, n: int, k: int | None, beta_scalar: float | None, candidates: bool, partitioned: bool
 ) -> bool:
@@ -346,8 +356,9 @@ def _solve_lean(
 ) -> tuple[_Solution, Tensor]:
     r"""The fixed-shape solver with the fewest ops: q ≡ 1 except :math:`q_y = e^{\text{logq\_value}}`.
 
-    In the frame of ``shift`` (the row maxima) and the variable :math:`z = \beta\tau`, with
-    :math:`a_j = 1 + \beta\theta_j`, :math:`u_j = [a_j - z]_+`, :math:`p_j = q_j u_j^{1/\beta}`:
+    In the frame of ``shift`` (the row maxima) and the variable :math:`z = \beta\tau - 1`, with
+    :math:`a_j = \beta\theta_j`, :math:`u_j = [a_j - z]_+ = [1 + \beta(\theta_j - \tau)]_+`,
+    :math:`p_j = q_j u_j^{1/\beta}` (the 1 moved into z: one op less per evaluation):
 
     1. The block maxima (the label's block left out, the label added with its :math:`q_y`) are a
        subset of the row: from their lower bound :math:`\max_j(a_j - q_j^{-\beta})` two Newton
@@ -361,7 +372,8 @@ def _solve_lean(
        within ``_CONVERGED_ULPS`` ulps of :math:`1 + |\tau|` (the returned 0-d flag is then false).
 
     With ``theta_y`` (and a label), the solution's ``stats`` carry the loss terms
-    :math:`\sum_j p_j(\theta_j - \theta_y)` (unnormalised p) and the support size.
+    :math:`\sum_j p_j(\theta_j - \theta_y)` (unnormalised p) and the support size, and its ``p`` is
+    left unnormalised (``p_mass`` set).
     """
     n_rows, n = x.shape
     cdt = compute_dtype(x.dtype)
@@ -381,9 +393,9 @@ def _solve_lean(
             assert logq_value is not None and theta_y is not None
             theta_s = torch.cat([theta_s, theta_y.to(cdt).unsqueeze(1)], 1)
             q_s = F.pad(theta_s.new_ones(theta_s.shape[1] - 1), (0, 1), value=math.exp(logq_value))
-        a_s = theta_s.mul_(b).add_(1.0)
+        a_s = theta_s.mul_(b)
         # every p_j <= 1 there (θ = 0 is the row maximum, with q = 1 when nothing is overridden)
-        z0 = (a_s - q_s.pow(-b)).amax(1, keepdim=True) if q_s is not None else a_s.new_zeros(n_rows, 1)
+        z0 = (a_s - q_s.pow(-b)).amax(1, keepdim=True) if q_s is not None else a_s.new_full((n_rows, 1), -1.0)
         z = z0
         for it in range(_SUBSET_ITERATIONS + 1):
             p, w, _ = _masses(a_s, z, q_s, power, b)
@@ -392,11 +404,11 @@ def _solve_lean(
                 z = _cheap_step(z, mass, slope, b)
         lo = torch.where(mass >= 1, z, z0)
         start = _cheap_step(z, mass, slope, b).squeeze(1)
-        # candidate threshold in the units of x: shift + (τ_lo − 1/β)/s, lowered by 8 ulps of its
-        # parts (|t| + 1/(βs) bounds those of the threshold itself)
+        # candidate threshold in the units of x: t = shift + (τ_lo − 1/β)/s = shift + z_lo/(βs), lowered
+        # by 8 ulps of the parts of shift + τ_lo/s (at most |t| + 1/(βs)) and 16 ulps of 1/(βs)
         t = torch.add(shift1, lo, alpha=1.0 / (b * scale))
         eps = torch.finfo(cdt).eps
-        thr = torch.add(t, t.abs(), alpha=-8.0 * eps).sub_((1.0 + 16.0 * eps) / (b * scale))
+        thr = torch.add(t, t.abs(), alpha=-8.0 * eps).sub_(24.0 * eps / (b * scale))
     mask = x > thr
     count = mask.sum()
     row, col = torch.nonzero_static(mask, size=size, fill_value=n_rows - 1).unbind(1)
@@ -408,7 +420,7 @@ def _solve_lean(
         flat = torch.add(col, row, alpha=n)
         offsets = torch.searchsorted(flat, torch.arange(0, (n_rows + 1) * n, n, device=x.device))
         entries = _Entries(n_rows, n, flat=flat, row=row, offsets=offsets, cols=col)
-        a = theta.mul(b).add_(1.0)
+        a = theta.mul(b)
         q = None
         if override:
             assert label is not None and logq_value is not None
@@ -422,17 +434,20 @@ def _solve_lean(
             mass, slope = entries.rowsum(p), entries.rowsum(w)
             if it < iterations:
                 z = _cheap_step(z, mass, slope, b)
+        tau = torch.add(z, 1.0).div_(b)
         # the verdict: the next Newton step at the last iterate, M(1 − M^{−β})/Σw = β(M − 1)/Σw to
-        # first order in M − 1, within tol·(β + |z|)
-        not_converged = (mass - 1.0).abs_() > z.abs().add_(b).mul_(slope).mul_(tol / b)
-        tau = z / b
+        # first order in M − 1, within tol·β·(1 + |τ|): |M − 1|/(tol Σw) > 1 + |τ|
+        not_converged = torch.addcdiv(tau.abs(), (mass - 1.0).abs_(), slope, value=-1.0 / tol) < -1.0
         inner = support = None
         if theta_y is not None:
             inner = entries.rowsum(p * (theta - entries.per_entry(theta_y.to(cdt))))
             support = entries.rowsum(torch.sign(p)).long()
-        p_norm = p / entries.per_entry(mass)
+        # a loss (theta_y) takes p unnormalised and divides by the mass where it uses p (its backward)
+        p_mass = None if theta_y is None else mass
+        if p_mass is None:
+            p = p / entries.per_entry(mass)
         not_exact = not_converged.any() | overflow
-    sol = _Solution(tau, p_norm, w, u, theta, entries, _Stats(mass, None, inner, support), shift)
+    sol = _Solution(tau, p, w, u, theta, entries, _Stats(mass, None, inner, support), shift, p_mass)
     return sol, not_exact
 
 
