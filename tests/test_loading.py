@@ -201,3 +201,43 @@ def test_batches_carry_the_epoch_only_in_training():
     b = Batches(plan, epoch=False)
     b.set_epoch(3)
     assert {r.epoch for r in b} == {None} and plan.epoch == 3
+
+
+class ImageRows(Rows):
+    """Rows as ``decode_image`` returns them: ``[3, 4, 5]`` views of ``[4, 5, 3]`` pixel arrays
+    (``odd``: one row of another width, which makes its batch fall back to stacking)."""
+
+    sample_shape = (3, 4, 5)
+
+    def __init__(self, n: int, odd: int | None = None) -> None:
+        super().__init__(n)
+        self.odd = odd
+
+    def _read_key(self, key: int, rng: np.random.Generator | None) -> np.ndarray:
+        width = 6 if key == self.odd else 5
+        hwc = np.arange(4 * width * 3, dtype=np.uint8).reshape(4, width, 3) + np.uint8(key)
+        return hwc.transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_image_batches_keep_the_decoders_layout_and_convert_to_contiguous_model_input(workers):
+    data, y = ImageRows(10), torch.arange(10)
+    expected = torch.from_numpy(np.stack([data.read(i, None) for i in range(10)]))
+    loader = Loader(data, y, [torch.arange(0, 4), torch.arange(4, 8), torch.arange(8, 10)], workers=workers)
+    try:
+        batches = [b.x for b in loader.epoch()]
+    finally:
+        loader.close()
+    x = torch.cat(batches)
+    assert torch.equal(x, expected)
+    assert batches[0].shape == (4, 3, 4, 5) and batches[0].is_contiguous(memory_format=torch.channels_last)
+    model_input = to_model_input(batches[0])
+    assert model_input.is_contiguous() and model_input.dtype == torch.float32
+    assert torch.equal(model_input, expected[:4].float() / 255)
+
+
+def test_a_batch_of_images_of_two_sizes_is_the_stacking_error():
+    data, y = ImageRows(4, odd=2), torch.arange(4)
+    loader = Loader(data, y, [torch.arange(4)], workers=0)
+    with pytest.raises(ValueError, match="same shape"):
+        list(loader.epoch())

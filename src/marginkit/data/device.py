@@ -48,10 +48,11 @@ def to_model_input(
     """
     if device is not None:
         x = x.to(device, non_blocking=True)
+    # (a streamed image batch is a channels-last view: the conversion makes it contiguous)
     if x.dtype == torch.uint8:
-        x = x.to(torch.float32).div_(255.0)
-    elif x.dtype != torch.float32:
-        x = x.to(torch.float32)
+        x = x.to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
+    elif x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32, memory_format=torch.contiguous_format)
     if mean is not None:
         x = x - mean.to(x.device, torch.float32)
     if std is not None:

@@ -197,6 +197,7 @@ class SplitDataset(Dataset):
         rows: list[np.ndarray] | None = None  # rows of differing shapes: np.stack's error at the end
         x: torch.Tensor | None = None
         lease = None
+        hwc = False  # the batch buffer holds [B, H, W, C] (x is its [B, C, H, W] view)
         # a generator per row only for a source that draws from it (images do not)
         draws = request.epoch is not None and getattr(self.data, "uses_rng", True)
         try:
@@ -207,14 +208,26 @@ class SplitDataset(Dataset):
                     skipped.append(self.data.where(i))
                     continue
                 if rows is None and out is None:
-                    x, lease = self._batch_buffer((len(index), *row.shape), row.dtype)
+                    # a decoded image is a [C, H, W] view of Pillow's [H, W, C] pixels: the batch keeps
+                    # that layout (a plain copy per row, not a transposing one); the training process
+                    # gets the [B, C, H, W] view, made contiguous by its float conversion
+                    hwc = (
+                        row.ndim == 3
+                        and not row.flags.c_contiguous
+                        and row.transpose(1, 2, 0).flags.c_contiguous
+                    )
+                    shape = (len(index), *row.shape)
+                    x, lease = self._batch_buffer(
+                        shape if not hwc else (shape[0], *shape[2:], shape[1]), row.dtype
+                    )
                     out = x.numpy()
-                if rows is None and (row.shape != out.shape[1:] or row.dtype != out.dtype):
-                    rows = list(out[: len(kept)])
+                    x = x.permute(0, 3, 1, 2) if hwc else x
+                if rows is None and (row.shape != x.shape[1:] or row.dtype != out.dtype):
+                    rows = list(x[: len(kept)].numpy())
                 if rows is not None:
                     rows.append(row)
                 else:
-                    out[len(kept)] = row
+                    out[len(kept)] = row.transpose(1, 2, 0) if hwc else row
                 kept.append(i)
         except BaseException:
             self._give_back(lease)
