@@ -1,6 +1,7 @@
 """Benchmark of marginkit.ops.mep against an O(n²) interval scan and one torch.sort.
 
 Usage:  python benchmarks/bench_mep.py [--quick] [--threads T] [--rounds R] [--sizes 256x1000 ...]
+        [--jax-site DIR]  (jax from another environment: the comparison with the blog's JAX code)
 
 For each (B, n) it times, side by side and interleaved (round-robin; the best of the rounds
 is kept — on a shared, loaded machine the minimum is the least disturbed estimate):
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -120,9 +123,52 @@ def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
     return lines
 
 
+def bench_jax(sizes: list[tuple[int, int]], rounds: int, kind: str, jax_mep: Callable) -> list[str]:
+    """``mep`` against the blog's O(n²) algorithm under ``jax.jit`` (``device_check.jax_mep``), side
+    by side, the inputs of :func:`bench` (the same seed); sizes with B·n² above 3e8 are skipped."""
+    gen = torch.Generator().manual_seed(0)
+    lines = [
+        f"positives: {kind}",
+        f"{'B':>4} {'n':>7} | {'L2 ms':>8} {'jax L2':>8} {'jax/L2':>7} {'max diff':>8} | {'L1 ms':>8}"
+        f" {'jax L1':>8} {'jax/L1':>7}",
+    ]
+    for b, n in sizes:
+        x = 3 * torch.randn(b, n, generator=gen)
+        if kind == "labels":
+            pos = torch.randint(0, n, (b,), generator=gen)
+            mask = torch.nn.functional.one_hot(pos, n).bool()
+        else:
+            pos = mask = torch.rand(b, n, generator=gen) < 0.1
+        if b * n * n > 3e8:
+            lines.append(f"{b:>4} {n:>7} | skipped (the O(n²) reference)")
+            continue
+        xn, mn = x.numpy(), mask.numpy()
+        cells = []
+        for norm in ("l2", "l1"):
+            fn = jax_mep(norm)
+            out = np.asarray(fn(xn, mn, 1.0))  # compiles
+            fns = {
+                "ours": lambda norm=norm, x=x, pos=pos: mep(x, pos, 1.0, norm),
+                "jax": lambda fn=fn, xn=xn, mn=mn: fn(xn, mn, 1.0).block_until_ready(),
+            }
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            for _ in range(rounds):
+                for k, f in fns.items():
+                    times[k].append(timed(f)[0])
+            ours, ref = min(times["ours"]), min(times["jax"])
+            cells.append(f"{ours * 1e3:>8.2f} {ref * 1e3:>8.2f} {ref / ours:>6.1f}x")
+            if norm == "l2":
+                cells[-1] += f" {np.abs(out - mep(x, pos, 1.0).numpy()).max():>8.1e}"
+        lines.append(f"{b:>4} {n:>7} | {cells[0]} | {cells[1]}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
+    parser.add_argument(
+        "--jax-site", default=None, help="a site-packages directory holding jax (appended to sys.path)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--rounds", type=int, default=15, help="timing rounds per size (best of)")
     parser.add_argument(
@@ -138,16 +184,31 @@ def main() -> None:
     print(
         "L2/np and L1/np = time relative to numpy's sort of the same array (issue 39: <= 3x at 256 x 1000);"
     )
-    try:
-        import jax  # noqa: F401
-    except ImportError:
-        print("jax is not installed: the comparison with the blog's JAX reference is skipped")
-    else:
-        print("jax is installed, but the blog's JAX reference is not part of this script: not compared")
+    if args.jax_site:
+        sys.path.append(args.jax_site)  # after this environment's own packages (its numpy first)
+    # XLA on one thread when torch has one (its CPU client otherwise uses every core)
+    if args.threads == 1:
+        os.environ.setdefault(
+            "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        )
+    from device_check import jax_mep  # the blog's O(n²) algorithm under jax.jit (None without jax)
+
+    have_jax = jax_mep("l2") is not None
+    if not have_jax:
+        print(
+            "jax is not installed: the comparison with the blog's JAX reference is skipped (--jax-site DIR)"
+        )
     print("scan/L2 = speed-up of mep L2 over the O(n²) scan (target >= 50x at n = 1000)\n")
     for kind in ("labels", "mask"):
         print("\n".join(bench(sizes, 3 if args.quick else args.rounds, kind)))
         print()
+    if have_jax:
+        print(
+            "against the blog's algorithm in JAX (jax.jit, rows by lax.map; issue 39: L2 >= 100x, L1 >= 5x):"
+        )
+        for kind in ("labels", "mask"):
+            print("\n".join(bench_jax(sizes, 3 if args.quick else args.rounds, kind, jax_mep)))
+            print()
 
 
 if __name__ == "__main__":

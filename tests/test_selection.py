@@ -145,6 +145,28 @@ def test_mep_fast_path_equals_reference_large_rows():
                 assert torch.equal(bits(fast), bits(reference(mep, xd, positives, margins, norm)))
 
 
+def test_mep_labels_l2_windows_equal_reference():
+    """The labels' L2 level on the CPU sums the first 64 sorted columns, wider windows only for
+    the rows that need them, and reads the descending order off an ascending sort unless a window
+    holds a zero or a NaN: rows with every negative active (the whole row), signed zeros on the
+    level's window, per-row margins, and a NaN row (``validate=False``) equal the torch path."""
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.round(torch.randn(6, 300, generator=g, dtype=dtype) * 4) / 2
+        x[0] = 5.0  # every negative above the positive: K = n - 1, the window grows to the row
+        x[0, 7] = 0.0
+        x[1, :100] = 3.0 + torch.arange(100, dtype=dtype) / 64  # 100 active negatives
+        x[2, torch.rand(300, generator=g) < 0.3] = -0.0
+        labels = torch.tensor([7, 150, 3, 0, 299, 42])
+        margins = torch.tensor([0.5, 1.0, 1.5, 0.5, 2.0, 1.0], dtype=dtype)
+        x[2, :5] = -margins[2]  # breakpoints of exactly +0.0 beside the -0.0 scores
+        for m in (margins, 1.0):
+            assert torch.equal(bits(mep(x, labels, m)), bits(reference(mep, x, labels, m)))
+        x[4, 10] = math.nan
+        fast = mep(x, labels, margins, validate=False)
+        assert torch.equal(bits(fast), bits(reference(mep, x, labels, margins, validate=False)))
+
+
 def test_mep_fast_path_odd_inputs_equal_reference():
     """Under ``no_grad`` with inputs that require a gradient, a non-contiguous view, half
     precision, float64 margins per row: the numpy path still equals the torch path bit for bit."""
@@ -167,22 +189,29 @@ def test_mep_fast_path_odd_inputs_equal_reference():
 def test_mep_dispatch_counts():
     """The device-agnostic path (numpy off) on 256 x 1000 float32: no device read with
     ``validate=False``, a fixed number of aten ops whatever the data (feasible rows, ties), and
-    L2 in 34 ops with a mask, 31 with labels (L1: 20 / 16; before issue 36's work 50 / 49, 24 / 22).
+    L2 in 25 ops with labels (issue 36's bound), 34 with a mask (L1: 16 / 20; before issue 36's
+    work 49 / 50, 22 / 24).
 
-    Issue 36 asks for <= 25 for L2; the tightest exact sequence found is 34. Per call: the
-    breakpoints (add, where), one stable sort, the signs in sorted order (gather), the signed
-    values (neg, where), their float64 prefix sums plus sum_N u (masked_fill, cumsum, sum, add),
-    the exact integer active counts (cumsum, arange, slice, sub, add), the candidate levels and
-    the bracket (div, lt, slice, sum, gather), t = fl(level - m) and level = fl(t + m) (sub,
-    _to_copy, add: this replaces a 6-op nextafter correction and keeps every output row exactly
-    feasible), the clamp of the level into [min_P u, max_N u] that returns feasible rows
-    bit-identical (masked_fill, amax, where, amin, fmax, fmin), and the output (lt, where, le,
-    where, where). What each cheaper variant breaks: without the float64 sums and integer
-    counts the level is no longer the exact root in the working precision; without the clamp a
-    feasible row's level is max_N u only up to the rounding of the prefix sums, so its top
-    negative could move by an ulp; clamp instead of fmax / fmin propagates the 0 / 0 level a
-    feasible row can have; clamp / maximum instead of the output's where return +0.0 for a
-    -0.0 positive tied with the level (and which zero depends on the SIMD lane).
+    Labels, L2 (25): the breakpoints (unsqueeze, add, gather, scatter of -inf at the positive),
+    one stable descending sort of the negatives' breakpoints, the candidate levels (x_p + S_k) /
+    (k + 2) from float64 prefix sums (cumsum, add, arange, div), the first failing comparison
+    (gt, slice, _to_copy, argmin), the level (gather), t = fl(level - m) and level = fl(t + m)
+    (sub, _to_copy, add: every output row exactly feasible), the clamp into [x_p, max_N u] that
+    returns feasible rows bit-identical (slice, fmax, fmin), and the output (le, where, lt, where,
+    scatter).
+
+    Mask, L2 (34; the tightest exact sequence found): the breakpoints (add, where), one stable
+    sort, the signs in sorted order (gather), the signed values (neg, where), their float64 prefix
+    sums plus sum_N u (masked_fill, cumsum, sum, add), the exact integer active counts (cumsum,
+    arange, slice, sub, add), the candidate levels and the bracket (div, lt, slice, sum, gather),
+    t and level as above (sub, _to_copy, add), the clamp into [min_P u, max_N u] (masked_fill,
+    amax, where, amin, fmax, fmin), and the output (lt, where, le, where, where). What each
+    cheaper variant breaks: without the float64 sums and integer counts the level is no longer
+    the exact root in the working precision; without the clamp a feasible row's level is max_N u
+    only up to the rounding of the prefix sums, so its top negative could move by an ulp; clamp
+    instead of fmax / fmin propagates the 0 / 0 level a feasible row can have; clamp / maximum
+    instead of the output's where return +0.0 for a -0.0 positive tied with the level (and which
+    zero depends on the SIMD lane).
     """
     g = torch.Generator().manual_seed(0)
     x = 3 * torch.randn(256, 1000, generator=g)
@@ -192,7 +221,7 @@ def test_mep_dispatch_counts():
     tied = torch.round(x)  # ties within and across classes
     bounds = {
         ("l2", torch.bool): 34,
-        ("l2", torch.int64): 31,
+        ("l2", torch.int64): 25,
         ("l1", torch.bool): 20,
         ("l1", torch.int64): 16,
     }

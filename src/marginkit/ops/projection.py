@@ -237,11 +237,11 @@ def project(
     if labels is None:
         b = torch.where(mask, x, xm)
         x_pos = None
-    else:
+    else:  # (L2: the negatives' breakpoints alone, the positive's place -inf)
         x_pos = x.gather(-1, labels)
-        b = xm.scatter(-1, labels, x_pos)
+        b = xm.scatter(-1, labels, -math.inf if norm == "l2" else x_pos)
     if norm == "l2":
-        level, top = _l2_level(b, mask, labels, grad)
+        level, top = _l2_level(b, mask, grad) if labels is None else _l2_level_labels(b, x_pos, grad)
         t = (level - m).to(wd)  # the negatives' value ℓ − m, rounded once from float64
     else:
         level, top = _l1_level(b, mask, labels, grad)
@@ -260,15 +260,16 @@ def project(
         # (where, not clamp / maximum: those return either zero on a tie of -0.0 and +0.0)
         z = torch.where(mask, torch.where(x < level, level, x), torch.where(b <= level, x, t))
     else:
-        level = torch.fmin(torch.fmax(level, x_pos), top)  # top = max u = max(max_N u, x_pos)
+        # top: max u (L1), max_N u (L2); a feasible row (max_N u <= x_pos) keeps every entry either way
+        level = torch.fmin(torch.fmax(level, x_pos), top)
         z = torch.where(xm <= level, x, t).scatter(-1, labels, torch.where(x_pos < level, level, x_pos))
     return z.to(scores.dtype)
 
 
-def _l2_level(
-    b: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _l2_level(b: torch.Tensor, mask: torch.Tensor, grad: bool) -> tuple[torch.Tensor, None]:
     r"""Root ``ℓ`` of ``h(ℓ) = Σ_P (ℓ − u_i)_+ − Σ_N (u_j − ℓ)_+`` per row (``[..., 1]``, float64).
+
+    Positives given by a mask (one per row: :func:`_l2_level_labels`).
 
     ``b`` holds the breakpoints (``x_i`` on the positives, ``x_j + m`` elsewhere). After one stable
     sort, ``u`` ascending with signs ``s_k = +1`` (positive) / ``−1`` (negative):
@@ -284,8 +285,7 @@ def _l2_level(
 
     Prefix sums and ``Σ_N u`` are accumulated in float64 (``Σ_N u`` by ``torch.sum``, in index
     order), counts are exact integers, ``M_k`` is one float64 division. Rows that keep the margin
-    get some finite or infinite value that :func:`project` clamps away. Also returns the largest
-    breakpoint (with labels; ``None`` with a mask).
+    get some finite or infinite value that :func:`project` clamps away.
     """
     n = b.shape[-1]
     if grad:  # the values through a gather, so that autograd sees them (as torch.sort's backward)
@@ -293,28 +293,47 @@ def _l2_level(
         u = b.gather(-1, order)
     else:
         u, order = torch.sort(b, dim=-1, stable=True)
-    if labels is None:
-        pos = mask.gather(-1, order)
-        others = b.masked_fill(mask, 0.0)
-    else:
-        pos = order == labels
-        others = b.scatter(-1, labels, 0.0)
+    pos = mask.gather(-1, order)
     s = torch.where(pos, u, -u)
-    a = torch.cumsum(s, -1, dtype=torch.float64) + others.sum(-1, keepdim=True, dtype=torch.float64)
+    a = torch.cumsum(s, -1, dtype=torch.float64) + b.masked_fill(mask, 0.0).sum(
+        -1, keepdim=True, dtype=torch.float64
+    )
     cp = torch.cumsum(pos, -1)
-    if labels is None:
-        c = torch.add(torch.arange(n - 1, -1, -1, device=b.device) - cp[..., -1:], cp, alpha=2)
-    else:
-        c = torch.add(torch.arange(n - 2, -2, -1, device=b.device), cp, alpha=2)
-    top = None if labels is None else u[..., -1:].detach() if grad else u[..., -1:]
+    c = torch.add(torch.arange(n - 1, -1, -1, device=b.device) - cp[..., -1:], cp, alpha=2)
     if grad:
         with torch.no_grad():
             idx = (u < a / c)[..., 1:].sum(-1, keepdim=True)
         # no 0/0 on the backward of unused entries: divide the gathered pair only
-        return a.gather(-1, idx) / c.gather(-1, idx).clamp(min=1), top
+        return a.gather(-1, idx) / c.gather(-1, idx).clamp(min=1), None
     means = a / c
     idx = (u < means)[..., 1:].sum(-1, keepdim=True)
-    return means.gather(-1, idx), top
+    return means.gather(-1, idx), None
+
+
+def _l2_level_labels(b: torch.Tensor, x_pos: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The L2 level with one positive per row: ``(ℓ, max_N u)`` (``[..., 1]``; ℓ in float64).
+
+    ``b`` holds the negatives' breakpoints ``x_j + m`` and ``-inf`` at the positive. With ``v``
+    their stable descending sort and :math:`S_k = \sum_{j \le k} v_j` (float64), the root of
+    :math:`h(\ell) = (\ell - x_p)_+ - \sum_N (v_j - \ell)_+` for ``K`` active negatives is the
+    mean :math:`\ell_{K-1} = (x_p + S_{K-1}) / (K + 1)`, and ``v_k > ℓ_k`` holds exactly for the
+    active ones, ``k < K`` (as in the projection onto the simplex). So ``ℓ = ℓ_idx`` with ``idx``
+    the first ``k ≥ 1`` where it fails, minus one: the first failure, not a count, so that a
+    rounded comparison past the root cannot move it (and the CPU path may stop at the first
+    failure). A feasible row (``v_0 <= x_p``) gets some value that :func:`project` clamps away;
+    the positive's ``-inf`` sorts last, so every row has a failure.
+    """
+    n = b.shape[-1]
+    if grad:  # the values through a gather, so that autograd sees them (as torch.sort's backward)
+        v = b.gather(-1, torch.sort(b.detach(), dim=-1, descending=True, stable=True).indices)
+    else:
+        v = torch.sort(b, dim=-1, descending=True, stable=True).values
+    steps = torch.arange(2, n + 2, dtype=torch.float64, device=b.device)
+    means = (torch.cumsum(v, -1, dtype=torch.float64) + x_pos) / steps
+    with torch.no_grad():
+        idx = (v > means)[..., 1:].to(torch.uint8).argmin(-1, keepdim=True)
+    top = v[..., :1]
+    return means.gather(-1, idx), top.detach() if grad else top
 
 
 def _l1_level(
@@ -341,11 +360,13 @@ def _project_numpy(
 
     The sort is :mod:`marginkit.ops.selection`'s (numpy's vectorised sort): with a mask, one
     sort of packed ``(value, column, flag)`` keys gives the sorted values and their signs; with
-    labels the values are sorted alone and the positive's place is counted (entries below it,
-    plus entries equal to it at a smaller index). The two reductions whose order is torch's own
-    (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values. ``torch.where``
-    on the mask becomes a select on the bit patterns (exact, and branch-free on a random mask);
-    ``min_P u`` and ``max_N u`` are read off the sorted rows.
+    labels the negatives' breakpoints are sorted alone, and the level's prefix sums are taken over
+    the first columns only, as far as each row's first failing comparison (a prefix of the
+    sequential float64 scan has the bits of the whole scan's). The two reductions whose order is
+    torch's own (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values.
+    ``torch.where`` on the mask becomes a select on the bit patterns (exact, and branch-free on a
+    random mask), and with labels a masked copy of the few entries that move; ``min_P u`` and
+    ``max_N u`` are read off the sorted rows.
     """
     shape = x.shape
     n = shape[-1]
@@ -353,23 +374,31 @@ def _project_numpy(
     ui = np.uint32 if xa.dtype == np.float32 else np.uint64
     ones = ui(np.iinfo(ui).max)
     mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
-    xm = xa + mv  # in the working dtype with m rounded to it first, as torch's x + m
     rows = np.arange(xa.shape[0])[:, None]
+    xm = None  # x + m in the working dtype with m rounded to it first, as torch's x + m
     if labels is None:
+        xm = xa + mv
         ma = mask.contiguous().numpy().reshape(-1, n)
         bits = ma.astype(ui)
         bits *= ones  # all ones on the positives
         b = _select(bits, xa, xm)
         lab = x_pos = None
-    else:
+    else:  # (few full-size temporaries: each is fresh memory, and its pages cost more than its pass)
         ma = bits = None
         lab = labels.contiguous().numpy().reshape(-1, 1)
         x_pos = xa[rows, lab]
-        b = xm.copy()
-        b[rows, lab] = x_pos
+        b = np.add(xa, mv)
+        b[rows, lab] = -np.inf if norm == "l2" else x_pos
     bounds = None
     if norm == "l2":
-        level, bounds = _l2_level_numpy(b, xm, ma, bits, lab, shape)
+        if lab is None:
+            level, bounds = _l2_level_numpy(b, xm, ma, bits, shape)
+        else:  # (sorts b in place)
+            level, bounds = _l2_level_labels_numpy(
+                b,
+                x_pos,
+                lambda r: _labels_breakpoints(xa[r], mv[r] if isinstance(mv, np.ndarray) else mv, lab[r]),
+            )
         t = (level - mv).astype(xa.dtype)
     elif lab is not None:  # the two largest breakpoints (as torch.topk's values), b overwritten
         first = b.argmax(-1)[:, None]
@@ -394,7 +423,12 @@ def _project_numpy(
         z = _select(bits, up, np.where(b <= level, xa, t))  # (most entries stay: np.where is fast there)
     else:
         level = np.fmin(np.fmax(level, x_pos), bounds)
-        z = np.where(xm <= level, xa, t)
+        # np.where(xm <= level, xa, t) as a copy of the few entries that move (xm in z's memory)
+        z = np.add(xa, mv)
+        moves = np.less_equal(z, level)
+        np.logical_not(moves, out=moves)
+        np.copyto(z, xa)
+        np.copyto(z, t, where=moves)
         z[rows, lab] = np.where(x_pos < level, level, x_pos)
     return torch.from_numpy(z).reshape(shape)
 
@@ -411,62 +445,88 @@ def _select(bits: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _l2_level_numpy(
-    b: np.ndarray,
-    xm: np.ndarray,
-    ma: np.ndarray | None,
-    bits: np.ndarray | None,
-    lab: np.ndarray | None,
-    shape: torch.Size,
+    b: np.ndarray, xm: np.ndarray, ma: np.ndarray, bits: np.ndarray, shape: torch.Size
 ) -> tuple[np.ndarray, Any]:
     """:func:`_l2_level` on ``[rows, n]`` numpy breakpoints (see :func:`_project_numpy`).
 
-    Returns the float64 level and, with a mask, ``(min(min_P u, max_N u), max_N u)`` (the sorted
-    rows' first positive and last negative, ``±inf`` when absent); with labels, ``max u``.
+    Returns the float64 level and ``(min(min_P u, max_N u), max_N u)`` (the sorted rows' first
+    positive and last negative, ``±inf`` when absent).
     """
     rows, n = b.shape
     ui = np.uint32 if b.dtype == np.float32 else np.uint64
-    if lab is None:
-        if b.dtype == np.float32:
-            u, pos = sort_with_flags(torch.from_numpy(b), torch.from_numpy(ma))
-        else:
-            u, order = (t.numpy() for t in stable_sort(torch.from_numpy(b)))
-            pos = np.take_along_axis(ma, order, -1)
-        flip = np.subtract(1, pos.view(np.uint8), dtype=ui)
-        flip <<= ui(8 * b.itemsize - 1)
-        s = np.bitwise_xor(u.view(ui), flip, out=flip).view(b.dtype)  # -u on the negatives: sign flipped
-        others = np.invert(bits)
-        others = np.bitwise_and(xm.view(ui), others, out=others).view(b.dtype)  # +0.0 on the positives
-        cp = torch.cumsum(torch.from_numpy(pos), -1, dtype=torch.int32).numpy()
-        c = np.arange(n - 1, -1, -1, dtype=np.int32) - cp[:, -1:]
-        c += cp
-        c += cp
-        at = np.arange(rows)
-        first_pos = pos.argmax(-1)
-        last_neg = n - 1 - pos[:, ::-1].argmin(-1)
-        hi = np.where(pos[at, last_neg], -np.inf, u[at, last_neg]).astype(b.dtype)[:, None]
-        lo = np.where(pos[at, first_pos], u[at, first_pos], np.inf).astype(b.dtype)[:, None]
-        bounds: Any = (np.minimum(lo, hi), hi)
+    if b.dtype == np.float32:
+        u, pos = sort_with_flags(torch.from_numpy(b), torch.from_numpy(ma))
     else:
-        u = sort_values(torch.from_numpy(b)).numpy()
-        xp = np.take_along_axis(b, lab, -1)
-        place = (b < xp).sum(-1, keepdims=True)
-        equal = b == xp
-        tied = np.flatnonzero(equal.sum(-1) > 1)  # rows where another entry equals the positive
-        if tied.size:  # ... and precedes it when its index is smaller
-            place[tied] += (equal[tied] & (np.arange(n) < lab[tied])).sum(-1, keepdims=True)
-        at = np.arange(rows)[:, None]
-        s = np.negative(u)
-        s[at, place] = u[at, place]
-        others = xm.copy()
-        others[at, lab] = 0
-        c = (np.arange(n) >= place).astype(np.int32)
-        c *= 2
-        c += np.arange(n - 2, -2, -1, dtype=np.int32)
-        bounds = u[:, -1:]
+        u, order = (t.numpy() for t in stable_sort(torch.from_numpy(b)))
+        pos = np.take_along_axis(ma, order, -1)
+    flip = np.subtract(1, pos.view(np.uint8), dtype=ui)
+    flip <<= ui(8 * b.itemsize - 1)
+    s = np.bitwise_xor(u.view(ui), flip, out=flip).view(b.dtype)  # -u on the negatives: sign flipped
+    others = np.invert(bits)
+    others = np.bitwise_and(xm.view(ui), others, out=others).view(b.dtype)  # +0.0 on the positives
+    cp = torch.cumsum(torch.from_numpy(pos), -1, dtype=torch.int32).numpy()
+    c = np.arange(n - 1, -1, -1, dtype=np.int32) - cp[:, -1:]
+    c += cp
+    c += cp
+    at = np.arange(rows)
+    first_pos = pos.argmax(-1)
+    last_neg = n - 1 - pos[:, ::-1].argmin(-1)
+    hi = np.where(pos[at, last_neg], -np.inf, u[at, last_neg]).astype(b.dtype)[:, None]
+    lo = np.where(pos[at, first_pos], u[at, first_pos], np.inf).astype(b.dtype)[:, None]
     total = torch.from_numpy(others).reshape(shape).sum(-1, keepdim=True, dtype=torch.float64)
     a = torch.cumsum(torch.from_numpy(s), -1, dtype=torch.float64).numpy()  # torch's is the faster scan
     a += total.numpy().reshape(-1, 1)
     with np.errstate(divide="ignore", invalid="ignore"):
         means = np.divide(a, c, out=a)
     idx = np.count_nonzero(u[:, 1:] < means[:, 1:], axis=-1).reshape(-1, 1)
-    return np.take_along_axis(means, idx, -1), bounds
+    return np.take_along_axis(means, idx, -1), (np.minimum(lo, hi), hi)
+
+
+# Columns of the labels' level tried first (a row's active negatives are usually few); then 8x.
+_LEVEL_WINDOW = 64
+
+
+def _labels_breakpoints(x: np.ndarray, m: Any, lab: np.ndarray) -> np.ndarray:
+    """The negatives' breakpoints ``x + m`` of ``[rows, n]`` scores, ``-inf`` at the labels."""
+    b = np.add(x, m)
+    b[np.arange(len(x))[:, None], lab] = -np.inf
+    return b
+
+
+def _l2_level_labels_numpy(b: np.ndarray, x_pos: np.ndarray, unsorted: Any) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_l2_level_labels` on ``[rows, n]`` numpy breakpoints: ``(ℓ, max_N u)``.
+
+    The float64 prefix sums, means and comparisons are computed on the first ``_LEVEL_WINDOW``
+    sorted columns, and on wider windows only for the rows whose first failing comparison lies
+    beyond them: the same values at the same places as the whole rows', hence the same ``ℓ``.
+    The descending order is read backwards off numpy's ascending sort of the values (window by
+    window); a window holding a zero or a NaN, whose signs and payloads the stable order places
+    by index, takes :func:`~marginkit.ops.selection.sort_values` of the rows as ``unsorted(rows)``
+    gives them (``b`` is sorted in place).
+    """
+    rows, n = b.shape
+    b.sort(axis=-1)
+    ascending = b
+
+    def head(todo: np.ndarray, width: int) -> np.ndarray:  # the first `width` descending values
+        part = ascending[:, n - width :] if todo.size == rows else ascending[todo, n - width :]
+        part = np.ascontiguousarray(part[:, ::-1])
+        if (part == 0).any() or np.isnan(part).any():
+            part = sort_values(torch.from_numpy(unsorted(todo)), descending=True).numpy()[:, :width]
+        return part
+
+    level, top = np.empty((rows, 1)), None
+    todo = np.arange(rows)
+    width = min(n, _LEVEL_WINDOW)
+    while todo.size:
+        part = head(todo, width)
+        top = part[:, :1].copy() if top is None else top
+        means = torch.cumsum(torch.from_numpy(part), -1, dtype=torch.float64).numpy()
+        means += x_pos[todo]
+        means /= np.arange(2, width + 2, dtype=np.float64)
+        holds = part[:, 1:] > means[:, 1:]
+        idx = holds.argmin(-1)
+        found = ~holds[np.arange(todo.size), idx] | (width == n)
+        level[todo[found], 0] = means[found, idx[found]]
+        todo, width = todo[~found], min(n, 8 * width)
+    return level, top
