@@ -154,7 +154,9 @@ def loader_alone(folder: Path, limit: int, side: int = 112, rounds: int = 5) -> 
     other processes. Reported: the median of the rounds' ratios of wall-clock rates, and —
     robust to a busy machine, where a worker process gets its own share of the CPUs — the
     ratio of images per CPU-second: the plain loop's process against the worker's (the training
-    process's own CPU time to receive the batches is reported beside it, per image)."""
+    process's own CPU time to receive the batches is reported beside it, per image). JPEGs are
+    decoded by simplejpeg where it gives Pillow's pixels (``marginkit.data.decode``); the
+    ``pillow_worker_*`` ratios are the same loader with Pillow for every file."""
     import statistics
 
     import torch
@@ -175,38 +177,52 @@ def loader_alone(folder: Path, limit: int, side: int = 112, rounds: int = 5) -> 
             np.asarray(Image.open(p).convert("RGB").resize((side, side)))
         return time.perf_counter() - t0, time.process_time_ns() - c0
 
-    loader = evaluation_loader(x, torch.arange(n), batch_size=128, workers=1)
+    from marginkit.data import decode
 
-    def streamed() -> tuple[float, int, int]:
+    def streamed(loader: object) -> tuple[float, int, int]:
         workers = [p for p in _tree(me) if p != me]
         t0, c0, m0 = time.perf_counter(), _cpu_ns(workers), time.process_time_ns()
-        count = sum(len(b.x) for b in loader.epoch())
+        count = sum(len(b.x) for b in loader.epoch())  # type: ignore[attr-defined]
         assert count == n, (count, n)
         return time.perf_counter() - t0, _cpu_ns(workers) - c0, time.process_time_ns() - m0
 
+    loader = evaluation_loader(x, torch.arange(n), batch_size=128, workers=1)
+    # the same loader with Pillow decoding every JPEG (decode.FAST_JPEG off in its forked worker)
+    pillow = evaluation_loader(x, torch.arange(n), batch_size=128, workers=1)
     try:
         t0 = time.perf_counter()
-        streamed()  # warms the page cache; the worker starts
+        streamed(loader)  # warms the page cache; the worker starts
         first = n / (time.perf_counter() - t0)
+        decode.FAST_JPEG = False
+        try:
+            streamed(pillow)
+        finally:
+            decode.FAST_JPEG = True
         plain()
-        walls, cpu_plain, cpu_worker, cpu_main = [], 0, 0, 0
+        walls, cpu_plain, cpu_worker, cpu_main, cpu_pillow = [], 0, 0, 0, 0
         for _ in range(rounds):
             wall_p, cpu_p = plain()
-            wall_l, cpu_w, cpu_m = streamed()
-            walls.append((n / wall_p, n / wall_l))
+            wall_l, cpu_w, cpu_m = streamed(loader)
+            wall_pil, cpu_pil, _ = streamed(pillow)
+            walls.append((n / wall_p, n / wall_l, n / wall_pil))
             cpu_plain, cpu_worker, cpu_main = cpu_plain + cpu_p, cpu_worker + cpu_w, cpu_main + cpu_m
+            cpu_pillow += cpu_pil
     finally:
         loader.close()
-    plain_rate = statistics.median(p for p, _ in walls)
+        pillow.close()
+    plain_rate = statistics.median(w[0] for w in walls)
     return {
         "images": n, "rounds": rounds,
         "plain_images_per_s": plain_rate,
-        "loader_images_per_s_per_worker": statistics.median(w for _, w in walls),
-        "ratio": statistics.median(w / p for p, w in walls),
+        "loader_images_per_s_per_worker": statistics.median(w[1] for w in walls),
+        "ratio": statistics.median(w[1] / w[0] for w in walls),
         "plain_cpu_us_per_image": cpu_plain / 1e3 / (n * rounds),
         "worker_cpu_us_per_image": cpu_worker / 1e3 / (n * rounds),
         "main_process_cpu_us_per_image": cpu_main / 1e3 / (n * rounds),
         "cpu_ratio": cpu_plain / cpu_worker if cpu_worker else float("nan"),
+        "pillow_worker_ratio": statistics.median(w[2] / w[0] for w in walls),
+        "pillow_worker_cpu_ratio": cpu_plain / cpu_pillow if cpu_pillow else float("nan"),
+        "jpeg_decoder": "simplejpeg" if decode._fast_jpeg() is not None else "pillow (no simplejpeg)",
         "first_pass_ratio": first / plain_rate,
     }  # fmt: skip
 

@@ -95,6 +95,75 @@ def test_decode_equals_the_eager_reader(tmp_path):
     assert image_header(path) == ("RGB", (13, 9))
 
 
+def _jpeg_variants() -> dict[str, bytes]:
+    """JPEGs of every kind the fast path takes or leaves: subsamplings, qualities, progressive,
+    optimised tables, grayscale, CMYK, odd sizes."""
+    out = {}
+    colour = _image((61, 97), "RGB", 5).resize((97, 61))
+    for sub in (0, 1, 2):
+        for progressive in (False, True):
+            for quality in (40, 95):
+                buffer = io.BytesIO()
+                colour.save(buffer, "JPEG", subsampling=sub, progressive=progressive, quality=quality)
+                out[f"rgb-{sub}-{progressive}-{quality}"] = buffer.getvalue()
+    for name, image, options in (
+        ("gray", colour.convert("L"), {"quality": 90}),
+        ("gray-progressive", colour.convert("L"), {"progressive": True}),
+        ("optimized", colour, {"optimize": True}),
+        ("cmyk", colour.convert("CMYK"), {}),
+        ("tiny", _image((1, 3), "RGB", 2), {}),
+    ):
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", **options)
+        out[name] = buffer.getvalue()
+    return out
+
+
+def test_fast_jpeg_decoder_gives_pillows_pixels(tmp_path, monkeypatch):
+    pytest.importorskip("simplejpeg")
+    import simplejpeg
+
+    calls = []
+    real = simplejpeg.decode_jpeg
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name, data in _jpeg_variants().items():
+        own = Image.open(io.BytesIO(data)).size[::-1]
+        for mode in ("L", "RGB"):
+            for size in (None, own, (7, 5)):
+                calls.clear()
+                fast = decode_image(data, mode, size, where=name)
+                took_fast = bool(calls)
+                monkeypatch.setattr(decode, "FAST_JPEG", False)
+                try:
+                    slow = decode_image(data, mode, size, where=name)
+                finally:
+                    monkeypatch.setattr(decode, "FAST_JPEG", True)
+                assert fast.dtype == slow.dtype == np.uint8
+                np.testing.assert_array_equal(fast, slow, err_msg=f"{name} {mode} {size}")
+                # the fast path is taken exactly where it gives Pillow's pixels (module doc)
+                gray = name.startswith("gray")
+                expect = name != "cmyk" and size != (7, 5) and (mode == "RGB" or gray)
+                assert took_fast == expect, (name, mode, size)
+
+
+def test_fast_jpeg_decoder_leaves_bad_files_to_pillow(tmp_path):
+    pytest.importorskip("simplejpeg")
+    data = _jpeg_variants()["rgb-2-False-95"]
+    # extraneous bytes before a marker: libjpeg warns (simplejpeg's strict mode refuses), Pillow decodes
+    sos = data.index(b"\xff\xda")
+    padded = data[:sos] + b"\x00" * 7 + data[sos:]
+    np.testing.assert_array_equal(
+        decode_image(padded, "RGB"), np.asarray(Image.open(io.BytesIO(padded))).transpose(2, 0, 1)
+    )
+    path = tmp_path / "cut.jpg"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(BadSampleError, match=rf"{path}: truncated or corrupt image"):
+        decode_image(path, "RGB")
+    with pytest.raises(BadSampleError, match="colour image"):
+        decode_image(data, "L", gray_only=True)
+    assert decode_image(_jpeg_variants()["gray"], "L", gray_only=True).shape == (1, 61, 97)
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
 def test_truncated_image_names_the_file(tmp_path, fmt):
     path = tmp_path / "cls" / f"cut.{fmt.lower()}"

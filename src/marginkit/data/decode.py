@@ -18,6 +18,16 @@ A truncated or corrupt file, an empty file or one that is not an image raises
 :class:`~marginkit.data.samples.BadSampleError` naming the file. Formats other than JPEG are
 ``verify()``-ed first (PNG chunk checksums and its end marker: a truncated PNG can otherwise
 decode); Pillow's JPEG ``verify`` checks nothing, and a truncated JPEG fails to decode.
+
+JPEGs, where ``simplejpeg`` is installed (the ``cli`` extra), are decoded by it instead of
+Pillow when the result is the same: a YCbCr or grayscale JPEG read as ``"RGB"``, or a grayscale
+one read as ``"L"``, at its own size. simplejpeg calls libjpeg-turbo's decoder with the settings
+Pillow uses (the accurate integer IDCT, smooth chroma upsampling), so the pixels are Pillow's
+(tests/test_decode.py compares them over subsamplings, qualities, progressive and grayscale
+files), and skips Pillow's header parsing in Python — about half the time per small image.
+Everything else (CMYK / YCCK / Adobe-RGB JPEGs, a resize, a colour image read as ``"L"``, which
+Pillow converts with its own weights, and any file simplejpeg's strict decoder refuses) takes the
+Pillow path, so the errors and pixels of those files are Pillow's as before.
 """
 
 from __future__ import annotations
@@ -51,6 +61,62 @@ _BYTES_PER_PIXEL = 4
 _FORMATS = ("PNG", "JPEG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
 
 ImageHeader = tuple[str, tuple[int, int]]  # (Pillow mode, (width, height))
+
+
+#: Decode JPEGs with simplejpeg where it gives Pillow's pixels (tests switch it off to compare).
+FAST_JPEG = True
+_simplejpeg: object | None = None  # the module once imported; False where it is not installed
+
+
+def _fast_jpeg() -> object | None:
+    global _simplejpeg
+    if _simplejpeg is None:
+        try:
+            import simplejpeg
+        except ImportError:
+            _simplejpeg = False
+        else:
+            _simplejpeg = simplejpeg
+    return _simplejpeg or None
+
+
+def _too_many_pixels(where: str, width: int, height: int, max_pixels: int) -> BadSampleError:
+    return BadSampleError(
+        where,
+        f"its header declares {width} x {height} pixels, more than the {max_pixels:,} an image may have "
+        "(refused as a decompression bomb before decoding)",
+    )
+
+
+def _decode_jpeg(
+    data: bytes, mode: str, size: tuple[int, int] | None, where: str, max_pixels: int, gray_only: bool
+) -> np.ndarray | None:
+    """``[H, W, C]`` pixels of a JPEG by simplejpeg, or ``None`` where Pillow decodes it (module doc)."""
+    sj = _fast_jpeg() if FAST_JPEG and data[:2] == b"\xff\xd8" else None
+    if sj is None:
+        return None
+    try:
+        height, width, colorspace, _ = sj.decode_jpeg_header(data)  # type: ignore[attr-defined]
+    except ValueError:
+        return None  # Pillow names what is wrong with it
+    if width * height > max_pixels:
+        raise _too_many_pixels(where, width, height, max_pixels)
+    if colorspace == "YCbCr":
+        if gray_only:
+            return None  # Pillow's path refuses it by name
+        if mode == "L":
+            return None  # Pillow's own grey weights
+    elif colorspace != "Gray":
+        return None
+    if size is not None and (height, width) != tuple(size):
+        return None
+    try:
+        pixels = sj.decode_jpeg(  # type: ignore[attr-defined]
+            data, colorspace="GRAY" if mode == "L" else "RGB", fastdct=False, fastupsample=False, strict=True
+        )
+    except ValueError:
+        return None  # a truncated or corrupt file: Pillow decodes it or names the cause, as before
+    return pixels
 
 
 def max_image_pixels() -> int:
@@ -102,11 +168,7 @@ def _open(data: bytes, where: str, max_pixels: int) -> object:
     width, height = image.size
     if width * height > max_pixels:
         image.close()
-        raise BadSampleError(
-            where,
-            f"its header declares {width} x {height} pixels, more than the {max_pixels:,} an image may have "
-            "(refused as a decompression bomb before decoding)",
-        )
+        raise _too_many_pixels(where, width, height, max_pixels)
     if width < 1 or height < 1:
         image.close()
         raise BadSampleError(where, f"its header declares {width} x {height} pixels")
@@ -173,6 +235,9 @@ def decode_image(
         where = "<bytes>" if isinstance(source, (bytes, bytearray, memoryview)) else os.fspath(source)
     data = _bytes_of(source, where)
     limit = max_pixels if max_pixels is not None else max_image_pixels()
+    array = _decode_jpeg(data, mode, size, where, limit, gray_only)
+    if array is not None:
+        return _checked(array, where, expected)
     image = _open(data, where, limit)
     try:
         own_mode = image.mode  # type: ignore[attr-defined]
@@ -197,7 +262,12 @@ def decode_image(
         raise BadSampleError(where, f"truncated or corrupt image ({exc})") from exc
     finally:
         image.close()  # type: ignore[attr-defined]
-    # a [C, H, W] view of Pillow's [H, W, C] pixels: the batch's stacking copies it once anyway
+    return _checked(array, where, expected)
+
+
+def _checked(array: np.ndarray, where: str, expected: tuple[int, ...] | None) -> np.ndarray:
+    """``[C, H, W]``: a view of the decoder's ``[H, W, C]`` (or ``[H, W]``) pixels, of the expected shape."""
+    # the batch keeps the [H, W, C] layout (data.loading): a plain copy per row
     array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
     if expected is not None and array.shape != tuple(expected):
         raise BadSampleError(
