@@ -222,9 +222,11 @@ def qmargin_table(device: torch.device, small: bool, repeats: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ 3. MEP
-def jax_mep(norm: str) -> Callable[[np.ndarray, np.ndarray, float], object] | None:
+def jax_mep(norm: str, rows: bool = True) -> Callable[[np.ndarray, np.ndarray, float], object] | None:
     """The blog's reference algorithm (SPEC §1) under jax.jit (rows by lax.map): L2 evaluates f′ at
-    every breakpoint (O(n²) per row), L1 takes the order statistic u_(|N|) from one sort."""
+    every breakpoint (O(n²) per row), L1 takes the order statistic u_(|N|) from one sort.
+
+    ``rows=False``: the jitted one-row function, as the blog's code is written (1-D input only)."""
     try:
         import jax
         import jax.numpy as jnp
@@ -257,6 +259,8 @@ def jax_mep(norm: str) -> Callable[[np.ndarray, np.ndarray, float], object] | No
         return jnp.where(ok, x, z)
 
     row = row_l2 if norm == "l2" else row_l1
+    if not rows:
+        return jax.jit(row, static_argnums=2)
     return jax.jit(lambda x, p, m: jax.lax.map(lambda xp: row(xp[0], xp[1], m), (x, p)), static_argnums=2)
 
 

@@ -167,6 +167,62 @@ def test_mep_labels_l2_windows_equal_reference():
         assert torch.equal(bits(fast), bits(reference(mep, x, labels, margins, validate=False)))
 
 
+def test_mep_labels_l2_candidates_equal_reference(monkeypatch):
+    """The labels' L2 level on the CPU sorts only the breakpoints above about (x_p + max_N u) / 2
+    where the first failing comparison lies among them: random rows take that path; rows with
+    every candidate active, a zero among the candidates or at the top, and feasible rows are
+    handled as the module doc says; all equal the torch path bit for bit (float32 and float64,
+    per-row margins), and a NaN anywhere sends the whole batch to the sorted path."""
+    from marginkit.ops import projection
+
+    sorted_rows = []
+    real = projection._l2_level_labels_sorted
+    monkeypatch.setattr(
+        projection, "_l2_level_labels_sorted", lambda b, *a: sorted_rows.append(len(b)) or real(b, *a)
+    )
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.float64):
+        x = 3 * torch.randn(40, 500, generator=g, dtype=dtype)
+        labels = torch.randint(0, 500, (40,), generator=g)
+        x[0] = torch.linspace(-1, 1, 500, dtype=dtype)  # all negatives within the margin: all active
+        x[0, labels[0]] = -2.0
+        x[1, torch.arange(500) != labels[1]] = -0.0  # every breakpoint +margin; a zero at the top below
+        x[1, labels[1]] = 9.0  # a feasible row
+        x[2, labels[2]] = x[2].max() + 5  # feasible
+        x[3, :3] = torch.tensor([-1.0, -1.0, -1.0], dtype=dtype)  # breakpoints of exactly +0.0 (m = 1)
+        x[3, labels[3]] = -5.0
+        x[4, labels[4]] = x[4].max()  # feasible by less than the margin: infeasible
+        x[5] = -10.0  # at m = 1, zeros among the few candidates: the sorted path
+        x[5, :4], x[5, 4], labels[5], x[5, 100] = -1.0, -0.5, 100, -3.0
+        margins = 0.5 + torch.rand(40, generator=g, dtype=dtype)
+        for m in (1.0, margins):
+            sorted_rows.clear()
+            fast = mep(x, labels, m)
+            assert torch.equal(bits(fast), bits(reference(mep, x, labels, m)))
+            assert (2 if isinstance(m, float) else 1) <= sorted_rows[0] < 10, sorted_rows  # most: candidates
+        y = x.clone()
+        y[7, 3] = math.nan
+        sorted_rows.clear()
+        fast = mep(y, labels, 1.0, validate=False)
+        assert torch.equal(bits(fast), bits(reference(mep, y, labels, 1.0, validate=False)))
+        assert sorted_rows == [40]
+
+
+@given(
+    st.integers(1, 6),
+    st.integers(64, 300),
+    st.floats(0.05, 4.0),
+    st.sampled_from([0.5, 3.0]),
+    st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=40, deadline=None)
+def test_mep_labels_l2_candidates_hypothesis(rows, n, margin, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.round(scale * torch.randn(rows, n, generator=g) * 8) / 8  # ties and zeros
+    labels = torch.randint(0, n, (rows,), generator=g)
+    assert torch.equal(bits(mep(x, labels, margin)), bits(reference(mep, x, labels, margin)))
+
+
 def test_mep_fast_path_odd_inputs_equal_reference():
     """Under ``no_grad`` with inputs that require a gradient, a non-contiguous view, half
     precision, float64 margins per row: the numpy path still equals the torch path bit for bit."""

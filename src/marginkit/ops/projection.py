@@ -393,7 +393,7 @@ def _project_numpy(
     if norm == "l2":
         if lab is None:
             level, bounds = _l2_level_numpy(b, xm, ma, bits, shape)
-        else:  # (sorts b in place)
+        else:
             level, bounds = _l2_level_labels_numpy(
                 b,
                 x_pos,
@@ -423,11 +423,11 @@ def _project_numpy(
         z = _select(bits, up, np.where(b <= level, xa, t))  # (most entries stay: np.where is fast there)
     else:
         level = np.fmin(np.fmax(level, x_pos), bounds)
-        # np.where(xm <= level, xa, t) as a copy of the few entries that move (xm in z's memory)
-        z = np.add(xa, mv)
-        moves = np.less_equal(z, level)
+        # np.where(xm <= level, xa, t) as a copy of the few entries that move; L2's b is xm but at
+        # the labels, whose entries are written last
+        moves = np.less_equal(b if norm == "l2" else np.add(xa, mv), level)
         np.logical_not(moves, out=moves)
-        np.copyto(z, xa)
+        z = xa.copy()
         np.copyto(z, t, where=moves)
         z[rows, lab] = np.where(x_pos < level, level, x_pos)
     return torch.from_numpy(z).reshape(shape)
@@ -494,6 +494,69 @@ def _labels_breakpoints(x: np.ndarray, m: Any, lab: np.ndarray) -> np.ndarray:
 
 
 def _l2_level_labels_numpy(b: np.ndarray, x_pos: np.ndarray, unsorted: Any) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_l2_level_labels` on ``[rows, n]`` numpy breakpoints: ``(ℓ, max_N u)`` (``b`` kept).
+
+    Most rows need no sort of the whole row. The candidate levels rise while the comparisons
+    hold (``ℓ_k = ((k + 1) ℓ_{k-1} + v_k) / (k + 2) > ℓ_{k-1}`` iff ``v_k > ℓ_{k-1}``), so the
+    active negatives lie above ``ℓ_0 = (x_p + max_N u) / 2``: the breakpoints at or above a
+    threshold a little below ``ℓ_0`` (one pass) are the first columns of the descending order,
+    exactly (ties included), and only they are sorted. A row whose first failing comparison lies
+    among them, or on the next column (the largest other breakpoint, compared as the whole row's
+    scan compares it), has the whole sort's prefix sums, comparisons and level there, bit for
+    bit; the other rows (every candidate active, a zero among them, candidates in more than a quarter of
+    the row) take :func:`_l2_level_labels_sorted`, and so does every row of a batch with a NaN.
+    """
+    rows, n = b.shape
+    top = b.max(-1, keepdims=True)
+    level = np.empty((rows, 1))
+    todo = np.arange(rows)
+    if n >= 64 and not np.isnan(top).any():
+        half = (top.astype(np.float64) + x_pos) / 2  # ℓ_0 as the sorted path computes it
+        # a relative slack far above the rounding of the comparisons (and of the float32 threshold)
+        threshold = (half - (np.abs(half) * 2.0**-16 + 2.0**-60)).astype(b.dtype)
+        cand = b >= threshold
+        counts = np.count_nonzero(cand, axis=-1)
+        wide = counts > n // 4  # such rows take the sorted path
+        if wide.any():
+            cand &= ~wide[:, None]
+            counts[wide] = 0
+        width = int(counts.max()) + 1
+        # a row that keeps the margin (max_N u <= x_p): project clamps any level to max_N u
+        found = top[:, 0] <= x_pos[:, 0]
+        level[found, 0] = x_pos[found, 0]
+        if width > 1:
+            flat = np.flatnonzero(cand)  # row-major: each row's candidates in turn
+            r = flat // n
+            first = np.cumsum(counts) - counts
+            part = np.full((rows, width), -np.inf, b.dtype)
+            part[r, np.arange(r.size) - first[r]] = b.reshape(-1)[flat]
+            part.sort(axis=-1)
+            part = np.ascontiguousarray(part[:, ::-1])  # descending; -inf fills each row's tail
+            sums = torch.cumsum(torch.from_numpy(part), -1, dtype=torch.float64).numpy()
+            means = sums + x_pos
+            means /= np.arange(2, width + 2, dtype=np.float64)
+            holds = part[:, 1:] > means[:, 1:]
+            idx = holds.argmin(-1) + 1  # the first failing column (or the first of the -inf fill)
+            at = np.arange(rows)
+            ok = (idx <= counts) & ~(part == 0).any(-1) & (top[:, 0] != 0) & ~found
+            # every candidate holds: the sorted order's next column is the largest other breakpoint,
+            # below ℓ_0 <= ℓ; its comparison is made as the whole sort's scan makes it
+            last = ok & (idx == counts)
+            if last.any():
+                rl, k = at[last], counts[last]
+                nxt = np.where(cand[rl], -np.inf, b[rl]).max(-1)
+                mean = (sums[rl, k - 1] + nxt.astype(np.float64) + x_pos[rl, 0]) / (k + 2)
+                ok[rl[(nxt > mean) | (nxt == 0)]] = False
+            level[ok, 0] = means[at[ok], idx[ok] - 1]
+            found |= ok
+        todo = todo[~found]
+    if todo.size:
+        sub = b[todo] if todo.size < rows else b.copy()
+        level[todo], top[todo] = _l2_level_labels_sorted(sub, x_pos[todo], lambda r: unsorted(todo[r]))
+    return level, top
+
+
+def _l2_level_labels_sorted(b: np.ndarray, x_pos: np.ndarray, unsorted: Any) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_l2_level_labels` on ``[rows, n]`` numpy breakpoints: ``(ℓ, max_N u)``.
 
     The float64 prefix sums, means and comparisons are computed on the first ``_LEVEL_WINDOW``
