@@ -419,8 +419,16 @@ def _project_numpy(
         else:
             lo, hi = bounds
         level = np.fmin(np.fmax(level, lo), hi)
-        up = np.where(xa < level, level, xa)
-        z = _select(bits, up, np.where(b <= level, xa, t))  # (most entries stay: np.where is fast there)
+        # np.where(mask, np.where(x < level, level, x), np.where(b <= level, x, t)) as copies of
+        # the entries that move (the positives below the level, the negatives above t)
+        z = xa.copy()
+        moves = np.less(xa, level)
+        moves &= ma
+        np.copyto(z, level, where=moves)
+        moves = np.less_equal(b, level, out=moves)
+        moves |= ma
+        np.logical_not(moves, out=moves)
+        np.copyto(z, t, where=moves)
     else:
         level = np.fmin(np.fmax(level, x_pos), bounds)
         # np.where(xm <= level, xa, t) as a copy of the few entries that move; L2's b is xm but at
