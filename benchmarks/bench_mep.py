@@ -169,7 +169,8 @@ def bench_jax(sizes: list[tuple[int, int]], rounds: int, kind: str, jax_mep: Cal
                     times[k].append(timed(f)[0])
             ours, ref, rows = min(times["ours"]), min(times["jax"]), min(times["rows"])
             cells.append(
-                f"{ours * 1e3:>8.2f} {ref * 1e3:>8.2f} {ref / ours:>6.1f}x {rows * 1e3:>8.2f} {rows / ours:>6.1f}x"
+                f"{ours * 1e3:>8.2f} {ref * 1e3:>8.2f} {ref / ours:>6.1f}x"
+                f" {rows * 1e3:>8.2f} {rows / ours:>6.1f}x"
             )
             if norm == "l2":
                 cells[-1] += f" {np.abs(out - mep(x, pos, 1.0).numpy()).max():>8.1e}"
