@@ -23,7 +23,7 @@ JPEGs, where ``simplejpeg`` is installed (the ``cli`` extra), are decoded by it 
 Pillow when the result is the same: a YCbCr or grayscale JPEG read as ``"RGB"``, or a grayscale
 one read as ``"L"``, at its own size. simplejpeg calls libjpeg-turbo's decoder with the settings
 Pillow uses (the accurate integer IDCT, smooth chroma upsampling), so the pixels are Pillow's
-(tests/test_decode.py compares them over subsamplings, qualities, progressive and grayscale
+(tests/test_data_folder.py compares them over subsamplings, qualities, progressive and grayscale
 files), and skips Pillow's header parsing in Python — about half the time per small image.
 Everything else (CMYK / YCCK / Adobe-RGB JPEGs, a resize, a colour image read as ``"L"``, which
 Pillow converts with its own weights, and any file simplejpeg's strict decoder refuses) takes the
@@ -32,9 +32,11 @@ Pillow path, so the errors and pixels of those files are Pillow's as before.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import warnings
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -65,19 +67,16 @@ ImageHeader = tuple[str, tuple[int, int]]  # (Pillow mode, (width, height))
 
 #: Decode JPEGs with simplejpeg where it gives Pillow's pixels (tests switch it off to compare).
 FAST_JPEG = True
-_simplejpeg: object | None = None  # the module once imported; False where it is not installed
 
 
-def _fast_jpeg() -> object | None:
-    global _simplejpeg
-    if _simplejpeg is None:
-        try:
-            import simplejpeg
-        except ImportError:
-            _simplejpeg = False
-        else:
-            _simplejpeg = simplejpeg
-    return _simplejpeg or None
+@functools.cache
+def _fast_jpeg() -> ModuleType | None:
+    """The ``simplejpeg`` module, or ``None`` where it is not installed (imported once)."""
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    return simplejpeg
 
 
 def _too_many_pixels(where: str, width: int, height: int, max_pixels: int) -> BadSampleError:
