@@ -107,6 +107,8 @@ def test_bad_yaml_and_missing_file(tmp_path):
         ({"device": "tpu"}, "device must be"),
         ({"samples_per_class": 1}, "samples_per_class must be >= 2"),
         ({"epochs.x": 1}, "not a mapping"),
+        ({"data_options.train_per_class": 1}, "data_options.train_per_class is not a data option.*--set"),
+        ({"data_options.seed": 3}, "data_options.seed is not a data option"),
     ],
 )
 def test_validation_errors_name_the_key(override, message):

@@ -656,6 +656,64 @@ def test_exact_backend_peak_memory_stays_under_limit():
         assert growth[f"{metric}-512"] > 64, growth
 
 
+_TIES_RSS_SCRIPT = textwrap.dedent(
+    """
+    import gc, json, torch
+    from marginkit.metrics import knn_accuracy
+    torch.set_num_threads(2)
+
+    def kib(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+    g = torch.Generator().manual_seed(0)
+    # 6,000 rows that are copies of 5 points: every row's neighbours are ties, widened to all rows
+    x = torch.randn(5, 32, generator=g)[torch.randint(0, 5, (6_000,), generator=g)]
+    y = torch.arange(2_000).repeat_interleave(3)  # 2,000 classes: the votes' [N, C] is 96 MB
+    knn_accuracy(x[:100], y[:100], k=3, memory_limit_mb=8)  # warm-up
+    gc.collect()
+    base = kib("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    acc = knn_accuracy(x, y, k=3, memory_limit_mb=8)
+    print(json.dumps({"growth_mb": (kib("VmHWM:") - base) / 1024, "accuracy": acc}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")
+def test_leave_one_out_accuracy_with_ties_and_many_classes_stays_under_limit():
+    # Duplicate embeddings make every row uncertified until its candidates are all the rows
+    # ([6000, 6000] lists, 288 MB at once before they were made row chunk by row chunk), and
+    # 2,000 classes make the vote matrix 96 MB: both must stay under the 8 MB budget.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _TIES_RSS_SCRIPT], capture_output=True, text=True, env=env, check=True,
+        timeout=300,
+    )  # fmt: skip
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    result_mb = 6_000 * 3 * (4 + 8 + 8) / 2**20  # values, indices, their labels
+    assert out["growth_mb"] <= 8 + result_mb + 1.0, out
+    assert 0.0 <= out["accuracy"] <= 1.0
+
+
+def test_vote_winners_is_the_argmax_of_vote_proba_in_row_chunks(gen):
+    from marginkit.knn.classifier import vote_proba, vote_winners
+
+    for weights, metric in (("uniform", "cosine"), ("distance", "cosine"), ("distance", "l2")):
+        values = torch.rand(300, 7, generator=gen, dtype=torch.float64)
+        values[:50] = values[:50, :1]  # tied votes: the smallest code wins
+        values[50:60, 0] = 1.0 if metric == "cosine" else 0.0  # a neighbour at distance 0
+        labels = torch.randint(0, 40, (300, 7), generator=gen)
+        proba = vote_proba(values, labels, metric=metric, weights=weights, num_classes=40)
+        for limit in (1, 3 * 8 * 40 * 7, 2**20):  # one row, seven rows, all rows per chunk
+            winners = vote_winners(
+                values, labels, metric=metric, weights=weights, num_classes=40, memory_limit_bytes=limit
+            )
+            assert torch.equal(winners, proba.argmax(dim=1))
+
+
 # ---------------------------------------------------------------- errors
 def test_bad_input_errors(gen):
     ref, lab, q = _data(gen, n=20, dtype=torch.float32)

@@ -50,6 +50,11 @@ METRICS = ("cosine", "l2")
 _INDEX_BYTES = 8  # int64 indices
 _MIN_QUERY_ROWS = 16  # below this, split the references instead of the queries
 _MAX_QUERY_ROWS = 4096  # larger chunks bring no speed, only a larger buffer
+# [rows, candidates] arrays alive at once in a pass of exact_search (topk_keys' and rerank's
+# outputs and rerank's sorts): int64 candidates, their sort and two permutations, and the keys,
+# approximate and recomputed squared distances
+_CANDIDATE_INDEX_ARRAYS = 4
+_CANDIDATE_VALUE_ARRAYS = 4
 
 
 def check_embeddings(x: object, name: str) -> torch.Tensor:
@@ -451,7 +456,10 @@ def exact_search(
     """Exact ``k``-NN: ``(values, indices)``, values as in :func:`sqdist_to_values`.
 
     Candidates by key (:func:`topk_keys`), then :func:`rerank`; rows that are not certified
-    are searched again with four times the candidates, until certified or exhaustive.
+    are searched again with four times the candidates, until certified or exhaustive. The
+    ``[rows, candidates]`` lists of a pass are made for as many rows at a time as a quarter of
+    the budget holds, so that rows full of ties (duplicate embeddings, which widen to all
+    references) stay under ``memory_limit_bytes`` too.
     """
     device = references.device
     nq, n = queries.shape[0], references.shape[0]
@@ -462,35 +470,48 @@ def exact_search(
     max_ref_sqnorm = 1.0 if metric == "cosine" else float(-ref_neg_sqnorms.min())  # type: ignore[union-attr]
     values = torch.empty(nq, k, dtype=references.dtype, device=device)
     indices = torch.empty(nq, k, dtype=torch.long, device=device)
-    todo: torch.Tensor | None = None  # rows still to answer; None: all of them
+    itemsize = references.element_size()
+    per_candidate = _CANDIDATE_INDEX_ARRAYS * _INDEX_BYTES + _CANDIDATE_VALUE_ARRAYS * itemsize
+    rows = torch.arange(nq, device=device)  # rows still to answer
     width = min(available, k + candidate_margin(k))
     if not _fits(nq, references, width, memory_limit_bytes):
         width = k  # no margin within the budget: rows that cannot be certified are retried
+    first = True
     while True:
-        sub = queries if todo is None else queries[todo.to(queries.device)]
-        sub_exclude = exclude if exclude is None or todo is None else exclude[todo]
-        if todo is not None and not _fits(sub.shape[0], references, width, memory_limit_bytes):
+        if not first and not _fits(rows.shape[0], references, width, memory_limit_bytes):
+            sub_exclude = None if exclude is None else exclude[rows]
             v, i = exhaustive_search(
-                sub, references, k, metric=metric, memory_limit_bytes=memory_limit_bytes, exclude=sub_exclude
-            )
-            values[todo], indices[todo] = v, i
+                queries[rows.to(queries.device)], references, k, metric=metric,
+                memory_limit_bytes=memory_limit_bytes, exclude=sub_exclude,
+            )  # fmt: skip
+            values[rows], indices[rows] = v, i
             return values, indices
-        keys, cand, q_sq = topk_keys(
-            sub, references, width, metric=metric, memory_limit_bytes=memory_limit_bytes,
-            ref_neg_sqnorms=ref_neg_sqnorms, exclude=sub_exclude,
-        )  # fmt: skip
-        approx_sq = 2 - 2 * keys if metric == "cosine" else q_sq[:, None] - keys
-        v, i, ok = rerank(
-            sub, references, cand, approx_sq, k, metric=metric, memory_limit_bytes=memory_limit_bytes,
-            exhaustive=width >= available, q_sqnorms=q_sq, max_ref_sqnorm=max_ref_sqnorm,
-        )  # fmt: skip
-        if todo is None and bool(ok.all()):
-            return v, i
-        rows = torch.arange(nq, device=device) if todo is None else todo
-        values[rows[ok]], indices[rows[ok]] = v[ok], i[ok]
-        if bool(ok.all()):
+        lists = min(rows.shape[0], max(1, (memory_limit_bytes // 4) // (width * per_candidate)))
+        inner = max(memory_limit_bytes - lists * width * per_candidate, memory_limit_bytes // 2)
+        failed = []
+        for part in rows.split(lists):
+            whole = first and part.shape[0] == nq
+            sub = queries if whole else queries[part.to(queries.device)]
+            sub_exclude = exclude if exclude is None or whole else exclude[part]
+            keys, cand, q_sq = topk_keys(
+                sub, references, width, metric=metric, memory_limit_bytes=inner,
+                ref_neg_sqnorms=ref_neg_sqnorms, exclude=sub_exclude,
+            )  # fmt: skip
+            approx_sq = 2 - 2 * keys if metric == "cosine" else q_sq[:, None] - keys
+            del keys
+            v, i, ok = rerank(
+                sub, references, cand, approx_sq, k, metric=metric, memory_limit_bytes=inner,
+                exhaustive=width >= available, q_sqnorms=q_sq, max_ref_sqnorm=max_ref_sqnorm,
+            )  # fmt: skip
+            del cand, approx_sq
+            if whole and bool(ok.all()):
+                return v, i
+            values[part[ok]], indices[part[ok]] = v[ok], i[ok]
+            failed.append(part[~ok])
+        rows, first = torch.cat(failed), False
+        if rows.shape[0] == 0:
             return values, indices
-        todo, width = rows[~ok], min(available, 4 * width)
+        width = min(available, 4 * width)
 
 
 def _fits(num_queries: int, references: torch.Tensor, k: int, memory_limit_bytes: int) -> bool:

@@ -16,7 +16,7 @@ from marginkit.knn.fingerprint import model_fingerprint as fingerprint_of
 from marginkit.knn.index_file import IndexFileError, check_hnsw_graph, fail, read_index, write_index
 from marginkit.knn.labels import Classes, Labels, check_label_values
 
-__all__ = ["BACKENDS", "WEIGHTS", "IndexFileError", "KNNClassifier", "vote_proba"]
+__all__ = ["BACKENDS", "WEIGHTS", "IndexFileError", "KNNClassifier", "vote_proba", "vote_winners"]
 
 BACKENDS = ("exact", "faiss", "hnsw", "ivf")
 WEIGHTS = ("uniform", "distance")
@@ -51,6 +51,32 @@ def vote_proba(
     return votes / votes.sum(dim=1, keepdim=True)
 
 
+def vote_winners(
+    values: torch.Tensor,
+    neighbour_labels: torch.Tensor,
+    *,
+    metric: str,
+    weights: str,
+    num_classes: int,
+    memory_limit_bytes: int,
+) -> torch.Tensor:
+    """The winning code of each row, ``argmax`` of :func:`vote_proba` (ties to the smallest
+    code), without its ``[N, C]`` matrix: the votes are made for as many rows at a time as
+    ``memory_limit_bytes`` holds (a few ``[rows, C]`` temporaries), so that many classes times
+    many queries stay under the budget. Returns int64 ``[N]``."""
+    itemsize = torch.finfo(compute_dtype(values.dtype)).bits // 8
+    # three [rows, C] arrays live at once (votes, shares, argmax's scratch), in half the budget
+    rows = max(1, int(memory_limit_bytes) // (6 * itemsize * max(1, num_classes)))
+    out = torch.empty(values.shape[0], dtype=torch.long, device=values.device)
+    for start in range(0, values.shape[0], rows):
+        part = slice(start, start + rows)
+        proba = vote_proba(
+            values[part], neighbour_labels[part], metric=metric, weights=weights, num_classes=num_classes
+        )
+        out[part] = proba.argmax(dim=1)
+    return out
+
+
 class KNNClassifier:
     r"""K-NN classification by majority or distance-weighted vote over stored embeddings.
 
@@ -70,7 +96,8 @@ class KNNClassifier:
             float32 store that scores the answers). The FAISS backends need
             ``pip install 'marginkit[faiss]'``.
         memory_limit_mb: bound on the temporary memory of one exact search (the score matrix
-            is computed in chunks under it). The FAISS backends use FAISS's own blocking.
+            is computed in chunks under it) and of :meth:`predict`'s and :meth:`score`'s votes
+            (:func:`vote_winners`). The FAISS backends use FAISS's own blocking.
         num_classes: declare the classes up front as ``0 .. num_classes - 1`` (columns of
             :meth:`predict_proba` even for classes without a reference; other labels are an
             error). Default ``None``: the classes are the distinct labels of the references,
@@ -354,19 +381,33 @@ class KNNClassifier:
         """
         as_numpy = not isinstance(x, torch.Tensor)
         x = data_tensor(x, "x")
-        proba = self.predict_proba(x)
+        winners = self._winners(x)
         assert self._classes is not None
-        return self._classes.decode(proba.argmax(dim=1), as_numpy=as_numpy)
+        return self._classes.decode(winners.to(x.device), as_numpy=as_numpy)
 
     def score(self, x: torch.Tensor, y: Any) -> float:
         """Accuracy of :meth:`predict` on ``(x, y)`` (a label outside ``classes_`` counts as an error)."""
         x = check_embeddings(data_tensor(x, "x"), "x")
         values = check_label_values(y, "y", x.shape[0], "x")
-        proba = self.predict_proba(x)
+        winners = self._winners(x)
         assert self._classes is not None
         codes, known = self._classes.encode(values, "y")
-        hits = known.to(proba.device) & (proba.argmax(dim=1) == codes.to(proba.device))
+        hits = known.to(winners.device) & (winners == codes.to(winners.device))
         return float(hits.to(torch.float64).mean())
+
+    def _winners(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`predict`'s codes (on the index's device), voted under the memory limit."""
+        x, k = self._check_queries(x, None)
+        index, codes = self._require_fitted()
+        values, indices = index.search(x.detach(), k)
+        return vote_winners(
+            values,
+            codes[indices.to(codes.device)].to(values.device),
+            metric=self.metric,
+            weights=self.weights,
+            num_classes=int(self.num_classes),  # type: ignore[arg-type]
+            memory_limit_bytes=self.memory_limit_bytes,
+        )
 
     def recall_at_k(self, x: torch.Tensor, k: int | None = None) -> float:
         r"""Recall@k of this backend's neighbours against exact search (for ``hnsw``).

@@ -7,7 +7,7 @@ import torch
 
 from marginkit._validation import accepts_arrays, label_tensor, positive_float, positive_int
 from marginkit.knn._search import check_embeddings, check_metric, exact_search, prepare
-from marginkit.knn.classifier import KNNClassifier, vote_proba
+from marginkit.knn.classifier import KNNClassifier, vote_winners
 from marginkit.knn.labels import Classes, check_label_values
 
 
@@ -82,5 +82,8 @@ def knn_accuracy(
     # labels are identifiers: votes run on their codes (positions among the distinct labels)
     classes, _ = Classes(np.zeros(0)).merged(values, "query_labels")
     labels = classes.encode(values, "query_labels")[0].to(refs.device)
-    proba = vote_proba(scores, labels[idx], metric=metric, weights=weights, num_classes=len(classes))
-    return float((proba.argmax(dim=1) == labels).to(torch.float64).mean())
+    winners = vote_winners(
+        scores, labels[idx], metric=metric, weights=weights, num_classes=len(classes),
+        memory_limit_bytes=limit,
+    )  # fmt: skip
+    return float((winners == labels).to(torch.float64).mean())

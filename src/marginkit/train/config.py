@@ -276,6 +276,7 @@ class TrainConfig:
         check_loss_options(self.loss, self.loss_options)
         _ranged_options(self.loss_options, loss_option_ranges(self.loss), "loss_options")
         _ranged_options(self.model_options, MODEL_OPTION_RANGES, "model_options")
+        _no_top_level_keys(self.data_options)
         from marginkit.train.finetune import check_finetune, check_tracking
 
         self.freeze = check_finetune(self)
@@ -283,6 +284,21 @@ class TrainConfig:
         self.tracking = check_tracking(self.tracking)
         _build_loss_once(self)
         return self
+
+
+# load_dataset's own keyword arguments: the trainer passes them from the top-level fields
+_DATASET_ARGUMENTS = ("seed", "train_per_class", "val_fraction", "min_val_per_class")
+
+
+def _no_top_level_keys(data_options: dict[str, Any]) -> None:
+    for key in _DATASET_ARGUMENTS:
+        if key in data_options:
+            where = (
+                f"set it as a top-level option ('--set {key}=...')"
+                if key != "min_val_per_class"
+                else "the trainer sets it (marginkit.train.small_data.MIN_VAL_PER_CLASS)"
+            )
+            raise ConfigError(f"data_options.{key} is not a data option: {where}")
 
 
 # ---------------------------------------------------------------------- typing
