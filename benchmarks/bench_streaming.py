@@ -107,20 +107,29 @@ def train_run(data: str, out: Path, extra: list[str]) -> dict[str, float]:
             "--out", str(out), "--no-report", "-q", *extra]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = peak_pss = 0
+    # the epoch's row in metrics.jsonl marks the end of training: the peaks after it are the
+    # final evaluation's (embedding every split, K-NN, verification, retrieval)
+    peaks = {"train": [0, 0], "evaluation": [0, 0]}
+    history = out / "metrics.jsonl"
     while proc.poll() is None:
+        phase = peaks["evaluation" if history.is_file() and history.stat().st_size else "train"]
         rss, pss = _tree_memory(proc.pid)
-        peak, peak_pss = max(peak, rss), max(peak_pss, pss)
+        phase[0], phase[1] = max(phase[0], rss), max(phase[1], pss)
         time.sleep(0.05)
     err = proc.stderr.read() if proc.stderr else ""
     if proc.returncode != 0:
         raise RuntimeError(f"marginkit train failed ({proc.returncode}): {err[-2000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+    final = json.loads((out / "metrics.json").read_text())
     return {
-        "peak_gb": peak / 1e9,
-        "peak_pss_gb": peak_pss / 1e9,
+        "peak_gb": max(p[0] for p in peaks.values()) / 1e9,
+        "peak_pss_gb": max(p[1] for p in peaks.values()) / 1e9,
+        "train_peak_gb": peaks["train"][0] / 1e9,
+        "evaluation_peak_gb": peaks["evaluation"][0] / 1e9,
         "seconds": time.perf_counter() - t0,
         "samples_per_s": rows[-1]["samples_per_second"],
+        "num_train": final.get("num_train"),
+        "num_test": final.get("num_test"),
     }
 
 
