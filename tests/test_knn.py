@@ -117,6 +117,41 @@ def test_exact_search_matches_float64_brute_force(gen, metric, limit_mb):
     np.testing.assert_allclose(values.numpy(), bv, atol=1e-10)
 
 
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_concentrated_embeddings_are_certified_by_float64_keys(monkeypatch, metric):
+    # A barely trained model's embeddings: one direction plus 1e-3 noise. The float32 keys'
+    # rounding (~1e-5 of |x|^2) exceeds the gaps between neighbours, so the float32 pass cannot
+    # certify any row; the float64 pass must, with the same number of candidates (before it,
+    # rows widened to thousands of candidates: minutes at 25,000 rows).
+    from marginkit.knn import _search
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 24, generator=g) * 4 + 1e-3 * torch.randn(3000, 24, generator=g)
+    calls = []
+    inner = _search.topk_keys
+
+    def spy(*args, **kwargs):
+        calls.append((args[2], kwargs.get("key_dtype")))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(_search, "topk_keys", spy)
+    refs = prepare(x, metric, "r")
+    values, idx = exact_search(x, refs, 5, metric=metric, memory_limit_bytes=64 << 20, self_offset=0)
+    widths = {w for w, _ in calls}
+    assert calls[0][1] is None and calls[-1][1] == torch.float64, calls
+    assert widths == {5 + _search.candidate_margin(5)}, calls  # never widened
+    # float64 brute force on the prepared float32 rows, leave-one-out, ties to the lower index
+    r = refs.double().numpy()
+    sq = ((r[:, None, :] - r[None, :, :]) ** 2).sum(-1)
+    np.fill_diagonal(sq, np.inf)
+    cols = np.arange(3000)
+    expected = np.stack([np.lexsort((cols, row))[:5] for row in sq])
+    np.testing.assert_array_equal(idx.numpy(), expected)
+    best = np.take_along_axis(sq, expected, 1)
+    want = 1 - best / 2 if metric == "cosine" else np.sqrt(best)
+    np.testing.assert_allclose(values.numpy(), want, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("backend", ["exact", "faiss"])
 @pytest.mark.parametrize("limit_mb", [0.02, 512])
 def test_ties_go_to_the_lower_reference_index(backend, limit_mb):

@@ -155,6 +155,13 @@ def neg_sqnorms(references: torch.Tensor) -> torch.Tensor:
     return sqnorms(references, "references").neg_()
 
 
+def wide_neg_sqnorms(references: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`neg_sqnorms` of the rows copied into the wider ``dtype``, chunk by chunk (no
+    ``[N, D]`` copy)."""
+    parts = [sqnorms(c.to(dtype), "references") for c in references.split(_SQNORM_ROWS)]
+    return torch.cat(parts).neg_() if parts else references.new_zeros(0, dtype=dtype)
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """Chunk sizes of one search and the estimated peak of its temporaries (bytes)."""
@@ -184,15 +191,22 @@ def plan_chunks(
     memory_limit_bytes: int,
     *,
     threads: int | None = None,
+    upcast: bool = False,
 ) -> ChunkPlan:
     """Choose query/reference chunk sizes whose estimated temporaries fit the budget.
 
     Prefers whole reference rows (no merge) with up to 4096 query rows; splits the
     references only when fewer than 16 query rows would fit. Raises ``ValueError`` when not
-    even one query row against ``k + 1`` references fits.
+    even one query row against ``k + 1`` references fits. ``upcast``: the chunks are copied
+    into the wider ``itemsize`` first (:func:`topk_keys`' ``key_dtype``), which counts too.
     """
     threads = threads or torch.get_num_threads()
     budget = int(memory_limit_bytes)
+
+    def estimate(qc: int, rc: int, tie_rows: int, dim: int, k: int, itemsize: int, threads: int) -> int:
+        copies = (qc + rc) * dim * itemsize if upcast else 0
+        return _estimate(qc, rc, tie_rows, dim, k, itemsize, threads) + copies
+
     pair = itemsize + _INDEX_BYTES
     n = num_references
     k1 = min(k + 1, n)
@@ -205,7 +219,7 @@ def plan_chunks(
         lo, hi = 0, min(num_queries, _MAX_QUERY_ROWS)
         while lo < hi:  # largest qc with _estimate <= budget (monotone in qc)
             mid = (lo + hi + 1) // 2
-            if _estimate(mid, rc, tie_rows_for(mid, rc), dim, k, itemsize, threads) <= budget:
+            if estimate(mid, rc, tie_rows_for(mid, rc), dim, k, itemsize, threads) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -220,20 +234,20 @@ def plan_chunks(
             lo, hi = k1, n
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                fits = _estimate(target, mid, tie_rows_for(target, mid), dim, k, itemsize, threads) <= budget
+                fits = estimate(target, mid, tie_rows_for(target, mid), dim, k, itemsize, threads) <= budget
                 lo, hi = (mid, hi) if fits else (lo, mid - 1)
-            if _estimate(target, lo, tie_rows_for(target, lo), dim, k, itemsize, threads) <= budget:
+            if estimate(target, lo, tie_rows_for(target, lo), dim, k, itemsize, threads) <= budget:
                 rc = lo
                 qc = best_qc(rc)
                 break
         else:
-            need = _estimate(1, k1, 1, dim, k, itemsize, threads)
+            need = estimate(1, k1, 1, dim, k, itemsize, threads)
             raise ValueError(
                 f"memory_limit_mb={memory_limit_bytes / 2**20:.4g} is too small for a k={k} search in "
                 f"dimension {dim}: at least {math.ceil(need / 2**20 * 1000) / 1000} MB are needed"
             )
     tie_rows = tie_rows_for(qc, rc)
-    return ChunkPlan(qc, rc, tie_rows, _estimate(qc, rc, tie_rows, dim, k, itemsize, threads))
+    return ChunkPlan(qc, rc, tie_rows, estimate(qc, rc, tie_rows, dim, k, itemsize, threads))
 
 
 def _ordered_topk(scores: torch.Tensor, k: int, tie_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +288,7 @@ def topk_keys(
     self_offset: int | None = None,
     exclude: torch.Tensor | None = None,
     plan: ChunkPlan | None = None,
+    key_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact top-``k`` keys, reference indices and query working copies' squared norms.
 
@@ -285,30 +300,41 @@ def topk_keys(
     here): a required argument, so that callers searching chunk by chunk compute them once.
     Returns ``(keys, indices, query_sqnorms)`` on the references' device, keys in the
     references' dtype; for ``metric="cosine"`` the squared norms are ones.
+
+    ``key_dtype`` (wider than the references', e.g. float64 for float32 references): the
+    prepared rows are copied into it chunk by chunk and ranked by ``l2`` keys there, whatever
+    the metric (``ref_neg_sqnorms`` then in ``key_dtype``, from :func:`wide_neg_sqnorms`); the
+    keys and squared norms come back in ``key_dtype``. Near-ties that the working precision's
+    keys cannot separate (concentrated embeddings) are separated there.
     """
     device, dtype = references.device, references.dtype
     nq, n = queries.shape[0], references.shape[0]
+    wide = key_dtype is not None and key_dtype != dtype
+    kd, key_metric = (key_dtype, "l2") if wide else (dtype, metric)
+    if wide and ref_neg_sqnorms is None:
+        ref_neg_sqnorms = wide_neg_sqnorms(references, kd)
     exclude, ref_neg_sqnorms = _exclude_and_bias(
-        references, metric, ref_neg_sqnorms, nq, self_offset, exclude
+        references, key_metric, ref_neg_sqnorms, nq, self_offset, exclude
     )
     if plan is None:
-        plan = plan_chunks(nq, n, references.shape[1], k, references.element_size(), memory_limit_bytes)
+        itemsize = torch.finfo(kd).bits // 8
+        plan = plan_chunks(nq, n, references.shape[1], k, itemsize, memory_limit_bytes, upcast=wide)
     qc, rc = plan.query_rows, plan.reference_cols
-    keys = torch.empty(nq, k, dtype=dtype, device=device)
+    keys = torch.empty(nq, k, dtype=kd, device=device)
     indices = torch.empty(nq, k, dtype=torch.long, device=device)
-    q_sqnorms = torch.ones(nq, dtype=dtype, device=device)
-    buffer = torch.empty(qc * min(rc, n), dtype=dtype, device=device)
+    q_sqnorms = torch.ones(nq, dtype=kd, device=device)
+    buffer = torch.empty(qc * min(rc, n), dtype=kd, device=device)
     for qs in range(0, nq, qc):
-        q = prepare(queries[qs : qs + qc].to(device), metric, "queries", dtype)
+        q = prepare(queries[qs : qs + qc].to(device), metric, "queries", dtype).to(kd)
         m = q.shape[0]
-        if metric == "l2":
+        if key_metric == "l2":
             q_sqnorms[qs : qs + m] = sqnorms(q, "queries")
         best: tuple[torch.Tensor, torch.Tensor] | None = None
         for rs in range(0, n, rc):
-            r = references[rs : rs + rc]
+            r = references[rs : rs + rc].to(kd)
             w = r.shape[0]
             s = buffer[: m * w].view(m, w)
-            if metric == "l2":
+            if key_metric == "l2":
                 assert ref_neg_sqnorms is not None
                 torch.addmm(ref_neg_sqnorms[rs : rs + w], q, r.T, beta=1, alpha=2, out=s)
             else:
@@ -401,6 +427,7 @@ def rerank(
     exhaustive: bool,
     q_sqnorms: torch.Tensor | None = None,
     max_ref_sqnorm: float = 1.0,
+    key_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``k`` nearest of each row's ``candidates`` by recomputed ``||q - r||²``; certified rows.
 
@@ -410,7 +437,9 @@ def rerank(
     bound. Returns ``(values, indices, certified)``: values as :func:`sqdist_to_values` in
     increasing distance, equal ones by increasing index, and whether each row provably holds
     the exact k-NN (see the module docstring) — always when ``exhaustive`` (the candidates are
-    all the references).
+    all the references). ``key_dtype``: the candidates were ranked by ``l2`` keys in that wider
+    precision (:func:`topk_keys`), so the keys' error bound is its own, scaled by the squared
+    norms whatever the metric.
     """
     device, dtype = references.device, references.dtype
     nq, c = candidates.shape
@@ -429,9 +458,10 @@ def rerank(
     if exhaustive:
         certified = torch.ones(nq, dtype=torch.bool, device=device)
     else:
-        scale = 2.0 if metric == "cosine" or q_sqnorms is None else q_sqnorms.to(device) + max_ref_sqnorm
+        by_l2 = key_dtype is not None or metric == "l2"
+        scale = q_sqnorms.to(device) + max_ref_sqnorm if by_l2 and q_sqnorms is not None else 2.0
         wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-        bound = key_error_bound(dim, dtype, device) * scale
+        bound = key_error_bound(dim, key_dtype or dtype, device) * scale
         left_out = approx_sq.to(device=device, dtype=wide).amax(dim=1) - bound
         certified = sq[:, -1].to(wide) * (1 + (dim + 4) * torch.finfo(dtype).eps) < left_out
     return sqdist_to_values(sq, metric), indices, certified
@@ -455,11 +485,14 @@ def exact_search(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact ``k``-NN: ``(values, indices)``, values as in :func:`sqdist_to_values`.
 
-    Candidates by key (:func:`topk_keys`), then :func:`rerank`; rows that are not certified
-    are searched again with four times the candidates, until certified or exhaustive. The
+    Candidates by key (:func:`topk_keys`), then :func:`rerank`. Rows that are not certified
+    are searched again: first with the same number of candidates ranked by float64 keys
+    (float32 references, not on MPS), whose rounding error is about 10⁻⁹ of float32's, which
+    certifies the near-ties of concentrated embeddings (a barely trained model's); then, in the
+    working precision again, with four times the candidates until certified or exhaustive
+    (exact duplicates). The
     ``[rows, candidates]`` lists of a pass are made for as many rows at a time as a quarter of
-    the budget holds, so that rows full of ties (duplicate embeddings, which widen to all
-    references) stay under ``memory_limit_bytes`` too.
+    the budget holds, so that rows full of ties stay under ``memory_limit_bytes`` too.
     """
     device = references.device
     nq, n = queries.shape[0], references.shape[0]
@@ -470,15 +503,16 @@ def exact_search(
     max_ref_sqnorm = 1.0 if metric == "cosine" else float(-ref_neg_sqnorms.min())  # type: ignore[union-attr]
     values = torch.empty(nq, k, dtype=references.dtype, device=device)
     indices = torch.empty(nq, k, dtype=torch.long, device=device)
-    itemsize = references.element_size()
-    per_candidate = _CANDIDATE_INDEX_ARRAYS * _INDEX_BYTES + _CANDIDATE_VALUE_ARRAYS * itemsize
     rows = torch.arange(nq, device=device)  # rows still to answer
     width = min(available, k + candidate_margin(k))
     if not _fits(nq, references, width, memory_limit_bytes):
         width = k  # no margin within the budget: rows that cannot be certified are retried
+    wider_keys = references.dtype != torch.float64 and device.type != "mps"
+    key_dtype: torch.dtype | None = None
+    biases, max_sq = ref_neg_sqnorms, max_ref_sqnorm
     first = True
     while True:
-        if not first and not _fits(rows.shape[0], references, width, memory_limit_bytes):
+        if not first and not _fits(rows.shape[0], references, width, memory_limit_bytes, key_dtype):
             sub_exclude = None if exclude is None else exclude[rows]
             v, i = exhaustive_search(
                 queries[rows.to(queries.device)], references, k, metric=metric,
@@ -486,6 +520,8 @@ def exact_search(
             )  # fmt: skip
             values[rows], indices[rows] = v, i
             return values, indices
+        key_size = torch.finfo(key_dtype or references.dtype).bits // 8
+        per_candidate = _CANDIDATE_INDEX_ARRAYS * _INDEX_BYTES + _CANDIDATE_VALUE_ARRAYS * key_size
         lists = min(rows.shape[0], max(1, (memory_limit_bytes // 4) // (width * per_candidate)))
         inner = max(memory_limit_bytes - lists * width * per_candidate, memory_limit_bytes // 2)
         failed = []
@@ -495,13 +531,13 @@ def exact_search(
             sub_exclude = exclude if exclude is None or whole else exclude[part]
             keys, cand, q_sq = topk_keys(
                 sub, references, width, metric=metric, memory_limit_bytes=inner,
-                ref_neg_sqnorms=ref_neg_sqnorms, exclude=sub_exclude,
+                ref_neg_sqnorms=biases, exclude=sub_exclude, key_dtype=key_dtype,
             )  # fmt: skip
-            approx_sq = 2 - 2 * keys if metric == "cosine" else q_sq[:, None] - keys
+            approx_sq = 2 - 2 * keys if metric == "cosine" and key_dtype is None else q_sq[:, None] - keys
             del keys
             v, i, ok = rerank(
                 sub, references, cand, approx_sq, k, metric=metric, memory_limit_bytes=inner,
-                exhaustive=width >= available, q_sqnorms=q_sq, max_ref_sqnorm=max_ref_sqnorm,
+                exhaustive=width >= available, q_sqnorms=q_sq, max_ref_sqnorm=max_sq, key_dtype=key_dtype,
             )  # fmt: skip
             del cand, approx_sq
             if whole and bool(ok.all()):
@@ -511,13 +547,29 @@ def exact_search(
         rows, first = torch.cat(failed), False
         if rows.shape[0] == 0:
             return values, indices
-        width = min(available, 4 * width)
+        if wider_keys and width < available:  # one float64 pass, at the first width only
+            key_dtype, wider_keys = torch.float64, False
+            biases = wide_neg_sqnorms(references, key_dtype)
+            max_sq = float(-biases.min())
+        else:
+            # what float64 keys cannot certify are ties within their rounding (duplicates): the
+            # working precision's keys find those as well, at half the cost
+            key_dtype, biases, max_sq = None, ref_neg_sqnorms, max_ref_sqnorm
+            width = min(available, 4 * width)
 
 
-def _fits(num_queries: int, references: torch.Tensor, k: int, memory_limit_bytes: int) -> bool:
+def _fits(
+    num_queries: int,
+    references: torch.Tensor,
+    k: int,
+    memory_limit_bytes: int,
+    key_dtype: torch.dtype | None = None,
+) -> bool:
+    wide = key_dtype is not None and key_dtype != references.dtype
+    itemsize = torch.finfo(key_dtype).bits // 8 if wide else references.element_size()  # type: ignore[arg-type]
     try:
-        plan_chunks(num_queries, references.shape[0], references.shape[1], k, references.element_size(),
-                    memory_limit_bytes)  # fmt: skip
+        plan_chunks(num_queries, references.shape[0], references.shape[1], k, itemsize, memory_limit_bytes,
+                    upcast=wide)  # fmt: skip
     except ValueError:
         return False
     return True
