@@ -25,7 +25,8 @@ that value then index, and
 *certifies* each row: every reference left out has a key-based squared distance at least
 that of the last candidate, so when that exceeds the k-th recomputed one by more than the
 keys' worst-case rounding error (:func:`key_error_bound`), nothing left out can be nearer.
-Rows that cannot be certified (near-ties at the cut) are searched again with more
+Rows that cannot be certified (near-ties at the cut) are searched again, first with float64
+keys of the same float32 rows (their rounding is about 10⁻⁹ of float32's), then with more
 candidates, up to all references, so the result is the exact k-NN of the prepared vectors
 under the contract above, with distances as accurate as the differences allow.
 
