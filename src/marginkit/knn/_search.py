@@ -505,15 +505,25 @@ def exact_search(
     values = torch.empty(nq, k, dtype=references.dtype, device=device)
     indices = torch.empty(nq, k, dtype=torch.long, device=device)
     rows = torch.arange(nq, device=device)  # rows still to answer
+
+    def pass_budget(num_rows: int, width: int, key_dtype: torch.dtype | None) -> tuple[int, int]:
+        # rows per chunk (their candidate lists within a quarter of the budget) and what is left
+        # of the budget for topk_keys' and rerank's temporaries
+        key_size = torch.finfo(key_dtype or references.dtype).bits // 8
+        per_row = width * (_CANDIDATE_INDEX_ARRAYS * _INDEX_BYTES + _CANDIDATE_VALUE_ARRAYS * key_size)
+        lists = min(num_rows, max(1, (memory_limit_bytes // 4) // per_row))
+        return lists, max(memory_limit_bytes - lists * per_row, memory_limit_bytes // 2)
+
     width = min(available, k + candidate_margin(k))
-    if not _fits(nq, references, width, memory_limit_bytes):
+    if not _fits(*pass_budget(nq, width, None), references=references, k=width):
         width = k  # no margin within the budget: rows that cannot be certified are retried
     wider_keys = references.dtype != torch.float64 and device.type != "mps"
     key_dtype: torch.dtype | None = None
     biases, max_sq = ref_neg_sqnorms, max_ref_sqnorm
     first = True
     while True:
-        if not first and not _fits(rows.shape[0], references, width, memory_limit_bytes, key_dtype):
+        lists, inner = pass_budget(rows.shape[0], width, key_dtype)
+        if not first and not _fits(lists, inner, references=references, k=width, key_dtype=key_dtype):
             sub_exclude = None if exclude is None else exclude[rows]
             v, i = exhaustive_search(
                 queries[rows.to(queries.device)], references, k, metric=metric,
@@ -521,10 +531,6 @@ def exact_search(
             )  # fmt: skip
             values[rows], indices[rows] = v, i
             return values, indices
-        key_size = torch.finfo(key_dtype or references.dtype).bits // 8
-        per_candidate = _CANDIDATE_INDEX_ARRAYS * _INDEX_BYTES + _CANDIDATE_VALUE_ARRAYS * key_size
-        lists = min(rows.shape[0], max(1, (memory_limit_bytes // 4) // (width * per_candidate)))
-        inner = max(memory_limit_bytes - lists * width * per_candidate, memory_limit_bytes // 2)
         failed = []
         for part in rows.split(lists):
             whole = first and part.shape[0] == nq
@@ -561,9 +567,10 @@ def exact_search(
 
 def _fits(
     num_queries: int,
+    memory_limit_bytes: int,
+    *,
     references: torch.Tensor,
     k: int,
-    memory_limit_bytes: int,
     key_dtype: torch.dtype | None = None,
 ) -> bool:
     wide = key_dtype is not None and key_dtype != references.dtype
@@ -593,7 +600,10 @@ def exhaustive_search(
     """
     device, dtype = references.device, references.dtype
     nq, (n, dim) = queries.shape[0], references.shape
-    cells = max(1, (memory_limit_bytes // 2) // (dim * references.element_size()))
+    itemsize = references.element_size()
+    # per (row, column) cell: the difference vector, its squared norm, and the merge's sort of
+    # values with their indices (concatenated, sorted, permutation)
+    cells = max(1, (memory_limit_bytes // 2) // ((dim + 3) * itemsize + 3 * _INDEX_BYTES))
     rows = max(1, min(nq, cells // n)) if cells >= n else 1
     cols = n if cells >= n else max(k, cells)
     values = torch.empty(nq, k, dtype=dtype, device=device)
