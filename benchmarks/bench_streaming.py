@@ -82,10 +82,11 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _tree_memory(pid: int) -> tuple[int, int]:
+def _tree_memory(pid: int, per_process: list[tuple[int, int]] | None = None) -> tuple[int, int]:
     """``(RSS, PSS)`` bytes of the process tree of ``pid``. RSS counts a page shared by forked
     workers (torch's libraries, the parent's heap before the fork) once per process; PSS divides
-    it between them, so the PSS sum is the tree's real footprint."""
+    it between them, so the PSS sum is the tree's real footprint. ``per_process`` receives each
+    process's ``(pid, RSS)``."""
     rss = pss = 0
     for p in _tree(pid):
         try:
@@ -93,6 +94,8 @@ def _tree_memory(pid: int) -> tuple[int, int]:
                 for line in fh:
                     if line.startswith("Rss:"):
                         rss += int(line.split()[1]) * 1024
+                        if per_process is not None:
+                            per_process.append((p, int(line.split()[1]) * 1024))
                     elif line.startswith("Pss:"):
                         pss += int(line.split()[1]) * 1024
         except OSError:
@@ -110,10 +113,18 @@ def train_run(data: str, out: Path, extra: list[str]) -> dict[str, float]:
     # the epoch's row in metrics.jsonl marks the end of training: the peaks after it are the
     # final evaluation's (embedding every split, K-NN, verification, retrieval)
     peaks = {"train": [0, 0], "evaluation": [0, 0]}
+    when: dict[str, object] = {}  # each phase's RSS peak: seconds after the start, per process
     history = out / "metrics.jsonl"
     while proc.poll() is None:
-        phase = peaks["evaluation" if history.is_file() and history.stat().st_size else "train"]
-        rss, pss = _tree_memory(proc.pid)
+        name = "evaluation" if history.is_file() and history.stat().st_size else "train"
+        phase = peaks[name]
+        processes: list[tuple[int, int]] = []
+        rss, pss = _tree_memory(proc.pid, processes)
+        if rss > phase[0]:
+            when[name] = {
+                "seconds": round(time.perf_counter() - t0, 1),
+                "rss_gb_by_process": [round(r / 1e9, 3) for _, r in processes],
+            }
         phase[0], phase[1] = max(phase[0], rss), max(phase[1], pss)
         time.sleep(0.05)
     err = proc.stderr.read() if proc.stderr else ""
@@ -126,6 +137,7 @@ def train_run(data: str, out: Path, extra: list[str]) -> dict[str, float]:
         "peak_pss_gb": max(p[1] for p in peaks.values()) / 1e9,
         "train_peak_gb": peaks["train"][0] / 1e9,
         "evaluation_peak_gb": peaks["evaluation"][0] / 1e9,
+        "peaks_at": when,
         "seconds": time.perf_counter() - t0,
         "samples_per_s": rows[-1]["samples_per_second"],
         "num_train": final.get("num_train"),

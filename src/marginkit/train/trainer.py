@@ -719,6 +719,11 @@ def _end_epoch(run: _Run, stats: dict[str, Any], end_epoch: int) -> dict[str, An
     ctx, config = run.ctx, run.config
     epoch = run.epoch + 1
     validate = epoch % config.eval_every == 0 or epoch == config.epochs
+    if validate:
+        # The batch-norm pass and validation read through loaders of their own: the training
+        # loader's (persistent) workers stop first, so that the two sets of workers never hold
+        # memory at once; its next epoch starts them again, with the same draws.
+        run.loader.close()
     if validate and ctx.is_main:  # DDP copies rank 0's buffers to the others
         recalibrate_batchnorm(
             run.model, run.splits.train.data, batch_size=config.batch_size, max_samples=config.precise_bn,
