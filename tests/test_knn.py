@@ -641,6 +641,16 @@ def test_plan_keeps_its_estimate_under_the_limit(nq, n, d, k, limit_mb, itemsize
     assert plan.query_rows * plan.reference_cols * itemsize <= limit  # the largest temporary
 
 
+def _run_rss_script(script: str) -> dict:
+    """Run a peak-RSS script in a fresh process; its last stdout line as JSON. glibc is told to
+    mmap every allocation over 64 KiB and to trim freed memory, so RSS follows live memory."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True, timeout=300
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 _RSS_SCRIPT = textwrap.dedent(
     """
     import gc, json, sys, torch
@@ -678,11 +688,7 @@ def test_exact_backend_peak_memory_stays_under_limit():
     # Peak RSS growth of one search, measured in a fresh process. glibc is told to mmap every
     # allocation over 64 KiB and to trim freed memory, so RSS follows live memory (otherwise
     # freed blocks are kept in the heap and the measurement under-reports).
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    done = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, env=env, check=True, timeout=300
-    )
-    growth = json.loads(done.stdout.strip().splitlines()[-1])
+    growth = _run_rss_script(_RSS_SCRIPT)
     result_mb = 1_000 * 10 * (4 + 8) / 2**20  # the returned values and indices are not temporaries
     for metric in ("cosine", "l2"):
         assert growth[f"{metric}-8"] <= 8 + result_mb + 0.5, growth
@@ -722,12 +728,7 @@ def test_leave_one_out_accuracy_with_ties_and_many_classes_stays_under_limit():
     # Duplicate embeddings make every row uncertified until its candidates are all the rows
     # ([6000, 6000] lists, 288 MB at once before they were made row chunk by row chunk), and
     # 2,000 classes make the vote matrix 96 MB: both must stay under the 8 MB budget.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    done = subprocess.run(
-        [sys.executable, "-c", _TIES_RSS_SCRIPT], capture_output=True, text=True, env=env, check=True,
-        timeout=300,
-    )  # fmt: skip
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _run_rss_script(_TIES_RSS_SCRIPT)
     result_mb = 6_000 * 3 * (4 + 8 + 8) / 2**20  # values, indices, their labels
     data_mb = 6_000 * 32 * 4 / 2**20  # the normalised copy of the rows that the search reads
     assert out["growth_mb"] <= 8 + result_mb + data_mb + 1.0, out
