@@ -7,4 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
+# JAX (section 3) takes its memory as it needs it, beside torch's, not 75 % of the GPU up front
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 exec timeout 360 "${PYTHON:-python3}" benchmarks/device_check.py "$@"
