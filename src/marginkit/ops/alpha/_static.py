@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marginkit._validation import compute_dtype
+from marginkit._validation import active_checks, compute_dtype
 from marginkit.ops.alpha._candidates import (
     _BLOCK,
     _BLOCK_BITS,
@@ -46,10 +46,13 @@ from marginkit.ops.alpha._newton import _int_pow, _integer_power, _newton_step, 
 from marginkit.ops.alpha._solve import _Solution
 from marginkit.ops.classes import ONE_PROCESS, ClassAxis
 
-# Candidate entries per row of the batch, on average (the budget is shared by the rows): at least
-# ROW_BUDGET, and 1/ROW_FRACTION of the classes beyond 512·256 classes. The live classes of a row grow
-# with the class count (measured on 10^6 classes, D = 512, α = 1.25 and 1.5: up to 1,460 candidates
-# per row on average at a random start, 1,760 at 2·10^6; a fixed 512 overflowed there).
+# Candidate entries per row of the batch, on average (the budget is shared by the rows): ROW_BUDGET;
+# inside deferred_checks(), where an overflow cannot be redone, also 1/ROW_FRACTION of the classes
+# beyond 512·256 classes. The live classes of a row grow with the class count (measured on 10^6
+# classes, D = 512, α = 1.25 and 1.5: up to 1,460 candidates per row on average at a random start,
+# 1,760 at 2·10^6, where 512 overflowed); a library call redoes an overflowing batch exactly and keeps
+# the smaller budget, cheaper where it suffices (at 10^6 classes and D = 128 on the CPU the wider one
+# cost 20-25 % more per call).
 ROW_BUDGET = 512
 ROW_FRACTION = 256
 # Candidate blocks (of _BLOCK columns) per row, on average (candidates of a row scatter: one block each).
@@ -70,9 +73,11 @@ _CONVERGED_ULPS = 16.0
 
 def budgets(n_rows: int, n: int, k: int | None) -> tuple[int, int]:
     """``(candidate entries, candidate blocks)`` of a batch of ``n`` classes: per row ``k``, by default
-    ``max(ROW_BUDGET, ⌈n / ROW_FRACTION⌉)`` entries and as many blocks (at least ``BLOCK_BUDGET``)."""
+    ``ROW_BUDGET`` entries — ``max(ROW_BUDGET, ⌈n / ROW_FRACTION⌉)`` inside
+    :func:`~marginkit._validation.deferred_checks` — and as many blocks (at least ``BLOCK_BUDGET``)."""
     if k is None:
-        per_row = min(n, max(ROW_BUDGET, -(-n // ROW_FRACTION)))
+        wide = active_checks() is not None
+        per_row = min(n, max(ROW_BUDGET, -(-n // ROW_FRACTION)) if wide else ROW_BUDGET)
         blocks_per_row = max(BLOCK_BUDGET, per_row)
     else:
         per_row, blocks_per_row = min(n, k), max(1, k)
