@@ -80,6 +80,44 @@ def test_deferred_checks_raise_at_exit_unless_read_before():
         checks.raise_if_failed()
 
 
+def test_a_deferred_record_launches_nothing_and_keeps_no_large_tensor_alive(monkeypatch):
+    """A record keeps the call's flag and values as they are (a vector flag: one ``any``); a value
+    that is a view is copied, so a step's large tensors are freed before the read point."""
+    from marginkit._validation import check_flag
+
+    big = torch.randn(1000, 1000)
+    with deferred_checks() as checks:
+        flag, flags, view = big[0, 0] > 100.0, big[0] > 100.0, big[0, 1]
+        with DispatchCounter() as c:
+            check_flag("scalar", flag, lambda: "scalar")
+        assert c.ops == 0
+        with DispatchCounter() as c:
+            check_flag("vector", flags, lambda v: f"vector {v}", view)
+        assert dict(c.by_name) == {"aten.any.default": 1, "aten.clone.default": 1}
+        kept = [v for slot in checks._slots.values() for _, _, vals in slot.pending for v in vals]
+        assert kept and all(v._base is None for v in kept)
+        checks.raise_if_failed()
+
+
+@pytest.mark.parametrize("fold", [1, 2, 3, 256])
+def test_deferred_checks_fold_on_the_device_and_still_report_the_first_failure(monkeypatch, fold):
+    """With few pending records allowed, older records are folded (no read) and the first failure
+    across folds, pending records and checks is still the one raised, with its own values."""
+    from marginkit._validation import DeferredChecks
+
+    monkeypatch.setattr(DeferredChecks, "FOLD", fold)
+    with deferred_checks() as checks:
+        with DispatchCounter() as c:
+            for i in range(5):
+                label_tensor(torch.tensor([0, 1]), "labels", num_classes=2)
+                label_tensor(torch.tensor([0, 1 + (i >= 3) * 6]), "y_late", num_classes=2)
+                label_tensor(torch.tensor([-(i >= 2) * (4 + i), 1]), "y_early", num_classes=2)
+        assert c.reads == 0
+        with pytest.raises(ValueError, match=r"y_early must lie in \[0, 2\), got values in \[-6, 1\]"):
+            checks.raise_if_failed()
+        checks.raise_if_failed()  # cleared
+
+
 def test_deferred_checks_nest_and_keep_type_errors_immediate():
     with deferred_checks() as outer:
         with deferred_checks() as inner:
@@ -135,11 +173,13 @@ def test_qmargin_with_a_head_at_1e5_classes_reads_nothing_and_its_op_count_is_da
 
 
 @pytest.mark.slow
-def test_qmargin_dispatches_at_most_twice_cosface_ops():
+def test_qmargin_dispatches_at_most_150_ops_more_than_cosface():
+    """Both pay for the head and the input checks; what Q-Margin adds is its solver (the candidate
+    filter, the Newton steps, the exactness verdict) and its backward: 145 ops at this size."""
     head, e, y = _head_batch(100_000, 16, 128, 0, 0.5)
     q = _count(QMarginLoss(), head, e, y).ops
     c = _count(CosFaceLoss(), head, e, y).ops
-    assert q <= 2 * c, (q, c)
+    assert q - c <= 150, (q, c)
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 3.0])

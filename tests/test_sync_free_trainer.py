@@ -147,3 +147,61 @@ def test_non_finite_embeddings_name_their_step(monkeypatch, tmp_path):
         TrainingError, match=r"^embeddings became non-finite at epoch 1, step 3 \(the weights"
     ):
         train(cfg, tmp_path / "r", quiet=True, report=False)
+
+
+def _meter_steps(meter: StepMeter, losses: list[float], bad_embeddings: set[int], start: int = 0) -> int:
+    """Add the steps; returns the aten ops the meter dispatched for them."""
+    steps = [
+        (torch.tensor(v, dtype=torch.float32), torch.full((2, 3), math.nan if i in bad_embeddings else 1.0))
+        for i, v in enumerate(losses, start)
+    ]
+    with DispatchCounter() as c:
+        for loss, emb in steps:
+            meter.add(loss, emb)
+    assert c.reads == 0
+    return c.ops
+
+
+@pytest.mark.parametrize("fold", [1, 2, 5, 1024])
+def test_the_meter_sums_as_the_host_would_and_names_the_first_bad_step(monkeypatch, fold):
+    """Whatever the read points and however many steps are folded on the device before a read: the
+    loss sums equal adding each step's float32 loss to a float64 sum on the host, bit for bit, and
+    the first non-finite step is reported with what was non-finite and the loss there."""
+    monkeypatch.setattr(StepMeter, "FOLD", fold)
+    g = torch.Generator().manual_seed(0)
+    losses = (torch.rand(23, generator=g) * 7).tolist()
+    meter = StepMeter(torch.device("cpu"))
+    ops = _meter_steps(meter, losses[:7], set())
+    if fold > 7:
+        assert ops == 7 * 3  # per step: the detaches of the loss and the embeddings, one aminmax
+    first = meter.read()
+    host = 0.0
+    for v in losses[:7]:
+        host += float(torch.tensor(v, dtype=torch.float32))
+    assert (first.loss_sum, first.window_sum, first.window_steps, first.first_bad) == (host, host, 7, None)
+    poisoned = losses[7:]
+    poisoned[6] = math.inf  # step 13: the loss; step 11: the embeddings, first
+    _meter_steps(meter, poisoned, {11, 15}, start=7)
+    second = meter.read()
+    window = 0.0
+    for v in poisoned:
+        value = float(torch.tensor(v, dtype=torch.float32))
+        host += value
+        window += value
+    assert (second.loss_sum, second.window_sum, second.window_steps) == (host, window, 16)
+    assert (second.first_bad, second.what, second.value) == (
+        11,
+        "embeddings",
+        float(torch.tensor(poisoned[4])),
+    )
+
+
+def test_the_meter_reports_the_earliest_bad_step_of_any_rank():
+    ranks = [StepMeter(torch.device("cpu")) for _ in range(2)]
+    _meter_steps(ranks[0], [1.0] * 6, {4})
+    _meter_steps(ranks[1], [1.0, 2.0, math.nan, 1.0, 1.0, 1.0], set())
+    rows = {}
+    ranks[1].read(lambda row: rows.setdefault(1, row)[None], rank=0)
+    reading = ranks[0].read(lambda row: torch.stack([row, rows[1]]), rank=0)
+    assert (reading.first_bad, reading.what, reading.loss_sum) == (2, "loss", 6.0)
+    assert math.isnan(reading.value)

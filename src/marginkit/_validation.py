@@ -49,14 +49,20 @@ _NEVER = 2**62  # "never failed" in the first-failure sequence numbers
 class DeferredChecks:
     """On-device flags of failed value checks, read at :meth:`raise_if_failed` (one host read).
 
-    Made by :func:`deferred_checks`; checks record into it through :func:`check_flag`. For each
-    distinct check (its ``key``) it keeps, on the device, the sequence number of the first call
-    that failed and the values its error message needs at that call; nothing is read back until
-    :meth:`raise_if_failed`.
+    Made by :func:`deferred_checks`; checks record into it through :func:`check_flag`. A record
+    keeps the call's flag (reduced to one element) and the values its error message needs, as
+    they are: no op on the device, so a step's checks cost only their own reductions. At
+    :meth:`raise_if_failed` the flags and values of every pending call are packed into one
+    tensor and read at once; the first failed call (in call order, over every check) raises.
+    A check with ``FOLD`` pending calls (a caller that reads rarely) folds them on the device,
+    without a read, into the sequence number of its first failed call and that call's values,
+    so memory stays bounded.
     """
 
+    FOLD = 256
+
     def __init__(self) -> None:
-        self._slots: dict[tuple[str, torch.device], list[Any]] = {}  # key -> [first, values, text]
+        self._slots: dict[tuple[str, torch.device], _Slot] = {}
         self._calls = 0
 
     def record(self, key: str, bad: torch.Tensor, text: ErrorText, *values: torch.Tensor) -> None:
@@ -64,46 +70,117 @@ class DeferredChecks:
         true) and the ``values`` (0-d tensors) that ``text(*floats)`` turns into the error message."""
         call = self._calls
         self._calls += 1
-        bad = bad.detach().any() if bad.dim() else bad.detach()
+        if bad.requires_grad:
+            bad = bad.detach()
+        if bad.dim():
+            bad = bad.any()
+        elif bad._base is not None:
+            bad = bad.clone()
         slot = self._slots.get((key, bad.device))
-        vals = (
-            torch.stack([v.detach().reshape(()).to(device=bad.device, dtype=torch.float64) for v in values])
-            if values
-            else bad.new_zeros(0, dtype=torch.float64)
-        )
         if slot is None:
-            first = torch.where(bad, call, _NEVER)
-            self._slots[(key, bad.device)] = [first, vals, text]
-            return
-        fresh = bad & (slot[0] == _NEVER)
-        slot[0] = torch.where(fresh, call, slot[0])
-        slot[1] = torch.where(fresh, vals, slot[1])
+            slot = self._slots[(key, bad.device)] = _Slot(text)
+        kept = []
+        for v in values:
+            if v.requires_grad:
+                v = v.detach()
+            if v.device != bad.device:
+                v = v.to(bad.device)
+            kept.append(v if v._base is None else v.clone())  # never keep a large tensor alive through a view
+        slot.pending.append((call, bad, kept))
+        if len(slot.pending) >= self.FOLD:
+            slot.fold()
 
     def raise_if_failed(self) -> None:
         """Raise the first failed check's ``ValueError`` (its message as an immediate check gives it).
 
-        One host read per device that has flags (usually one); the flags are cleared after a
-        read that found a failure, so a caller that handles the error may continue.
+        One host read per device that has flags (usually one). The pending records are consumed;
+        after a read that found a failure every flag is cleared, so a caller that handles the
+        error may continue.
         """
         failed: list[tuple[int, str]] = []
-        by_device: dict[torch.device, list[tuple[str, torch.device]]] = {}
-        for key in self._slots:
-            by_device.setdefault(key[1], []).append(key)
-        for device, keys in by_device.items():
-            packed = torch.cat(
-                [torch.cat([self._slots[k][0].reshape(1).to(torch.float64), self._slots[k][1]]) for k in keys]
-            ).tolist()  # the read
+        by_device: dict[torch.device, list[_Slot]] = {}
+        for (_, device), slot in self._slots.items():
+            by_device.setdefault(device, []).append(slot)
+        for slots in by_device.values():
+            parts = [part for slot in slots for part in slot.packed()]
+            if not parts:
+                continue
+            packed = torch.cat(parts).tolist()  # the read
             pos = 0
-            for k in keys:
-                n_values = self._slots[k][1].numel()
-                first, values = int(packed[pos]), packed[pos + 1 : pos + 1 + n_values]
-                pos += 1 + n_values
-                if first != _NEVER:
-                    failed.append((first, self._slots[k][2](*values)))
-            del device
+            for slot in slots:
+                found, pos = slot.first_failure(packed, pos)
+                if found is not None:
+                    failed.append(found)
+        self._slots.clear()
         if failed:
-            self._slots.clear()
             raise ValueError(min(failed)[1])
+
+
+class _Slot:
+    """One check's records: its calls pending since the last read, and the fold of older ones."""
+
+    def __init__(self, text: ErrorText) -> None:
+        self.text = text
+        self.pending: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
+        self.first: torch.Tensor | None = None  # folded: first failed call (_NEVER: none), and its values
+        self.values: torch.Tensor | None = None
+        self._layout: tuple[int, int] = (0, 0)  # (pending calls, values per call) of the last packed()
+
+    def fold(self) -> None:
+        """The pending calls into :attr:`first` / :attr:`values`, on the device (no read)."""
+        for call, bad, values in self.pending:
+            vals = _as_float64(values, bad)
+            if self.first is None or self.values is None:
+                self.first, self.values = torch.where(bad, call, _NEVER), vals
+                continue
+            fresh = bad & (self.first == _NEVER)
+            self.first = torch.where(fresh, call, self.first)
+            self.values = torch.where(fresh, vals, self.values)
+        self.pending = []
+
+    def packed(self) -> list[torch.Tensor]:
+        """float64 parts to read: the fold (first call, values), then every pending flag and the
+        pending calls' values (one stack each)."""
+        parts = []
+        if self.first is not None and self.values is not None:
+            parts += [self.first.reshape(1).to(torch.float64), self.values]
+        n_values = len(self.pending[0][2]) if self.pending else 0
+        if self.pending:
+            parts.append(torch.stack([bad for _, bad, _ in self.pending]).to(torch.float64))
+            if n_values:
+                values = [v for _, _, vals in self.pending for v in vals]
+                if len({v.dtype for v in values}) == 1:
+                    parts.append(torch.stack(values).to(torch.float64))
+                else:
+                    parts.append(torch.stack([v.to(torch.float64) for v in values]))
+        self._layout = (len(self.pending), n_values)
+        return parts
+
+    def first_failure(self, packed: list[float], pos: int) -> tuple[tuple[int, str] | None, int]:
+        """This slot's first failed call in the read-back ``packed`` from ``pos`` (as laid out by
+        :meth:`packed`): ``((call, message) or None, the position after this slot)``."""
+        found = None
+        if self.first is not None and self.values is not None:
+            n = self.values.numel()
+            first, values = int(packed[pos]), packed[pos + 1 : pos + 1 + n]
+            pos += 1 + n
+            if first != _NEVER:
+                found = (first, self.text(*values))
+        count, n_values = self._layout
+        flags, values = packed[pos : pos + count], packed[pos + count : pos + count + count * n_values]
+        pos += count + count * n_values
+        if found is None:
+            for i, flag in enumerate(flags):
+                if flag:
+                    found = (self.pending[i][0], self.text(*values[i * n_values : (i + 1) * n_values]))
+                    break
+        return found, pos
+
+
+def _as_float64(values: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not values:
+        return like.new_zeros(0, dtype=torch.float64)
+    return torch.stack([v.reshape(()).to(torch.float64) for v in values])
 
 
 _ACTIVE: contextvars.ContextVar[DeferredChecks | None] = contextvars.ContextVar(

@@ -13,6 +13,7 @@ Bars are drawn only when the stream is a terminal, so logs and pipes stay clean.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -146,61 +147,126 @@ class MeterReading(NamedTuple):
 
 
 class StepMeter:
-    """What the training steps report, accumulated on the device without a host read.
+    """What the training steps report, kept on the device without a host read.
 
-    Per step :meth:`add` adds the loss to a float64 sum (the same sum, bit for bit, as adding each
-    step's float32 loss on the host) and records — with ``torch.where``, so nothing waits — the
-    index of the first step whose embeddings or loss were not finite, which of the two, and the
-    loss there. :meth:`read` is the one place the host waits for them: one copy of five numbers,
-    every ``sync_every`` steps and at the epoch's end. Under data parallelism ``gather`` (one
-    collective) puts every rank's five numbers in one tensor first, and the earliest bad step of
-    any rank is reported on all of them.
+    Per step :meth:`add` keeps the loss (a 0-d tensor, detached) and the embeddings' extremes (one
+    ``aminmax``, in which a NaN or an infinity shows): the step's bookkeeping is one kernel.
+    :meth:`read` is the one place the host waits for them: one copy of the steps' losses and
+    extremes, every ``sync_every`` steps and at the epoch's end. The host then finds the index of the
+    first step whose embeddings or loss were not finite, which of the two, and the loss there, and
+    adds the losses to float64 sums in step order (the same sums, bit for bit, as adding each
+    step's float32 loss on the host). Under data parallelism ``gather`` (one collective) puts every
+    rank's row in one tensor first (every rank has taken the same steps), and the earliest bad step
+    of any rank is reported on all of them. After ``FOLD`` steps without a read the pending steps
+    are folded on the device (float64 sums and the first bad step, by ``torch.where``; no read),
+    so memory stays bounded whatever ``sync_every``.
     """
 
     _EMBEDDINGS, _LOSS = 0, 1
+    FOLD = 1024
 
     def __init__(self, device: torch.device) -> None:
-        f64 = {"dtype": torch.float64, "device": device}
-        self.loss_sum = torch.zeros((), **f64)
-        self.window_sum = torch.zeros((), **f64)
-        self.first_bad = torch.full((), -1.0, **f64)
-        self.what = torch.zeros((), **f64)
-        self.value = torch.zeros((), **f64)
+        self.device = device
+        self.loss_sum = 0.0
         self.steps = 0
         self._window_start = 0
+        self._losses: list[torch.Tensor] = []
+        self._lows: list[torch.Tensor] = []
+        self._highs: list[torch.Tensor] = []
+        self._folded: torch.Tensor | None = None  # [loss sum, window sum, first bad, what, value]
 
     @torch.no_grad()
     def add(self, loss: torch.Tensor, embeddings: torch.Tensor) -> None:
         """Account for one step (``loss`` a scalar, ``embeddings`` the model's output)."""
-        emb_ok = torch.isfinite(embeddings).all()
-        loss_ok = torch.isfinite(loss)
-        value = loss.detach().to(torch.float64)
-        first = (self.first_bad < 0) & ~(emb_ok & loss_ok)
-        self.first_bad = torch.where(first, float(self.steps), self.first_bad)
-        what = torch.where(emb_ok, float(self._LOSS), float(self._EMBEDDINGS))
-        self.what = torch.where(first, what, self.what)
-        self.value = torch.where(first, value, self.value)
-        self.loss_sum += value
-        self.window_sum += value
+        loss = loss.detach()
+        self._losses.append(loss if loss._base is None else loss.clone())
+        low, high = torch.aminmax(embeddings.detach())
+        self._lows.append(low)
+        self._highs.append(high)
         self.steps += 1
+        if len(self._losses) >= self.FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        f64 = {"dtype": torch.float64, "device": self._losses[0].device}
+        if self._folded is None:  # (fills, not a copy from the host: no wait on the device)
+            self._folded = torch.stack(
+                [torch.full((), v, **f64) for v in (self.loss_sum, 0.0, -1.0, 0.0, 0.0)]
+            )
+        loss_sum, window_sum, first_bad, what, value = self._folded.unbind()
+        start = self.steps - len(self._losses)
+        for i, (loss, low, high) in enumerate(zip(self._losses, self._lows, self._highs, strict=True)):
+            v = loss.to(torch.float64)
+            emb_ok = torch.isfinite(low) & torch.isfinite(high)
+            first = (first_bad < 0) & ~(emb_ok & torch.isfinite(loss))
+            first_bad = torch.where(first, float(start + i), first_bad)
+            what = torch.where(first, torch.where(emb_ok, float(self._LOSS), float(self._EMBEDDINGS)), what)
+            value = torch.where(first, v, value)
+            loss_sum = loss_sum + v
+            window_sum = window_sum + v
+        self._folded = torch.stack([loss_sum, window_sum, first_bad, what, value])
+        self._losses, self._lows, self._highs = [], [], []
 
     @torch.no_grad()
     def read(
         self, gather: Callable[[torch.Tensor], torch.Tensor] | None = None, rank: int = 0
     ) -> MeterReading:
-        """The accumulators on the host (the read point); the window starts anew. ``gather``
-        maps this rank's packed ``[5]`` to every rank's ``[world, 5]`` (one collective)."""
-        packed = torch.stack([self.loss_sum, self.window_sum, self.first_bad, self.what, self.value])
+        """The steps since the last read on the host (the read point); the window starts anew.
+        ``gather`` maps this rank's packed 1-D row to every rank's ``[world, length]`` (one collective)."""
+        k = len(self._losses)
+        parts = [] if self._folded is None else [self._folded]
+        if k:
+            parts += [
+                torch.stack(self._losses).to(torch.float64),
+                torch.stack(self._lows).to(torch.float64),
+                torch.stack(self._highs).to(torch.float64),
+            ]
+        packed = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=self.device)
         rows = (gather(packed) if gather is not None else packed[None]).cpu().tolist()
-        own = rows[rank if gather is not None else 0]
-        bad = [r for r in rows if r[2] >= 0]
-        mine = min(bad, key=lambda r: r[2]) if bad else own
-        window_steps = self.steps - self._window_start
-        self.window_sum.zero_()
+        folded = self._folded is not None
+        start = self.steps - k
+        window_start = self._window_start
+        self._losses, self._lows, self._highs, self._folded = [], [], [], None
         self._window_start = self.steps
-        first = int(mine[2]) if mine[2] >= 0 else None
-        what = "embeddings" if int(mine[3]) == self._EMBEDDINGS else "loss"
-        return MeterReading(own[0], own[1], window_steps, first, what, mine[4])
+        bad: list[tuple[int, int, str, float]] = []  # (step, rank, what, value)
+        for r, row in enumerate(rows):
+            found = _first_bad(row, folded, k, start, self._EMBEDDINGS)
+            if found is not None:
+                bad.append((found[0], r, found[1], found[2]))
+        own = rows[rank if gather is not None else 0]
+        window_sum = 0.0
+        if folded:  # the fold's sums continued this one and a window from 0.0, step by step
+            self.loss_sum, window_sum = own[0], own[1]
+            own = own[5:]
+        for v in own[:k]:  # in step order, as the steps would have added them
+            self.loss_sum += v
+            window_sum += v
+        first = min(bad) if bad else None
+        return MeterReading(
+            self.loss_sum,
+            window_sum,
+            self.steps - window_start,
+            None if first is None else first[0],
+            "loss" if first is None else first[2],
+            0.0 if first is None else first[3],
+        )
+
+
+def _first_bad(
+    row: list[float], folded: bool, k: int, start: int, embeddings: int
+) -> tuple[int, str, float] | None:
+    """The first non-finite step of one rank's read-back row: ``(step, what, loss value)``."""
+    if folded:
+        if row[2] >= 0:
+            return int(row[2]), "embeddings" if int(row[3]) == embeddings else "loss", row[4]
+        row = row[5:]
+    losses, lows, highs = row[:k], row[k : 2 * k], row[2 * k : 3 * k]
+    for i in range(k):
+        if not (math.isfinite(lows[i]) and math.isfinite(highs[i])):
+            return start + i, "embeddings", losses[i]
+        if not math.isfinite(losses[i]):
+            return start + i, "loss", losses[i]
+    return None
 
 
 class RunsProgress:
