@@ -3,7 +3,8 @@
 A :class:`DispatchCounter` around each training epoch counts the aten ops that read the device
 (``.item()``, ``bool()``, ``nonzero``, boolean masks, ...); reads inside ``torch.optim`` (the
 optimiser's step counters live on the host even for CUDA parameters, and the schedulers') are left
-out, and every read of the step meter (one copy of five numbers) is counted in.
+out, and every read of the step meter (one copy of the steps' losses and extremes since the last
+read) is counted in.
 """
 
 from __future__ import annotations
