@@ -122,51 +122,48 @@ class _Slot:
     def __init__(self, text: ErrorText) -> None:
         self.text = text
         self.pending: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
-        self.first: torch.Tensor | None = None  # folded: first failed call (_NEVER: none), and its values
-        self.values: torch.Tensor | None = None
-        self._layout: tuple[int, int] = (0, 0)  # (pending calls, values per call) of the last packed()
+        # folded: the first failed call (_NEVER: none) and its values, on the device
+        self.folded: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fold(self) -> None:
-        """The pending calls into :attr:`first` / :attr:`values`, on the device (no read)."""
+        """The pending calls into :attr:`folded`, on the device (no read)."""
         for call, bad, values in self.pending:
             vals = _as_float64(values, bad)
-            if self.first is None or self.values is None:
-                self.first, self.values = torch.where(bad, call, _NEVER), vals
+            if self.folded is None:
+                self.folded = torch.where(bad, call, _NEVER), vals
                 continue
-            fresh = bad & (self.first == _NEVER)
-            self.first = torch.where(fresh, call, self.first)
-            self.values = torch.where(fresh, vals, self.values)
+            first, kept = self.folded
+            fresh = bad & (first == _NEVER)
+            self.folded = torch.where(fresh, call, first), torch.where(fresh, vals, kept)
         self.pending = []
 
     def packed(self) -> list[torch.Tensor]:
         """float64 parts to read: the fold (first call, values), then every pending flag and the
         pending calls' values (one stack each)."""
         parts = []
-        if self.first is not None and self.values is not None:
-            parts += [self.first.reshape(1).to(torch.float64), self.values]
-        n_values = len(self.pending[0][2]) if self.pending else 0
+        if self.folded is not None:
+            parts += [self.folded[0].reshape(1).to(torch.float64), self.folded[1]]
         if self.pending:
             parts.append(torch.stack([bad for _, bad, _ in self.pending]).to(torch.float64))
-            if n_values:
-                values = [v for _, _, vals in self.pending for v in vals]
-                if len({v.dtype for v in values}) == 1:
-                    parts.append(torch.stack(values).to(torch.float64))
-                else:
-                    parts.append(torch.stack([v.to(torch.float64) for v in values]))
-        self._layout = (len(self.pending), n_values)
+            values = [v for _, _, vals in self.pending for v in vals]
+            if values and len({v.dtype for v in values}) == 1:
+                parts.append(torch.stack(values).to(torch.float64))
+            elif values:
+                parts.append(_as_float64(values, values[0]))
         return parts
 
     def first_failure(self, packed: list[float], pos: int) -> tuple[tuple[int, str] | None, int]:
         """This slot's first failed call in the read-back ``packed`` from ``pos`` (as laid out by
         :meth:`packed`): ``((call, message) or None, the position after this slot)``."""
         found = None
-        if self.first is not None and self.values is not None:
-            n = self.values.numel()
+        if self.folded is not None:
+            n = self.folded[1].numel()
             first, values = int(packed[pos]), packed[pos + 1 : pos + 1 + n]
             pos += 1 + n
             if first != _NEVER:
                 found = (first, self.text(*values))
-        count, n_values = self._layout
+        count = len(self.pending)
+        n_values = len(self.pending[0][2]) if self.pending else 0
         flags, values = packed[pos : pos + count], packed[pos + count : pos + count + count * n_values]
         pos += count + count * n_values
         if found is None:
