@@ -540,3 +540,67 @@ def test_new_argument_errors(gen):
         retrieval_metrics(x, y, x, y, ks=(30,), query_ids=ids, reference_ids=ids)
     with pytest.raises(TypeError, match="seed must be an int"):
         retrieval_metrics(x, y, seed=True)
+
+
+# ------------------------------------------- full MAP / MRR of float32 keys: counted, not sorted
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(12, 80),
+    metric=st.sampled_from(["cosine", "l2"]),
+    ties=st.booleans(),
+    separate=st.booleans(),
+    avg=st.booleans(),
+    limit=st.sampled_from([0.1, 512.0]),
+)
+def test_counted_full_map_and_mrr_match_brute_force(seed, n, metric, ties, separate, avg, limit):
+    # float32 keys take the counting path; the tie-heavy rows are exact in float32 too, so ties
+    # broken by index are what is tested
+    g = torch.Generator().manual_seed(seed)
+    x, y = _tie_heavy(g, n) if ties else _labelled(g, n, d=3, classes=6, dtype=torch.float64)
+    x = x.float()
+    ks = (1, 2, 5)
+    if separate:
+        q, ql, ref, rl = x[: n // 3], y[: n // 3], x[n // 3 :], y[n // 3 :]
+        try:
+            ours = retrieval_metrics(
+                q, ql, ref, rl, metric=metric, ks=ks, avg_of_avgs=avg, memory_limit_mb=limit
+            )
+        except ValueError as err:
+            assert "no query has a relevant reference" in str(err)
+            return
+        orders = _ranked(q, ref, metric, lambda i: set())
+        expected = _brute_all(ql, rl, orders, ks, None, avg)
+    else:
+        ours = retrieval_metrics(x, y, metric=metric, ks=ks, avg_of_avgs=avg, memory_limit_mb=limit)
+        expected = _brute_all(y, y, _ranked(x, x, metric, lambda i: {i}), ks, None, avg)
+    _assert_metrics(ours, expected)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_counted_path_equals_the_full_sort(monkeypatch, metric):
+    # the same float32 keys, counted and sorted: equal up to the order of the float64 sums
+    from marginkit.metrics import retrieval
+
+    g = torch.Generator().manual_seed(5)
+    x, y = _labelled(g, 400, d=4, classes=30)
+    counted = retrieval_metrics(x, y, metric=metric, ks=(1, 3), avg_of_avgs=True, memory_limit_mb=0.5)
+    monkeypatch.setattr(retrieval, "COUNT_FULL_RANKS", False)
+    ranked = retrieval_metrics(x, y, metric=metric, ks=(1, 3), avg_of_avgs=True, memory_limit_mb=0.5)
+    _assert_metrics(counted, ranked, tol=1e-14)
+
+
+def test_counted_path_equals_the_sorted_path_on_exact_data():
+    # float64 inputs rank by a full sort, float32 inputs count: on data whose scores are exact in
+    # both precisions (many ties) the two agree up to the order of the float64 sums
+    g = torch.Generator().manual_seed(3)
+    x, y = _tie_heavy(g, 300, classes=7)
+    for metric in ("cosine", "l2"):
+        wide = retrieval_metrics(x, y, metric=metric, ks=(1, 4), per_class=True)
+        narrow = retrieval_metrics(
+            x.float(), y, metric=metric, ks=(1, 4), per_class=True, memory_limit_mb=0.1
+        )
+        assert narrow.keys() == wide.keys() and narrow["per_class"].keys() == wide["per_class"].keys()
+        _assert_metrics(narrow, {key: value for key, value in wide.items() if key != "per_class"}, tol=1e-14)
+        for label, row in wide["per_class"].items():
+            _assert_metrics(narrow["per_class"][label], row, tol=1e-14)

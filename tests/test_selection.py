@@ -422,3 +422,20 @@ def test_kth_smallest_column_equals_the_stable_sort(x, data):
         selection.kth_smallest_column(x.float(), index, bound),
         torch.sort(x.float(), dim=-1, stable=True).indices.gather(-1, index[:, None]).squeeze(-1),
     )
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=matrices(), descending=st.booleans())
+def test_packed_column_keys_order_is_the_stable_sort(x, descending):
+    # distinct keys whose ascending order is the stable sort's order, NaN / ±0 / ties included
+    x = x.float()
+    keys = selection.packed_column_keys(x, descending=descending)
+    ordered = keys.sort(dim=-1).values
+    assert (ordered[:, 1:] > ordered[:, :-1]).all()  # distinct (a diff would overflow int64)
+    want = torch.sort(x, dim=-1, descending=descending, stable=True).indices
+    assert torch.equal(keys.argsort(dim=-1), want)
+
+
+def test_packed_column_keys_refuses_float64():
+    with pytest.raises(ValueError, match="float32"):
+        selection.packed_column_keys(torch.zeros(2, 3, dtype=torch.float64))

@@ -300,6 +300,89 @@ def retrieval_metrics(
     return out
 
 
+#: Full MAP / MRR of float32 keys are counted (:func:`_full_rank_terms`); the tests and
+#: ``benchmarks/bench_metrics.py`` switch it off to run the full sort they replace.
+COUNT_FULL_RANKS = True
+_COUNT_BYTES_PER_CELL = 40  # scores, packed keys, bucket, flat bucket, bincount index per [query, reference]
+#: Metrics that rank every reference (``k=None``): counted, not sorted, for float32 keys.
+_FULL_METRICS = ("mean_average_precision", "mrr")
+
+
+def _full_rank_terms(
+    query: torch.Tensor,
+    q_labels: torch.Tensor,
+    refs: torch.Tensor,
+    ref_labels: torch.Tensor,
+    ref_bias: torch.Tensor | None,
+    metric: str,
+    r_all: torch.Tensor,
+    valid_all: torch.Tensor,
+    self_offset: int | None,
+    wanted: tuple[str, ...],
+    limit: int,
+) -> torch.Tensor:
+    r"""``[valid queries, len(wanted)]`` float64 full MAP / MRR (``k=None``), without ranking.
+
+    Only the ranks of a query's ``R`` relevant references enter them: with ``rank_j`` the rank of
+    its ``j``-th best relevant reference, ``AP = (1/R) Σ_j j / rank_j`` and ``RR = 1 / rank_1``.
+    ``rank_j - 1`` counts the references that precede it in the stable order (key descending,
+    index ascending). Each score becomes a unique int64 key in that order
+    (:func:`marginkit.ops.selection.packed_column_keys`), the ``R`` relevant keys are sorted,
+    and one ``searchsorted`` places every reference between them; a histogram of the places and
+    its prefix sums are the counts. ``O(N log R)`` per query instead of a sort of ``N``, with the
+    same keys as the search (float32 ``refs``, prepared; the excluded query itself counted never).
+    """
+    from marginkit.ops.selection import packed_column_keys
+
+    device = refs.device
+    n_ref = refs.shape[0]
+    by_label = torch.sort(ref_labels, stable=True)
+    classes, counts = torch.unique_consecutive(by_label.values, return_counts=True)
+    starts = counts.cumsum(0) - counts
+    rows = max(1, (limit // 2) // (n_ref * _COUNT_BYTES_PER_CELL))
+    last = torch.iinfo(torch.int64).max  # above every packed key: excluded references, padding
+    out: list[torch.Tensor] = []
+    for s in range(0, query.shape[0], rows):
+        valid = valid_all[s : s + rows]
+        if not bool(valid.any()):
+            continue
+        q = prepare(query[s : s + rows][valid].to(device), metric, "query", refs.dtype)
+        if metric == "l2":
+            assert ref_bias is not None
+            scores = torch.addmm(ref_bias, q, refs.T, beta=1, alpha=2)
+        else:
+            scores = q @ refs.T
+        keys = packed_column_keys(scores, descending=True)
+        del scores
+        if self_offset is not None:
+            own = (torch.arange(s, s + valid.shape[0], device=device) + self_offset)[valid]
+            keys.scatter_(1, own[:, None], last)
+        place = torch.searchsorted(classes, q_labels[s : s + rows][valid])
+        size = counts[place]
+        width = int(size.max())
+        slot = torch.arange(width, device=device)
+        column = by_label.indices[(starts[place, None] + slot).clamp_max(n_ref - 1)]
+        relevant = keys.gather(1, column).masked_fill_(slot >= size[:, None], last).sort(dim=1).values
+        # place[m] = how many relevant keys are <= reference m's key: m precedes exactly the
+        # relevant references from there on, so a prefix sum of the places' histogram counts
+        # the references ahead of each relevant one
+        bucket = torch.searchsorted(relevant, keys, right=True)
+        del keys
+        bucket += (torch.arange(bucket.shape[0], device=device) * (width + 1))[:, None]
+        hist = torch.bincount(bucket.view(-1), minlength=bucket.shape[0] * (width + 1))
+        ahead = hist.view(-1, width + 1).cumsum(1)[:, :width].to(torch.float64)
+        r = r_all[s : s + rows][valid].to(torch.float64)
+        cols = []
+        for name in wanted:
+            if name == "mean_average_precision":
+                real = slot[None, :] < r[:, None]
+                cols.append(torch.where(real, (slot + 1).to(torch.float64) / (ahead + 1), 0.0).sum(1) / r)
+            else:  # mrr
+                cols.append(1.0 / (ahead[:, 0] + 1))
+        out.append(torch.stack(cols, dim=1))
+    return torch.cat(out) if out else torch.zeros(0, len(wanted), dtype=torch.float64, device=device)
+
+
 def _ranking(
     query: torch.Tensor,
     q_labels_all: torch.Tensor,
@@ -318,12 +401,90 @@ def _ranking(
     per_class: bool,
     limit: int,
 ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """The ranking metrics: one chunked search, per-query terms, then the averages."""
+    """The ranking metrics: per-query terms (one chunked search; full MAP / MRR of float32 keys
+    counted), then the averages."""
     device = reference.device
     n_ref = reference.shape[0]
+    dtype = torch.promote_types(compute_dtype(query.dtype), compute_dtype(reference.dtype))
+    refs = prepare(reference, metric, "reference", dtype)
+    ref_bias = neg_sqnorms(refs) if metric == "l2" else None
+    # full MAP / MRR over float32 keys are counted (``_full_rank_terms``); the search below then
+    # only goes as deep as the other metrics need
+    counted = COUNT_FULL_RANKS and cut_k is None and ids is None and dtype == torch.float32 and n_ref < 2**31
+    full_terms: torch.Tensor | None = None
+    ranked = wanted
+    if counted and any(m in _FULL_METRICS for m in wanted):
+        full_wanted = tuple(m for m in wanted if m in _FULL_METRICS)
+        full_terms = _full_rank_terms(
+            query, q_labels_all, refs, ref_labels, ref_bias, metric, r_all, valid_all, self_offset,
+            full_wanted, limit,
+        )  # fmt: skip
+        ranked = tuple(m for m in wanted if m not in _FULL_METRICS)
+    per_query = _ranked_terms(
+        query, q_labels_all, refs, ref_labels, ref_bias, metric, ks, cut_k, ranked, r_all, valid_all,
+        excluded, ids, self_offset, limit,
+    )  # fmt: skip
+    if full_terms is not None:
+        per_query = _merge_columns(wanted, ks, ranked, per_query, full_wanted, full_terms)
+    labels = q_labels_all[valid_all]
+    classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+    class_sums = torch.zeros(classes.numel(), per_query.shape[1], dtype=torch.float64, device=device)
+    class_sums.index_add_(0, inverse, per_query)
+    class_means = class_sums / counts[:, None].to(torch.float64)
+    overall = class_means.mean(dim=0) if avg_of_avgs else per_query.mean(dim=0)
+    values = _unpack(overall.tolist(), wanted, ks)
+    table: dict[int, dict[str, Any]] = {}
+    if per_class:
+        for label, n, row in zip(classes.tolist(), counts.tolist(), class_means.tolist(), strict=True):
+            table[label] = {**_unpack(row, wanted, ks), "num_queries": n}
+    return values, table
+
+
+def _merge_columns(
+    wanted: tuple[str, ...],
+    ks: tuple[int, ...],
+    first: tuple[str, ...],
+    first_terms: torch.Tensor,
+    second: tuple[str, ...],
+    second_terms: torch.Tensor,
+) -> torch.Tensor:
+    """The columns of two per-query blocks (metrics ``first`` and ``second``) in ``wanted``'s order."""
+
+    def columns(names: tuple[str, ...], terms: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for name in names:
+            width = len(ks) if name in ("precision_at_k", "recall_at_k") else 1
+            out[name], at = terms[:, at : at + width], at + width
+        return out
+
+    found = {**columns(first, first_terms), **columns(second, second_terms)}
+    return torch.cat([found[name] for name in wanted], dim=1)
+
+
+def _ranked_terms(
+    query: torch.Tensor,
+    q_labels_all: torch.Tensor,
+    refs: torch.Tensor,
+    ref_labels: torch.Tensor,
+    ref_bias: torch.Tensor | None,
+    metric: str,
+    ks: tuple[int, ...],
+    cut_k: int | None,
+    wanted: tuple[str, ...],
+    r_all: torch.Tensor,
+    valid_all: torch.Tensor,
+    excluded: torch.Tensor,
+    ids: tuple[torch.Tensor, torch.Tensor] | None,
+    self_offset: int | None,
+    limit: int,
+) -> torch.Tensor:
+    """``[valid queries, columns]`` per-query terms of ``wanted`` from one chunked top-``depth`` search."""
+    n_ref = refs.shape[0]
+    if not wanted:
+        return torch.zeros(int(valid_all.sum()), 0, dtype=torch.float64, device=refs.device)
     most_excluded = int(excluded.max())
     available = n_ref - most_excluded
-    full = any(m in ("mean_average_precision", "mrr") for m in wanted)
+    full = any(m in _FULL_METRICS for m in wanted)
     need = max(ks)
     if any(m in ("r_precision", "map_at_r") for m in wanted):
         need = max(need, int(r_all.max()))
@@ -336,9 +497,6 @@ def _ranking(
     # (topk + re-sorts), so fetch all N and drop the query, ranked last at -inf
     fetch = n_ref if (self_offset is not None and depth == n_ref - 1) else depth
 
-    dtype = torch.promote_types(compute_dtype(query.dtype), compute_dtype(reference.dtype))
-    refs = prepare(reference, metric, "reference", dtype)
-    ref_bias = neg_sqnorms(refs) if metric == "l2" else None
     # query chunks: half of the budget for the search, half for the [chunk, depth] metric terms
     rows = max(1, min(query.shape[0], (limit // 2) // (fetch * _METRIC_BYTES_PER_CELL)))
     plan = plan_chunks(rows, refs.shape[0], refs.shape[1], fetch, refs.element_size(), limit // 2)
@@ -363,16 +521,4 @@ def _ranking(
             order = torch.sort(own.to(torch.uint8), dim=1, stable=True).indices
             rel = (rel & ~own).gather(1, order)
         terms.append(_per_query_terms(rel, r_all[s : s + rows][valid], ks, cut, wanted))
-    per_query = torch.cat(terms)
-    labels = q_labels_all[valid_all]
-    classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
-    class_sums = torch.zeros(classes.numel(), per_query.shape[1], dtype=torch.float64, device=device)
-    class_sums.index_add_(0, inverse, per_query)
-    class_means = class_sums / counts[:, None].to(torch.float64)
-    overall = class_means.mean(dim=0) if avg_of_avgs else per_query.mean(dim=0)
-    values = _unpack(overall.tolist(), wanted, ks)
-    table: dict[int, dict[str, Any]] = {}
-    if per_class:
-        for label, n, row in zip(classes.tolist(), counts.tolist(), class_means.tolist(), strict=True):
-            table[label] = {**_unpack(row, wanted, ks), "num_queries": n}
-    return values, table
+    return torch.cat(terms)

@@ -37,6 +37,9 @@ values only and pick. Hence:
   order), in torch on every device: float32 rows become int64 ``(order key << 32) | column`` and
   one ``torch.topk`` of the packed integers gives the column exactly (~1.6x the value selection
   plus the counting of tied entries that other dtypes take, on ``[256, 256]``).
+* :func:`packed_column_keys` — those int64 ``(order key << 32) | column`` keys themselves (either
+  direction), for callers that count rather than sort: the retrieval metrics place every reference
+  among a query's relevant ones with one ``torch.searchsorted`` of the packed keys.
 * :func:`histogram` — the value-ordered histogram of a flat array's float bits (sign, exponent and
   the top mantissa bits), for exact order statistics of very long arrays in two passes: a
   histogram, then the few values of the bins that matter (``marginkit.metrics``).
@@ -58,6 +61,7 @@ __all__ = [
     "histogram",
     "kth_smallest",
     "kth_smallest_column",
+    "packed_column_keys",
     "sort_values",
     "sort_with_flags",
     "stable_sort",
@@ -286,6 +290,32 @@ def kth_smallest(x: torch.Tensor, index: torch.Tensor, bound: int) -> torch.Tens
     return torch.topk(x.detach(), bound, dim=-1, largest=False, sorted=True).values.gather(-1, index[:, None])
 
 
+def packed_column_keys(x: torch.Tensor, *, descending: bool = False) -> torch.Tensor:
+    """float32 ``[..., n]`` → int64 keys whose ascending order is the stable order of each row.
+
+    Each value becomes a 32-bit integer in float order (``-0.0`` equal to ``+0.0``, NaN above
+    ``+inf``; bitwise-negated for ``descending``), shifted above its column: ``(key << 32) | column``.
+    So no two keys of a row are equal, and a key compares below another exactly when
+    ``torch.sort(x, descending=descending, stable=True)`` puts its entry first. Torch ops only
+    (no host read), any device; ``n < 2**31``.
+    """
+    if x.dtype != torch.float32 or x.shape[-1] >= 2**31:
+        raise ValueError(
+            f"packed_column_keys needs float32 rows shorter than 2**31, got {x.dtype} {tuple(x.shape)}"
+        )
+    # in place on one int64 buffer: a chain of fresh int32 temporaries costs twice the time
+    key = (x.detach() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes +0.0
+    flip = key >> 31
+    flip &= 0x7FFFFFFF
+    key ^= flip  # negative floats: all but the sign bit flipped, so integer order = float order
+    key.masked_fill_(torch.isnan(x), torch.iinfo(torch.int32).max)
+    if descending:
+        key.bitwise_not_()
+    key <<= 32
+    key |= torch.arange(x.shape[-1], device=x.device)
+    return key
+
+
 def kth_smallest_column(x: torch.Tensor, index: torch.Tensor, bound: int) -> torch.Tensor:
     """Per row, the column at rank ``index`` (``[rows]``, ``< bound``) of the stable ascending order.
 
@@ -295,10 +325,7 @@ def kth_smallest_column(x: torch.Tensor, index: torch.Tensor, bound: int) -> tor
     x = x.detach()
     bound = min(bound, x.shape[-1])
     if x.dtype == torch.float32 and x.shape[-1] < 2**31:
-        bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = torch.where(torch.isnan(x), torch.iinfo(torch.int32).max, key)
-        packed = (key.long() << 32) | torch.arange(x.shape[-1], device=x.device)
+        packed = packed_column_keys(x)
         chosen = torch.topk(packed, bound, dim=-1, largest=False, sorted=True).values.gather(
             -1, index[:, None]
         )
