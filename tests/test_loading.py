@@ -241,3 +241,66 @@ def test_a_batch_of_images_of_two_sizes_is_the_stacking_error():
     loader = Loader(data, y, [torch.arange(4)], workers=0)
     with pytest.raises(ValueError, match="same shape"):
         list(loader.epoch())
+
+
+def test_free_heap_is_returned_before_workers_are_forked(monkeypatch):
+    # every loader that starts worker processes first hands the free heap back (they inherit less);
+    # an in-memory loader starts none and does not pay for it
+    from marginkit.data import loading
+
+    calls = []
+    monkeypatch.setattr(loading, "release_free_memory", lambda: calls.append(1))
+    data, y = Rows(12), torch.arange(12) % 3
+    for workers, expected in ((0, 0), (1, 1)):
+        calls.clear()
+        loader = Loader(data, y, ShuffledBatches(12, 4, seed=1), workers=workers)
+        try:
+            for epoch in range(2):  # persistent workers: started (and the heap trimmed) once
+                list(loader.epoch(epoch))
+        finally:
+            loader.close()
+        assert len(calls) == expected, workers
+    calls.clear()
+    list(
+        Loader(
+            torch.zeros(12, 3, 4, 4, dtype=torch.uint8), y, ShuffledBatches(12, 4, seed=1), workers=2
+        ).epoch(0)
+    )
+    assert not calls
+
+
+_FREED_HEAP = """
+import ctypes, ctypes.util, sys
+from marginkit.data.loading import release_free_memory, _malloc_trim
+
+if _malloc_trim() is None:
+    print("skip"); sys.exit()
+
+def rss_mb():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+# 200 MB of 64 KiB blocks (under glibc's mmap threshold: they live in the heap), then one block
+# above them that stays: the heap's top is in use, so glibc cannot shrink the heap by itself
+blocks = [bytearray(b"x" * 65536) for _ in range(3200)]
+pin = bytearray(b"y" * 65536)
+held = rss_mb()
+del blocks
+before = rss_mb()
+release_free_memory()
+print(held, before, rss_mb())
+"""
+
+
+def test_release_free_memory_returns_a_pinned_heap_to_the_system():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_HEAP], capture_output=True, text=True, check=True
+    ).stdout
+    if out.strip() == "skip":
+        pytest.skip("not glibc: malloc_trim is not there")
+    held, before, after = (float(v) for v in out.split())
+    assert before > held - 50  # freed but still resident: glibc kept it
+    assert after < before - 150, (held, before, after)  # released

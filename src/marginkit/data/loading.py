@@ -29,6 +29,7 @@ in-memory tensors none (a gather in the training process is faster than any hand
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import os
@@ -55,6 +56,7 @@ __all__ = [
     "epoch_seed",
     "is_in_memory",
     "is_sequential",
+    "release_free_memory",
     "worker_failure",
 ]
 
@@ -89,6 +91,35 @@ class ShuffledBatches:
         perm = torch.randperm(self.n, generator=g)
         for i in range(len(self)):
             yield perm[i * self.size : (i + 1) * self.size]
+
+
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the operating system before workers are forked.
+
+    A forked worker starts with every anonymous page of its parent in its resident set. glibc keeps
+    the memory a process frees inside its heap (only the heap's top is returned by itself), so
+    after a long training run most of the training process's heap can be free yet resident, and
+    each worker forked then inherits it; its old copy stays in the worker once the parent reuses
+    the page. Python's collector runs first, so that cycles free their memory too, then glibc's
+    ``malloc_trim(0)``, which returns free pages anywhere in its heaps. A no-op without glibc.
+    """
+    import gc
+
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
+        return None
 
 
 def is_in_memory(data: Any) -> bool:
@@ -470,6 +501,8 @@ class Loader:
     _drop_last = True
 
     def _dataloader(self) -> DataLoader:
+        if self._loader is None and self.workers > 0:
+            release_free_memory()  # the workers forked next inherit less of this process
         if self._loader is None and self._reader is not None:
             reader = self._reader
             self._loader = DataLoader(
