@@ -9,6 +9,7 @@ one exact chunked search, per query, then averaged over the queries, over the cl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -308,19 +309,24 @@ _COUNT_BYTES_PER_CELL = 40  # scores, packed keys, bucket, flat bucket, bincount
 _FULL_METRICS = ("mean_average_precision", "mrr")
 
 
-def _full_rank_terms(
-    query: torch.Tensor,
-    q_labels: torch.Tensor,
-    refs: torch.Tensor,
-    ref_labels: torch.Tensor,
-    ref_bias: torch.Tensor | None,
-    metric: str,
-    r_all: torch.Tensor,
-    valid_all: torch.Tensor,
-    self_offset: int | None,
-    wanted: tuple[str, ...],
-    limit: int,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Ranking:
+    """One ranking problem: the queries against the prepared references, ``R`` per query and which
+    queries count (``R >= 1``), the query's own row (``self_offset``) and the memory budget."""
+
+    query: torch.Tensor
+    q_labels: torch.Tensor
+    refs: torch.Tensor  # prepared (:func:`prepare`)
+    ref_labels: torch.Tensor
+    ref_bias: torch.Tensor | None  # ``l2`` key biases
+    metric: str
+    r_all: torch.Tensor
+    valid_all: torch.Tensor
+    self_offset: int | None
+    limit: int
+
+
+def _full_rank_terms(problem: _Ranking, wanted: tuple[str, ...]) -> torch.Tensor:
     r"""``[valid queries, len(wanted)]`` float64 full MAP / MRR (``k=None``), without ranking.
 
     Only the ranks of a query's ``R`` relevant references enter them: with ``rank_j`` the rank of
@@ -334,6 +340,20 @@ def _full_rank_terms(
     """
     from marginkit.ops.selection import packed_column_keys
 
+    query, q_labels, refs, ref_labels, ref_bias = (
+        problem.query,
+        problem.q_labels,
+        problem.refs,
+        problem.ref_labels,
+        problem.ref_bias,
+    )
+    metric, r_all, valid_all, self_offset = (
+        problem.metric,
+        problem.r_all,
+        problem.valid_all,
+        problem.self_offset,
+    )
+    limit = problem.limit
     device = refs.device
     n_ref = refs.shape[0]
     by_label = torch.sort(ref_labels, stable=True)
@@ -411,19 +431,16 @@ def _ranking(
     # full MAP / MRR over float32 keys are counted (``_full_rank_terms``); the search below then
     # only goes as deep as the other metrics need
     counted = COUNT_FULL_RANKS and cut_k is None and ids is None and dtype == torch.float32 and n_ref < 2**31
+    problem = _Ranking(
+        query, q_labels_all, refs, ref_labels, ref_bias, metric, r_all, valid_all, self_offset, limit
+    )
     full_terms: torch.Tensor | None = None
     ranked = wanted
     if counted and any(m in _FULL_METRICS for m in wanted):
         full_wanted = tuple(m for m in wanted if m in _FULL_METRICS)
-        full_terms = _full_rank_terms(
-            query, q_labels_all, refs, ref_labels, ref_bias, metric, r_all, valid_all, self_offset,
-            full_wanted, limit,
-        )  # fmt: skip
+        full_terms = _full_rank_terms(problem, full_wanted)
         ranked = tuple(m for m in wanted if m not in _FULL_METRICS)
-    per_query = _ranked_terms(
-        query, q_labels_all, refs, ref_labels, ref_bias, metric, ks, cut_k, ranked, r_all, valid_all,
-        excluded, ids, self_offset, limit,
-    )  # fmt: skip
+    per_query = _ranked_terms(problem, ks, cut_k, ranked, excluded, ids)
     if full_terms is not None:
         per_query = _merge_columns(wanted, ks, ranked, per_query, full_wanted, full_terms)
     labels = q_labels_all[valid_all]
@@ -462,23 +479,22 @@ def _merge_columns(
 
 
 def _ranked_terms(
-    query: torch.Tensor,
-    q_labels_all: torch.Tensor,
-    refs: torch.Tensor,
-    ref_labels: torch.Tensor,
-    ref_bias: torch.Tensor | None,
-    metric: str,
+    problem: _Ranking,
     ks: tuple[int, ...],
     cut_k: int | None,
     wanted: tuple[str, ...],
-    r_all: torch.Tensor,
-    valid_all: torch.Tensor,
     excluded: torch.Tensor,
     ids: tuple[torch.Tensor, torch.Tensor] | None,
-    self_offset: int | None,
-    limit: int,
 ) -> torch.Tensor:
     """``[valid queries, columns]`` per-query terms of ``wanted`` from one chunked top-``depth`` search."""
+    query, q_labels_all, refs, ref_labels = problem.query, problem.q_labels, problem.refs, problem.ref_labels
+    r_all, valid_all, self_offset, limit = (
+        problem.r_all,
+        problem.valid_all,
+        problem.self_offset,
+        problem.limit,
+    )
+    metric, ref_bias = problem.metric, problem.ref_bias
     n_ref = refs.shape[0]
     if not wanted:
         return torch.zeros(int(valid_all.sum()), 0, dtype=torch.float64, device=refs.device)
