@@ -439,3 +439,16 @@ def test_packed_column_keys_order_is_the_stable_sort(x, descending):
 def test_packed_column_keys_refuses_float64():
     with pytest.raises(ValueError, match="float32"):
         selection.packed_column_keys(torch.zeros(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("k", [1, 7, 500, 1999, 2000, 3000])
+def test_topk_stable_float64_ties_in_column_order(k):
+    # few distinct values (±0 among them): the cut falls inside a run of equal values, which must
+    # contribute its first columns
+    g = torch.Generator().manual_seed(k)
+    pool = torch.tensor([-0.0, 0.0, 1.5, -2.25, 1e-300], dtype=torch.float64)
+    x = pool[torch.randint(0, len(pool), (40, 2000), generator=g)]
+    ref = torch.sort(x, dim=-1, descending=True, stable=True)
+    values, indices = selection.topk_stable(x, k, block_rows=16)
+    assert torch.equal(indices, ref.indices[:, :k])
+    assert torch.equal(bits(values), bits(ref.values[:, :k]))

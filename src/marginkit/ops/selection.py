@@ -256,10 +256,12 @@ def topk_stable(
 
     Float32 ``[rows, n]`` on the numpy path: ``np.partition`` of packed keys (see the module),
     ``block_rows`` rows at a time (bounds the temporaries to ~21 bytes per entry of a block);
-    elsewhere the reference (a full stable sort).
+    float64 rows without NaN: a partition of the values, then the tied entries in column order
+    (:func:`_topk_columns64`, ~23 bytes per entry); elsewhere the reference (a full stable sort).
     """
     n = x.shape[-1]
-    if not fast_path(x) or x.dtype != torch.float32 or x.dim() != 2 or n >= 2**32:
+    wide = x.dtype == torch.float64 and fast_path(x) and x.dim() == 2 and not bool(torch.isnan(x).any())
+    if not wide and (not fast_path(x) or x.dtype != torch.float32 or x.dim() != 2 or n >= 2**32):
         v, i = torch.sort(x, dim=-1, descending=True, stable=True)
         return v[:, :k], i[:, :k]
     a = _rows(x)
@@ -269,6 +271,11 @@ def topk_stable(
     step = block_rows or a.shape[0]
     for start in range(0, a.shape[0], step):
         part = a[start : start + step]
+        if wide:
+            cols = _topk_columns64(part, k)
+            indices[start : start + step] = cols
+            values[start : start + step] = np.take_along_axis(part, cols, axis=-1)
+            continue
         packed = _packed(part, descending=True)
         if k < n:
             packed.partition(k - 1, axis=-1)
@@ -278,6 +285,32 @@ def topk_stable(
         indices[start : start + step] = cols
         values[start : start + step] = np.take_along_axis(part, cols, axis=-1)
     return torch.from_numpy(values), torch.from_numpy(indices)
+
+
+def _topk_columns64(a: np.ndarray, k: int) -> np.ndarray:
+    """Columns of the first ``k`` of each float64 row (no NaN) in the stable descending order.
+
+    float64 values leave no room for the column in a 64-bit key, so the cut is found by value:
+    ``np.partition`` gives the ``k``-th largest value ``v``; the entries above ``v`` and, of those
+    equal to ``v`` (``-0.0 == +0.0``), the first ones in column order make up exactly ``k``; a
+    stable ``argsort`` of those ``k`` (taken in column order) puts equal values in column order.
+    ``O(n)`` per row plus a sort of ``k``, where the reference sorts all ``n``.
+    """
+    n = a.shape[-1]
+    if k < n:
+        negated = np.negative(a)
+        negated.partition(k - 1, axis=-1)
+        kth = -negated[:, k - 1 : k]
+        del negated
+        above = a > kth
+        tied = a == kth
+        room = k - above.sum(axis=-1, keepdims=True, dtype=np.int64)
+        chosen = above | (tied & (np.cumsum(tied, axis=-1, dtype=np.int32) <= room))
+        cols = np.nonzero(chosen)[1].reshape(a.shape[0], k)
+    else:
+        cols = np.broadcast_to(np.arange(n), a.shape)
+    order = np.argsort(np.negative(np.take_along_axis(a, cols, axis=-1)), axis=-1, kind="stable")
+    return np.take_along_axis(cols, order, axis=-1)
 
 
 def kth_smallest(x: torch.Tensor, index: torch.Tensor, bound: int) -> torch.Tensor:
