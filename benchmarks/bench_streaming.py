@@ -1,8 +1,9 @@
 """Streaming data pipeline (issue 35): memory that does not grow with the data set, and its cost.
 
 Generates a folder of ``--size`` 112×112 RGB JPEGs (``--classes`` identities) OUTSIDE the
-repository (``--root``, default a temporary directory; a few random images are encoded once and
-their bytes reused with a changed comment segment, so 200 k files take seconds), then measures,
+repository (``--root``, default a temporary directory; 16 random images are encoded once and each
+file is one of them with its own first two quantisation values: distinct pixels per file, as real
+images, and 200 k files take seconds), then measures,
 side by side in one run:
 
 0. the file-list scan of ``folder:`` (cold, writing its index, from the index: ``--scan-only``);
@@ -33,16 +34,31 @@ from pathlib import Path
 
 import numpy as np
 
+_FOLDER_VERSION = 2  # 1: the 16 encodings' pixels repeated (files differed by a comment only)
+
+
+def _quantised(blob: bytes, variant: int) -> bytes:
+    """``blob`` (a baseline JPEG) with the first two entries of its first quantisation table set
+    from ``variant`` (< 255²): the same entropy-coded data dequantised differently, so a valid JPEG
+    with other pixels (the DC and the first AC coefficient of every block scale)."""
+    at = blob.index(b"\xff\xdb") + 5  # DQT marker, length (2), Pq/Tq (1): the table's first value
+    q0, q1 = 1 + variant % 255, 1 + (variant // 255) % 255
+    return blob[:at] + bytes((q0, q1)) + blob[at + 2 :]
+
 
 def make_folder(root: Path, size: int, classes: int, side: int = 112) -> Path:
-    """``size`` JPEGs in ``root/<class>/``: 16 encoded images whose bytes get a per-file COM segment
-    (a different file each, decoded to the same pixels as its source)."""
+    """``size`` JPEGs in ``root/<class>/``: 16 encodings, each file one of them with its own first
+    two quantisation values (distinct pixels per file, as real images: no file's embedding ties
+    with another's; 16 * 255² variants at most)."""
     from io import BytesIO
 
     from PIL import Image
 
-    if (root / ".complete").is_file() and json.loads((root / ".complete").read_text()) == [size, classes]:
+    stamp = [size, classes, _FOLDER_VERSION]
+    if (root / ".complete").is_file() and json.loads((root / ".complete").read_text()) == stamp:
         return root
+    if size > 16 * 255 * 255:
+        raise ValueError(f"--size {size}: at most {16 * 255 * 255} distinct images")
     rng = np.random.default_rng(0)
     blobs = []
     for _ in range(16):
@@ -54,11 +70,9 @@ def make_folder(root: Path, size: int, classes: int, side: int = 112) -> Path:
     for c in range(classes):
         (root / f"id{c:05d}").mkdir(parents=True, exist_ok=True)
     for i in range(size):
-        blob = blobs[i % len(blobs)]
-        comment = f"marginkit bench {i}".encode()
-        segment = b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment
-        (root / f"id{i % classes:05d}" / f"{i:07d}.jpg").write_bytes(blob[:2] + segment + blob[2:])
-    (root / ".complete").write_text(json.dumps([size, classes]))
+        blob = _quantised(blobs[i % len(blobs)], i // len(blobs))
+        (root / f"id{i % classes:05d}" / f"{i:07d}.jpg").write_bytes(blob)
+    (root / ".complete").write_text(json.dumps(stamp))
     return root
 
 
