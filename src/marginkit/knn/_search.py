@@ -156,6 +156,20 @@ def neg_sqnorms(references: torch.Tensor) -> torch.Tensor:
     return sqnorms(references, "references").neg_()
 
 
+def search_keys(
+    queries: torch.Tensor,
+    references: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ranking keys of prepared rows, larger first: ``<q, r>`` (cosine, ``bias=None``) or the
+    ``l2`` key ``2<q, r> - ||r||²`` (``bias`` = :func:`neg_sqnorms`), one matrix product."""
+    if bias is None:
+        return torch.mm(queries, references.T, out=out)
+    return torch.addmm(bias, queries, references.T, beta=1, alpha=2, out=out)
+
+
 def wide_neg_sqnorms(references: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`neg_sqnorms` of the rows copied into the wider ``dtype``, chunk by chunk (no
     ``[N, D]`` copy)."""
@@ -335,11 +349,11 @@ def topk_keys(
             r = references[rs : rs + rc].to(kd)
             w = r.shape[0]
             s = buffer[: m * w].view(m, w)
+            bias = None
             if key_metric == "l2":
                 assert ref_neg_sqnorms is not None
-                torch.addmm(ref_neg_sqnorms[rs : rs + w], q, r.T, beta=1, alpha=2, out=s)
-            else:
-                torch.mm(q, r.T, out=s)
+                bias = ref_neg_sqnorms[rs : rs + w]
+            search_keys(q, r, bias, out=s)
             if exclude is not None:
                 rows = torch.arange(m, device=device)
                 cols = exclude[qs : qs + m] - rs

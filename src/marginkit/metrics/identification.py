@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from marginkit._validation import accepts_arrays, compute_dtype, positive_float, positive_int
-from marginkit.knn._search import check_embeddings, check_labels, check_metric, prepare
+from marginkit.knn._search import check_embeddings, check_labels, check_metric, prepare, search_keys
 from marginkit.metrics._roc import Side, rates_at_targets, sort_values
 from marginkit.metrics.curves import det_points
 
@@ -174,7 +174,7 @@ def search_gallery(
     rows = max(1, int(budget // per_row))
     for s in range(0, n, rows):
         q = prepare(probe_emb.detach()[s : s + rows].to(device), metric, "probe_emb", dtype)
-        keys = q @ g.T if bias is None else torch.addmm(bias, q, g.T, alpha=2)
+        keys = search_keys(q, g, bias)
         if not one_each:
             keys = torch.full((q.shape[0], n_labels), -math.inf, dtype=dtype, device=device).scatter_reduce_(
                 1, label_index.expand(q.shape[0], -1), keys, "amax"

@@ -22,6 +22,7 @@ from marginkit.knn._search import (
     neg_sqnorms,
     plan_chunks,
     prepare,
+    search_keys,
     topk_keys,
 )
 
@@ -340,44 +341,25 @@ def _full_rank_terms(problem: _Ranking, wanted: tuple[str, ...]) -> torch.Tensor
     """
     from marginkit.ops.selection import packed_column_keys
 
-    query, q_labels, refs, ref_labels, ref_bias = (
-        problem.query,
-        problem.q_labels,
-        problem.refs,
-        problem.ref_labels,
-        problem.ref_bias,
-    )
-    metric, r_all, valid_all, self_offset = (
-        problem.metric,
-        problem.r_all,
-        problem.valid_all,
-        problem.self_offset,
-    )
-    limit = problem.limit
-    device = refs.device
-    n_ref = refs.shape[0]
-    by_label = torch.sort(ref_labels, stable=True)
+    p = problem
+    device = p.refs.device
+    n_ref = p.refs.shape[0]
+    by_label = torch.sort(p.ref_labels, stable=True)
     classes, counts = torch.unique_consecutive(by_label.values, return_counts=True)
     starts = counts.cumsum(0) - counts
-    rows = max(1, (limit // 2) // (n_ref * _COUNT_BYTES_PER_CELL))
+    rows = max(1, (p.limit // 2) // (n_ref * _COUNT_BYTES_PER_CELL))
     last = torch.iinfo(torch.int64).max  # above every packed key: excluded references, padding
     out: list[torch.Tensor] = []
-    for s in range(0, query.shape[0], rows):
-        valid = valid_all[s : s + rows]
+    for s in range(0, p.query.shape[0], rows):
+        valid = p.valid_all[s : s + rows]
         if not bool(valid.any()):
             continue
-        q = prepare(query[s : s + rows][valid].to(device), metric, "query", refs.dtype)
-        if metric == "l2":
-            assert ref_bias is not None
-            scores = torch.addmm(ref_bias, q, refs.T, beta=1, alpha=2)
-        else:
-            scores = q @ refs.T
-        keys = packed_column_keys(scores, descending=True)
-        del scores
-        if self_offset is not None:
-            own = (torch.arange(s, s + valid.shape[0], device=device) + self_offset)[valid]
+        q = prepare(p.query[s : s + rows][valid].to(device), p.metric, "query", p.refs.dtype)
+        keys = packed_column_keys(search_keys(q, p.refs, p.ref_bias), descending=True)
+        if p.self_offset is not None:
+            own = (torch.arange(s, s + valid.shape[0], device=device) + p.self_offset)[valid]
             keys.scatter_(1, own[:, None], last)
-        place = torch.searchsorted(classes, q_labels[s : s + rows][valid])
+        place = torch.searchsorted(classes, p.q_labels[s : s + rows][valid])
         size = counts[place]
         width = int(size.max())
         slot = torch.arange(width, device=device)
@@ -391,7 +373,7 @@ def _full_rank_terms(problem: _Ranking, wanted: tuple[str, ...]) -> torch.Tensor
         bucket += (torch.arange(bucket.shape[0], device=device) * (width + 1))[:, None]
         hist = torch.bincount(bucket.view(-1), minlength=bucket.shape[0] * (width + 1))
         ahead = hist.view(-1, width + 1).cumsum(1)[:, :width].to(torch.float64)
-        r = r_all[s : s + rows][valid].to(torch.float64)
+        r = p.r_all[s : s + rows][valid].to(torch.float64)
         cols = []
         for name in wanted:
             if name == "mean_average_precision":
@@ -487,14 +469,9 @@ def _ranked_terms(
     ids: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """``[valid queries, columns]`` per-query terms of ``wanted`` from one chunked top-``depth`` search."""
-    query, q_labels_all, refs, ref_labels = problem.query, problem.q_labels, problem.refs, problem.ref_labels
-    r_all, valid_all, self_offset, limit = (
-        problem.r_all,
-        problem.valid_all,
-        problem.self_offset,
-        problem.limit,
-    )
-    metric, ref_bias = problem.metric, problem.ref_bias
+    p = problem
+    query, q_labels_all, refs, ref_labels = p.query, p.q_labels, p.refs, p.ref_labels
+    r_all, valid_all, self_offset, limit = p.r_all, p.valid_all, p.self_offset, p.limit
     n_ref = refs.shape[0]
     if not wanted:
         return torch.zeros(int(valid_all.sum()), 0, dtype=torch.float64, device=refs.device)
@@ -523,9 +500,9 @@ def _ranked_terms(
             query[s : s + rows],
             refs,
             fetch,
-            metric=metric,
+            metric=p.metric,
             memory_limit_bytes=limit // 2,
-            ref_neg_sqnorms=ref_bias,
+            ref_neg_sqnorms=p.ref_bias,
             self_offset=None if self_offset is None else s,
             plan=plan,
         )
