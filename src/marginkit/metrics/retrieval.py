@@ -349,7 +349,10 @@ def _full_rank_terms(problem: _Ranking, wanted: tuple[str, ...]) -> torch.Tensor
     starts = counts.cumsum(0) - counts
     rows = max(1, (p.limit // 2) // (n_ref * _COUNT_BYTES_PER_CELL))
     last = torch.iinfo(torch.int64).max  # above every packed key: excluded references, padding
-    out: list[torch.Tensor] = []
+    # one output, written chunk by chunk: a small tensor kept per chunk would pin the heap between
+    # the chunks' large temporaries, and glibc's heap then grows by a chunk at every step
+    out = torch.empty(int(p.valid_all.sum()), len(wanted), dtype=torch.float64, device=device)
+    at = 0
     for s in range(0, p.query.shape[0], rows):
         valid = p.valid_all[s : s + rows]
         if not bool(valid.any()):
@@ -381,8 +384,10 @@ def _full_rank_terms(problem: _Ranking, wanted: tuple[str, ...]) -> torch.Tensor
                 cols.append(torch.where(real, (slot + 1).to(torch.float64) / (ahead + 1), 0.0).sum(1) / r)
             else:  # mrr
                 cols.append(1.0 / (ahead[:, 0] + 1))
-        out.append(torch.stack(cols, dim=1))
-    return torch.cat(out) if out else torch.zeros(0, len(wanted), dtype=torch.float64, device=device)
+        done = at + cols[0].shape[0]
+        torch.stack(cols, dim=1, out=out[at:done])
+        at = done
+    return out
 
 
 def _ranking(
@@ -493,7 +498,8 @@ def _ranked_terms(
     # query chunks: half of the budget for the search, half for the [chunk, depth] metric terms
     rows = max(1, min(query.shape[0], (limit // 2) // (fetch * _METRIC_BYTES_PER_CELL)))
     plan = plan_chunks(rows, refs.shape[0], refs.shape[1], fetch, refs.element_size(), limit // 2)
-    terms: list[torch.Tensor] = []
+    terms: torch.Tensor | None = None  # written chunk by chunk, as in _full_rank_terms
+    at = 0
     for s in range(0, query.shape[0], rows):
         valid = valid_all[s : s + rows]
         _, idx, _ = topk_keys(
@@ -513,5 +519,10 @@ def _ranked_terms(
             own = ids[1][idx] == ids[0][s : s + rows][valid, None]
             order = torch.sort(own.to(torch.uint8), dim=1, stable=True).indices
             rel = (rel & ~own).gather(1, order)
-        terms.append(_per_query_terms(rel, r_all[s : s + rows][valid], ks, cut, wanted))
-    return torch.cat(terms)
+        chunk = _per_query_terms(rel, r_all[s : s + rows][valid], ks, cut, wanted)
+        if terms is None:
+            terms = chunk.new_empty(int(valid_all.sum()), chunk.shape[1])
+        terms[at : at + chunk.shape[0]] = chunk
+        at += chunk.shape[0]
+    assert terms is not None  # the loop runs at least once: a query set is never empty here
+    return terms
