@@ -372,15 +372,13 @@ def _project_numpy(
     n = shape[-1]
     xa = x.detach().contiguous().numpy().reshape(-1, n)
     ui = np.uint32 if xa.dtype == np.float32 else np.uint64
-    ones = ui(np.iinfo(ui).max)
     mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
     rows = np.arange(xa.shape[0])[:, None]
     xm = None  # x + m in the working dtype with m rounded to it first, as torch's x + m
     if labels is None:
         xm = xa + mv
         ma = mask.contiguous().numpy().reshape(-1, n)
-        bits = ma.astype(ui)
-        bits *= ones  # all ones on the positives
+        bits = _all_ones(ma, ui)  # all ones on the positives
         b = _select(bits, xa, xm)
         lab = x_pos = None
     else:  # (few full-size temporaries: each is fresh memory, and its pages cost more than its pass)
