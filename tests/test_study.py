@@ -261,6 +261,18 @@ def test_quick_study_writes_every_table(tmp_path) -> None:
             assert (run_dir / "train" / "config.yaml").is_file()
 
 
+def test_a_job_process_starts_its_children_the_platform_default_way() -> None:
+    """The job processes are spawned; a DataLoader worker they start must not be spawned too (each
+    would import torch and marginkit again: seconds per loader of a folder source's job)."""
+    import multiprocessing
+
+    from marginkit.study.runner import job_pool
+
+    with job_pool(1) as pool:
+        method = pool.submit(multiprocessing.get_start_method).result()
+    assert method == multiprocessing.get_all_start_methods()[0]
+
+
 def test_cli_study_subcommand_rejects_bad_jobs(tmp_path, capsys) -> None:
     from marginkit.cli.app import main
 

@@ -295,12 +295,26 @@ def _run_all(
         for job in progress.wrap(jobs):
             record(run_job(job, str(out)))
         return results
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with job_pool(workers) as pool:
         futures = {pool.submit(run_job, job, str(out)): job for job in jobs}
         for fut in progress.wrap(as_completed(futures)):
             record(fut.result())
     return results
+
+
+def job_pool(workers: int) -> ProcessPoolExecutor:
+    """The study's job processes: spawned (a fresh interpreter, one thread each), and each starts
+    its own children the platform's default way (:func:`_platform_start_method`)."""
+    ctx = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_platform_start_method)
+
+
+def _platform_start_method() -> None:
+    """In a job process: start children (a lazy source's DataLoader workers) the platform's
+    default way. A process started by ``spawn`` inherits ``spawn`` as its default, and each
+    spawned DataLoader worker then imports torch and marginkit again before its first sample
+    (seconds per loader, against milliseconds for a fork)."""
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
 
 
 # ---------------------------------------------------------------------------- collection
