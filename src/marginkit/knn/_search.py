@@ -545,7 +545,10 @@ def exact_search(
             )  # fmt: skip
             values[rows], indices[rows] = v, i
             return values, indices
-        failed = []
+        # which rows to retry, as one mask: a small tensor kept per part would pin glibc's heap
+        # between the parts' large temporaries
+        retry = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        at = 0
         for part in rows.split(lists):
             whole = first and part.shape[0] == nq
             sub = queries if whole else queries[part.to(queries.device)]
@@ -564,8 +567,9 @@ def exact_search(
             if whole and bool(ok.all()):
                 return v, i
             values[part[ok]], indices[part[ok]] = v[ok], i[ok]
-            failed.append(part[~ok])
-        rows, first = torch.cat(failed), False
+            torch.logical_not(ok, out=retry[at : at + part.shape[0]])
+            at += part.shape[0]
+        rows, first = rows[retry], False
         if rows.shape[0] == 0:
             return values, indices
         if wider_keys and width < available:  # one float64 pass, at the first width only

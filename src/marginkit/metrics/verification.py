@@ -266,7 +266,15 @@ def pair_scores(
     _, group, counts = torch.unique_consecutive(sorted_labels, return_inverse=True, return_counts=True)
     class_end = counts.cumsum(0)[group].tolist()
     es = e[order]
-    gen_scores, gen_i, gen_j = [], [], []
+    # Outputs allocated once and written block by block: a small tensor kept per block, allocated
+    # between the blocks' large temporaries, pins glibc's heap, which then grows at every block.
+    # The genuine pairs whose first (sorted) row is below s: the later rows of each row's class.
+    later = torch.tensor(class_end) - torch.arange(1, n + 1)
+    before = [0, *later.cumsum(0).tolist()]
+    num_genuine = before[-1]
+    g_scores = e.new_empty(num_genuine)
+    g_i = torch.empty(num_genuine, dtype=torch.long, device=device)
+    g_j = torch.empty_like(g_i)
     s = 0
     while s < n:
         # Grow the block while (rows x width) fits; width = end of the last row's class - s.
@@ -282,31 +290,36 @@ def pair_scores(
         ends = torch.tensor(class_end[s:stop], device=device)[:, None]
         mask = (cols > rows) & (cols < ends)
         r, c = mask.nonzero(as_tuple=True)
-        gen_scores.append(block[r, c])
+        at = slice(before[s], before[stop])
+        g_scores[at] = block[r, c]
         a, b = order[r + s], order[c + s]
-        gen_i.append(torch.minimum(a, b))
-        gen_j.append(torch.maximum(a, b))
+        torch.minimum(a, b, out=g_i[at])
+        torch.maximum(a, b, out=g_j[at])
+        del block, mask, r, c, a, b
         s = stop
-    g_scores, g_i, g_j = torch.cat(gen_scores), torch.cat(gen_i), torch.cat(gen_j)
     perm = torch.argsort(g_i * n + g_j)
     g_scores, g_i, g_j = g_scores[perm], g_i[perm], g_j[perm]
 
-    num_genuine = g_scores.numel()
     total_impostors = n * (n - 1) // 2 - num_genuine
     if max_impostors is None or 2 * max_impostors >= total_impostors:
         # All impostor pairs (then, for a large sample, a seeded subset of them).
-        imp_scores, imp_i, imp_j = [], [], []
+        i_scores = e.new_empty(total_impostors)  # written block by block, as above
+        i_i = torch.empty(total_impostors, dtype=torch.long, device=device)
+        i_j = torch.empty_like(i_i)
         rows_per_block = max(1, budget // n)
+        at = 0
         for s in range(0, n, rows_per_block):
             block = e[s : s + rows_per_block] @ e[s:].T
             rows = torch.arange(s, s + block.shape[0], device=device)[:, None]
             cols = torch.arange(s, n, device=device)[None, :]
             mask = (cols > rows) & (labels[s : s + block.shape[0], None] != labels[None, s:])
             r, c = mask.nonzero(as_tuple=True)
-            imp_scores.append(block[r, c])
-            imp_i.append(r + s)
-            imp_j.append(c + s)
-        i_scores, i_i, i_j = torch.cat(imp_scores), torch.cat(imp_i), torch.cat(imp_j)
+            done = at + r.numel()
+            i_scores[at:done] = block[r, c]
+            torch.add(r, s, out=i_i[at:done])
+            torch.add(c, s, out=i_j[at:done])
+            at = done
+            del block, mask, r, c
         if max_impostors is not None and max_impostors < total_impostors:
             gen = torch.Generator().manual_seed(seed)
             keep = torch.randperm(total_impostors, generator=gen)[:max_impostors]
@@ -316,12 +329,9 @@ def pair_scores(
         codes = _sample_impostor_codes(labels, max_impostors, total_impostors, seed).to(device)
         i_i, i_j = codes // n, codes % n
         chunk = max(1, budget // e.shape[1])
-        i_scores = torch.cat(
-            [
-                (e[i_i[s : s + chunk]] * e[i_j[s : s + chunk]]).sum(dim=1)
-                for s in range(0, codes.numel(), chunk)
-            ]
-        )
+        i_scores = e.new_empty(codes.numel())  # written chunk by chunk, as above
+        for s in range(0, codes.numel(), chunk):
+            torch.sum(e[i_i[s : s + chunk]] * e[i_j[s : s + chunk]], dim=1, out=i_scores[s : s + chunk])
     scores = torch.cat([g_scores, i_scores])
     is_genuine = torch.arange(scores.numel(), device=device) < num_genuine
     if return_pairs:
