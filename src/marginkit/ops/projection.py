@@ -420,39 +420,53 @@ def _project_numpy(
         # np.where(mask, np.where(x < level, level, x), np.where(b <= level, x, t)) as two selects
         # on the bits (a masked copy costs more than a select beyond a few percent of the entries):
         # the negatives whose breakpoint is not <= the level, the positives below it
+        # (the bits, b and xm are dead here: their buffers take the selects and the output, whose
+        # fresh arrays' first touch would cost more than their passes)
         down = np.less_equal(b, level)
         down |= ma
         np.logical_not(down, out=down)
-        z = _select(_all_ones(down, ui), t, xa)
+        z = _select(_all_ones(down, ui, out=bits), t, xa, out=b.view(ui))
         up = np.less(xa, level, out=down)
         up &= ma
-        z = _select(_all_ones(up, ui), level, z)
+        z = _select_in_place(_all_ones(up, ui, out=bits), level, z, scratch=xm.view(ui))
     else:
         level = np.fmin(np.fmax(level, x_pos), bounds)
         # np.where(xm <= level, xa, t) as a copy of the few entries that move; L2's b is xm but at
-        # the labels, whose entries are written last
-        moves = np.less_equal(b if norm == "l2" else np.add(xa, mv), level)
+        # the labels, whose entries are written last. The output is written into b's buffer: a
+        # fresh array's first touch (page faults) costs more than the pass that fills it.
+        moves = np.less_equal(b if norm == "l2" else np.add(xa, mv, out=b), level)
         np.logical_not(moves, out=moves)
-        z = xa.copy()
+        z = b
+        np.copyto(z, xa)
         np.copyto(z, t, where=moves)
         z[rows, lab] = np.where(x_pos < level, level, x_pos)
     return torch.from_numpy(z).reshape(shape)
 
 
-def _all_ones(flags: np.ndarray, ui: Any) -> np.ndarray:
+def _all_ones(flags: np.ndarray, ui: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Bool ``flags`` as the unsigned integer ``ui`` with all bits set where true (for :func:`_select`)."""
-    return np.negative(flags.view(np.uint8), dtype=ui)
+    return np.negative(flags.view(np.uint8), dtype=ui, out=out)
 
 
-def _select(bits: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _select(bits: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``np.where(bits != 0, a, b)`` for float arrays (broadcast), with ``bits`` all ones or all
-    zeros in an unsigned integer of the floats' width: exact bit patterns, no branches."""
+    zeros in an unsigned integer of the floats' width: exact bit patterns, no branches. ``out``
+    (that unsigned type, the full shape) must not share memory with ``a`` or ``b``."""
     ui = bits.dtype
     ub = np.ascontiguousarray(b).view(ui)
-    out = np.bitwise_xor(np.ascontiguousarray(a).view(ui), ub)
+    out = np.bitwise_xor(np.ascontiguousarray(a).view(ui), ub, out=out)
     out &= bits
     out ^= ub
     return out.view(a.dtype)
+
+
+def _select_in_place(bits: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """:func:`_select` written into ``b`` (``b ^= (a ^ b) & bits``); ``scratch`` as ``out`` there."""
+    ub = b.view(bits.dtype)
+    diff = np.bitwise_xor(np.ascontiguousarray(a).view(bits.dtype), ub, out=scratch)
+    diff &= bits
+    ub ^= diff
+    return b
 
 
 def _l2_level_numpy(
@@ -461,7 +475,8 @@ def _l2_level_numpy(
     """:func:`_l2_level` on ``[rows, n]`` numpy breakpoints (see :func:`_project_numpy`).
 
     Returns the float64 level and ``(min(min_P u, max_N u), max_N u)`` (the sorted rows' first
-    positive and last negative, ``±inf`` when absent).
+    positive and last negative, ``±inf`` when absent). ``xm`` and ``bits`` are overwritten
+    (scratch).
     """
     rows, n = b.shape
     ui = np.uint32 if b.dtype == np.float32 else np.uint64
@@ -470,15 +485,19 @@ def _l2_level_numpy(
     else:
         u, order = (t.numpy() for t in stable_sort(torch.from_numpy(b)))
         pos = np.take_along_axis(ma, order, -1)
-    flip = np.subtract(1, pos.view(np.uint8), dtype=ui)
+    # (xm and the bits are scratch from here: others and flip are written into their buffers)
+    np.invert(bits, out=bits)
+    others = np.bitwise_and(xm.view(ui), bits, out=xm.view(ui)).view(b.dtype)  # +0.0 on the positives
+    flip = np.subtract(1, pos.view(np.uint8), dtype=ui, out=bits)
     flip <<= ui(8 * b.itemsize - 1)
     s = np.bitwise_xor(u.view(ui), flip, out=flip).view(b.dtype)  # -u on the negatives: sign flipped
-    others = np.invert(bits)
-    others = np.bitwise_and(xm.view(ui), others, out=others).view(b.dtype)  # +0.0 on the positives
     cp = torch.cumsum(torch.from_numpy(pos), -1, dtype=torch.int32).numpy()
-    c = np.arange(n - 1, -1, -1, dtype=np.int32) - cp[:, -1:]
-    c += cp
-    c += cp
+    # c = (n - 1 - k) - |P| + 2 cp, exact integers, in cp's buffer
+    c = cp
+    total_pos = cp[:, -1:].copy()
+    c *= 2
+    c += np.arange(n - 1, -1, -1, dtype=np.int32)
+    c -= total_pos
     at = np.arange(rows)
     first_pos = pos.argmax(-1)
     last_neg = n - 1 - pos[:, ::-1].argmin(-1)
