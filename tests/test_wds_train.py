@@ -1,16 +1,19 @@
 """``wds:`` shard sets through load_dataset, the loader and the trainer: the same splits and
-metrics as the folder they were packed from, labels that follow their rows through pooled and
-filtered views, equal steps whatever the worker count, and clear refusals (issue 35)."""
+metrics as the folder they were packed from (and so ``csv:`` and ``rec:`` copies of it), labels
+that follow their rows through pooled and filtered views, equal steps whatever the worker count,
+and clear refusals (issue 35)."""
 
 from __future__ import annotations
 
 import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from data_files import image_record, write_recordio
 from marginkit.data import load_dataset
 from marginkit.data.datasets import read_source
 from marginkit.data.loading import FixedBatches, Loader, ShuffledBatches, evaluation_loader
@@ -113,7 +116,35 @@ def test_evaluation_reads_every_row_of_a_view_once(packed):
     assert len(got) == len(loader) == 2
 
 
-def test_a_run_from_wds_equals_the_run_from_its_folder(packed, tmp_path):
+def _copy_as(kind: str, folder, shards, tmp_path) -> str:
+    """The folder as a ``wds:`` shard set, a ``csv:`` manifest (the folder's own split in its
+    ``split`` column, rows in the folder's order) or a ``rec:`` RecordIO pair (records in the
+    folder's order, the split left to the reader's seeded one, as the folder's)."""
+    if kind == "wds":
+        return f"wds:{shards}"
+    raw = read_source(f"folder:{folder}")
+    if kind == "csv":
+        copy = tmp_path / "copy"
+        shutil.copytree(folder, copy)
+        rows = [
+            f"{x.relative_path(i)},{raw.class_names[int(y[i])]},{side}"
+            for x, y, side in ((raw.x_train, raw.y_train, "train"), (raw.x_test, raw.y_test, "test"))
+            for i in range(len(x))
+        ]
+        (copy / "all.csv").write_text("path,label,split\n" + "\n".join(rows) + "\n", encoding="utf-8")
+        return f"csv:{copy / 'all.csv'}"
+    files = sorted(folder.rglob("*.png"), key=lambda p: (p.parent.name, int(p.stem)))
+    write_recordio(
+        tmp_path / "rec",
+        {k: image_record(raw.class_names.index(p.parent.name), p.read_bytes()) for k, p in enumerate(files)},
+    )
+    return f"rec:{tmp_path / 'rec'}"
+
+
+@pytest.mark.parametrize("kind", ["wds", "csv", "rec"])
+def test_a_run_from_a_copy_equals_the_run_from_its_folder(packed, tmp_path, kind):
+    """Issue 35: the same 1-epoch run from ``folder:``, ``csv:``, ``rec:`` and ``wds:`` copies of one
+    data set gives the same metrics."""
     folder, shards = packed
 
     def run(data, name, **extra):
@@ -124,7 +155,7 @@ def test_a_run_from_wds_equals_the_run_from_its_folder(packed, tmp_path):
         return train(cfg, tmp_path / name, quiet=True, report=False).metrics
 
     a = run(f"folder:{folder}", "folder", stream=True)
-    b = run(f"wds:{shards}", "wds")
+    b = run(_copy_as(kind, folder, shards, tmp_path), kind, **({} if kind == "wds" else {"stream": True}))
 
     def numbers(d, prefix=""):
         for k, v in d.items():
