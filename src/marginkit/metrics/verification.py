@@ -264,12 +264,13 @@ def pair_scores(
     # Genuine pairs: rows sorted by label; a row's partners are the later rows of its class.
     sorted_labels, order = torch.sort(labels, stable=True)
     _, group, counts = torch.unique_consecutive(sorted_labels, return_inverse=True, return_counts=True)
-    class_end = counts.cumsum(0)[group].tolist()
+    end_of_class = counts.cumsum(0)[group]  # per sorted row: the end of its class's rows
+    class_end = end_of_class.tolist()
     es = e[order]
     # Outputs allocated once and written block by block: a small tensor kept per block, allocated
     # between the blocks' large temporaries, pins glibc's heap, which then grows at every block.
     # The genuine pairs whose first (sorted) row is below s: the later rows of each row's class.
-    later = torch.tensor(class_end) - torch.arange(1, n + 1)
+    later = end_of_class - torch.arange(1, n + 1, device=device)
     before = [0, *later.cumsum(0).tolist()]
     num_genuine = before[-1]
     g_scores = e.new_empty(num_genuine)
@@ -287,8 +288,7 @@ def pair_scores(
         block = es[s:stop] @ es[s : s + width].T
         rows = torch.arange(s, stop, device=device)[:, None]
         cols = torch.arange(s, s + width, device=device)[None, :]
-        ends = torch.tensor(class_end[s:stop], device=device)[:, None]
-        mask = (cols > rows) & (cols < ends)
+        mask = (cols > rows) & (cols < end_of_class[s:stop, None])
         r, c = mask.nonzero(as_tuple=True)
         at = slice(before[s], before[stop])
         g_scores[at] = block[r, c]
