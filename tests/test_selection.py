@@ -180,6 +180,7 @@ def test_mep_labels_l2_candidates_equal_reference(monkeypatch):
     monkeypatch.setattr(
         projection, "_l2_level_labels_sorted", lambda b, *a: sorted_rows.append(len(b)) or real(b, *a)
     )
+    monkeypatch.setattr(projection, "_CANDIDATE_MIN_COLUMNS", 64)  # (500 columns are sorted whole by default)
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.float64):
         x = 3 * torch.randn(40, 500, generator=g, dtype=dtype)
@@ -217,10 +218,41 @@ def test_mep_labels_l2_candidates_equal_reference(monkeypatch):
 )
 @settings(max_examples=40, deadline=None)
 def test_mep_labels_l2_candidates_hypothesis(rows, n, margin, scale, seed):
+    """The candidate selection (forced on these short rows) and the whole-row sort both give the
+    torch path's bits."""
+    from marginkit.ops import projection
+
     g = torch.Generator().manual_seed(seed)
     x = torch.round(scale * torch.randn(rows, n, generator=g) * 8) / 8  # ties and zeros
     labels = torch.randint(0, n, (rows,), generator=g)
-    assert torch.equal(bits(mep(x, labels, margin)), bits(reference(mep, x, labels, margin)))
+    want = bits(reference(mep, x, labels, margin))
+    default = projection._CANDIDATE_MIN_COLUMNS
+    try:
+        for shortest in (64, default):
+            projection._CANDIDATE_MIN_COLUMNS = shortest
+            assert torch.equal(bits(mep(x, labels, margin)), want), shortest
+    finally:
+        projection._CANDIDATE_MIN_COLUMNS = default
+
+
+def test_mep_labels_l2_short_rows_are_sorted_whole(monkeypatch):
+    """Below ``_CANDIDATE_MIN_COLUMNS`` columns every row takes the whole-row sort (cheaper there);
+    from it on, most random rows take the candidate selection. Both equal the torch path."""
+    from marginkit.ops import projection
+
+    sorted_rows = []
+    real = projection._l2_level_labels_sorted
+    monkeypatch.setattr(
+        projection, "_l2_level_labels_sorted", lambda b, *a: sorted_rows.append(len(b)) or real(b, *a)
+    )
+    g = torch.Generator().manual_seed(5)
+    shortest = projection._CANDIDATE_MIN_COLUMNS
+    for n, expect_all in ((shortest - 1, True), (shortest, False)):
+        x = 3 * torch.randn(32, n, generator=g)
+        labels = torch.randint(0, n, (32,), generator=g)
+        sorted_rows.clear()
+        assert torch.equal(bits(mep(x, labels, 1.0)), bits(reference(mep, x, labels, 1.0)))
+        assert (sorted_rows == [32]) if expect_all else (sum(sorted_rows) < 16), (n, sorted_rows)
 
 
 def test_mep_fast_path_odd_inputs_equal_reference():

@@ -514,6 +514,13 @@ def _l2_level_numpy(
 
 # Columns of the labels' level tried first (a row's active negatives are usually few); then 8x.
 _LEVEL_WINDOW = 64
+# Rows at least this long try the labels' candidate selection first; shorter rows are sorted whole.
+# The selection costs about four passes over the rows plus a scattered gather whatever the sort
+# costs, and numpy's vectorised sort of a row of a few thousand float32 values costs less than
+# that: measured on (256, 1000) ... (256, 2000) rows, random, near-tied and dominant labels alike,
+# the whole sort took 0.45-0.81x the selection's time; from 3000 columns on, rows with a dominant
+# label (a trained model's) are cheaper by the selection (docs/mep.md).
+_CANDIDATE_MIN_COLUMNS = 2048
 
 
 def _labels_breakpoints(x: np.ndarray, m: Any, lab: np.ndarray) -> np.ndarray:
@@ -534,9 +541,12 @@ def _l2_level_labels_numpy(b: np.ndarray, x_pos: np.ndarray, unsorted: Any) -> t
     among them, or on the next column (the largest other breakpoint, compared as the whole row's
     scan compares it), has the whole sort's prefix sums, comparisons and level there, bit for
     bit; the other rows (every candidate active, a zero among them, candidates in more than a quarter of
-    the row) take :func:`_l2_level_labels_sorted`, and so does every row of a batch with a NaN.
+    the row) take :func:`_l2_level_labels_sorted`, and so does every row of a batch with a NaN,
+    and every row shorter than ``_CANDIDATE_MIN_COLUMNS`` (whose whole sort costs less).
     """
     rows, n = b.shape
+    if n < _CANDIDATE_MIN_COLUMNS:
+        return _l2_level_labels_sorted(b.copy(), x_pos, unsorted)
     top = b.max(-1, keepdims=True)
     level = np.empty((rows, 1))
     todo = np.arange(rows)
