@@ -518,7 +518,7 @@ _LEVEL_WINDOW = 64
 # The selection costs about four passes over the rows plus a scattered gather whatever the sort
 # costs, and numpy's vectorised sort of a row of a few thousand float32 values costs less than
 # that: measured on (256, 1000) ... (256, 2000) rows, random, near-tied and dominant labels alike,
-# the whole sort took 0.45-0.81x the selection's time; from 3000 columns on, rows with a dominant
+# the whole sort took 0.46-0.80x the selection's time; from 3000 columns on, rows with a dominant
 # label (a trained model's) are cheaper by the selection (docs/mep.md).
 _CANDIDATE_MIN_COLUMNS = 2048
 
