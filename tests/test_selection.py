@@ -167,7 +167,20 @@ def test_mep_labels_l2_windows_equal_reference():
         assert torch.equal(bits(fast), bits(reference(mep, x, labels, margins, validate=False)))
 
 
-def test_mep_labels_l2_candidates_equal_reference(monkeypatch):
+@pytest.fixture
+def sorted_rows(monkeypatch) -> list[int]:
+    """The row counts of the labels' whole-row sorts (``_l2_level_labels_sorted``) in call order."""
+    from marginkit.ops import projection
+
+    calls: list[int] = []
+    real = projection._l2_level_labels_sorted
+    monkeypatch.setattr(
+        projection, "_l2_level_labels_sorted", lambda b, *a: calls.append(len(b)) or real(b, *a)
+    )
+    return calls
+
+
+def test_mep_labels_l2_candidates_equal_reference(monkeypatch, sorted_rows):
     """The labels' L2 level on the CPU sorts only the breakpoints above about (x_p + max_N u) / 2
     where the first failing comparison lies among them: random rows take that path; rows with
     every candidate active, a zero among the candidates or at the top, and feasible rows are
@@ -175,11 +188,6 @@ def test_mep_labels_l2_candidates_equal_reference(monkeypatch):
     per-row margins), and a NaN anywhere sends the whole batch to the sorted path."""
     from marginkit.ops import projection
 
-    sorted_rows = []
-    real = projection._l2_level_labels_sorted
-    monkeypatch.setattr(
-        projection, "_l2_level_labels_sorted", lambda b, *a: sorted_rows.append(len(b)) or real(b, *a)
-    )
     monkeypatch.setattr(projection, "_CANDIDATE_MIN_COLUMNS", 64)  # (500 columns are sorted whole by default)
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.float64):
@@ -226,25 +234,17 @@ def test_mep_labels_l2_candidates_hypothesis(rows, n, margin, scale, seed):
     x = torch.round(scale * torch.randn(rows, n, generator=g) * 8) / 8  # ties and zeros
     labels = torch.randint(0, n, (rows,), generator=g)
     want = bits(reference(mep, x, labels, margin))
-    default = projection._CANDIDATE_MIN_COLUMNS
-    try:
-        for shortest in (64, default):
-            projection._CANDIDATE_MIN_COLUMNS = shortest
+    for shortest in (64, projection._CANDIDATE_MIN_COLUMNS):
+        with pytest.MonkeyPatch.context() as mp:  # (hypothesis: no function-scoped fixture)
+            mp.setattr(projection, "_CANDIDATE_MIN_COLUMNS", shortest)
             assert torch.equal(bits(mep(x, labels, margin)), want), shortest
-    finally:
-        projection._CANDIDATE_MIN_COLUMNS = default
 
 
-def test_mep_labels_l2_short_rows_are_sorted_whole(monkeypatch):
+def test_mep_labels_l2_short_rows_are_sorted_whole(sorted_rows):
     """Below ``_CANDIDATE_MIN_COLUMNS`` columns every row takes the whole-row sort (cheaper there);
     from it on, most random rows take the candidate selection. Both equal the torch path."""
     from marginkit.ops import projection
 
-    sorted_rows = []
-    real = projection._l2_level_labels_sorted
-    monkeypatch.setattr(
-        projection, "_l2_level_labels_sorted", lambda b, *a: sorted_rows.append(len(b)) or real(b, *a)
-    )
     g = torch.Generator().manual_seed(5)
     shortest = projection._CANDIDATE_MIN_COLUMNS
     for n, expect_all in ((shortest - 1, True), (shortest, False)):

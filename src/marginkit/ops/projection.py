@@ -519,7 +519,7 @@ _LEVEL_WINDOW = 64
 # costs, and numpy's vectorised sort of a row of a few thousand float32 values costs less than
 # that: measured on (256, 1000) ... (256, 2000) rows, random, near-tied and dominant labels alike,
 # the whole sort took 0.46-0.80x the selection's time; from 3000 columns on, rows with a dominant
-# label (a trained model's) are cheaper by the selection (docs/mep.md).
+# label (a trained model's) are cheaper by the selection (docs/mep.md). (At least _LEVEL_WINDOW.)
 _CANDIDATE_MIN_COLUMNS = 2048
 
 
@@ -550,7 +550,7 @@ def _l2_level_labels_numpy(b: np.ndarray, x_pos: np.ndarray, unsorted: Any) -> t
     top = b.max(-1, keepdims=True)
     level = np.empty((rows, 1))
     todo = np.arange(rows)
-    if n >= 64 and not np.isnan(top).any():
+    if not np.isnan(top).any():
         half = (top.astype(np.float64) + x_pos) / 2  # ℓ_0 as the sorted path computes it
         # a relative slack far above the rounding of the comparisons (and of the float32 threshold)
         threshold = (half - (np.abs(half) * 2.0**-16 + 2.0**-60)).astype(b.dtype)
