@@ -66,6 +66,23 @@ def test_sorts_many_ties_and_leading_dims():
         assert torch.equal(bits(selection.sort_values(x, descending=descending)), bits(ref.values))
 
 
+@settings(max_examples=150, deadline=None)
+@given(x=matrices(), data=st.data())
+def test_values_at_ranks_equal_the_stable_sort_bitwise(x, data):
+    """One order statistic per row (np.sort and a pick; zero and NaN picks from the stable runs)
+    has the bits of the stable sort's value at that rank, and the NaN flag is the row's."""
+    a = x.numpy()
+    index = np.array(
+        data.draw(st.lists(st.integers(0, a.shape[1] - 1), min_size=a.shape[0], max_size=a.shape[0]))
+    )
+    index = index.reshape(-1, 1)
+    ref = torch.sort(x, dim=-1, stable=True).values.gather(-1, torch.from_numpy(index))
+    for work in (None, np.empty_like(a)):
+        picked, nan = selection.values_at_ranks(a, index, work=work)
+        assert torch.equal(bits(torch.from_numpy(picked)), bits(ref))
+        assert np.array_equal(nan, np.isnan(a).any(-1, keepdims=True))
+
+
 def test_fast_path_only_where_it_applies():
     x = torch.randn(3, 4)
     assert selection.fast_path(x)
@@ -128,6 +145,48 @@ def test_mep_differentiable_path_gives_the_same_values(prob, norm, one_hot):
     positives = labels if one_hot else mask
     xr = x.clone().requires_grad_(True)
     assert torch.equal(bits(mep(xr, positives, m, norm).detach()), bits(mep(x, positives, m, norm)))
+
+
+def test_mep_mask_fast_path_branches_equal_reference(monkeypatch):
+    """The mask path's shortcuts, each forced and compared with the torch path bit for bit: the L1
+    clamp computed on some rows only (where fl(fl(level - m) + m) moves the level, a NaN, no
+    negative), and the output's one-comparison select against the two-select form that rows with
+    a zero level take."""
+    from marginkit.ops import projection
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(200, 64, generator=g) * 3  # levels that fl(fl(l - m) + m) moves, in about 1 row in 5
+    x[100:] = torch.round(x[100:] * 2) / 2  # ties across classes, zeros
+    mask = torch.rand(200, 64, generator=g) < torch.linspace(0.1, 0.9, 200)[:, None]
+    mask[0] = True  # no negative
+    x[1, 3] = math.nan
+    x[3:60] += 30 * mask[3:60]  # rows that keep the margin: the clamp returns max_N u
+    m = torch.rand(200, generator=g) * 3 + 0.01
+    # a feasible row whose level is a zero (the breakpoint of a negative at -m): the two-select form
+    x[2], mask[2] = -3.0 - m[2], False
+    x[2, 0], x[2, 1], mask[2, 0] = -0.0, -m[2], True
+    calls = {"clamped rows": 0, "zero level": 0}
+    clamp, select_in_place = projection._l1_clamp, projection._select_in_place
+
+    def counting_clamp(level, unrounded, unsure, *rest):
+        calls["clamped rows"] += int(
+            ((level.view(rest[0].dtype) != unrounded.view(rest[0].dtype)) | unsure).sum()
+        )
+        return clamp(level, unrounded, unsure, *rest)
+
+    def counting_select(*args, **kwargs):
+        calls["zero level"] += 1
+        return select_in_place(*args, **kwargs)
+
+    monkeypatch.setattr(projection, "_l1_clamp", counting_clamp)
+    monkeypatch.setattr(projection, "_select_in_place", counting_select)
+    for rows in (slice(None), slice(3, 100)):  # with and without a zero level
+        for norm in ("l1", "l2"):
+            fast = mep(x[rows], mask[rows], m[rows], norm, validate=False)
+            assert torch.equal(
+                bits(fast), bits(reference(mep, x[rows], mask[rows], m[rows], norm, validate=False))
+            )
+    assert calls["clamped rows"] > 10 and calls["zero level"] == 2, calls
 
 
 def test_mep_fast_path_equals_reference_large_rows():

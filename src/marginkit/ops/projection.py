@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from marginkit._validation import choice, compute_dtype, float_tensor, label_tensor, real
-from marginkit.ops.selection import fast_path, sort_values, sort_with_flags, stable_sort
+from marginkit.ops.selection import fast_path, sort_values, sort_with_flags, stable_sort, values_at_ranks
 
 __all__ = ["margin_gap", "mep"]
 
@@ -366,7 +366,9 @@ def _project_numpy(
     torch's own (``Σ_N u`` and the float64 prefix sums) are torch's, called on the same values.
     ``torch.where`` on the mask becomes a select on the bit patterns (exact, and branch-free on a
     random mask), and with labels a masked copy of the few entries that move; ``min_P u`` and
-    ``max_N u`` are read off the sorted rows.
+    ``max_N u`` are read off the sorted rows (L2), or computed on the rows whose clamp can change
+    a bit (L1 with a mask: :func:`_l1_clamp`), whose level is one order statistic, numpy's sort
+    and a pick (:func:`~marginkit.ops.selection.values_at_ranks`).
     """
     shape = x.shape
     n = shape[-1]
@@ -405,30 +407,42 @@ def _project_numpy(
         level = b.max(-1, keepdims=True)
         t = level - mv
     else:
-        index = np.maximum(n - 1 - ma.sum(-1, keepdims=True), 0)
-        level = np.take_along_axis(sort_values(torch.from_numpy(b)).numpy(), index, -1)
+        n_pos = np.count_nonzero(ma, axis=-1).reshape(-1, 1)
+        # (xm is dead here but as scratch: b holds its values on the negatives; it takes the sort)
+        level, unsure = values_at_ranks(b, np.maximum(n - 1 - n_pos, 0), work=xm)
+        unsure |= n_pos == n  # no negative: the clamp gives -inf
         t = level - mv
+    unrounded = level
     level = t + mv
     if lab is None:
-        if bounds is None:
-            inf = np.full(1, np.inf, xa.dtype)
-            hi = _select(bits, -inf, xm).max(-1, keepdims=True)
-            lo = np.minimum(_select(bits, xa, inf).min(-1, keepdims=True), hi)
+        if bounds is not None:
+            level = np.fmin(np.fmax(level, bounds[0]), bounds[1])
+        else:  # L1: only rows the clamp can change compute its bounds (see _l1_clamp)
+            _l1_clamp(level, unrounded, unsure, bits, xa, b)
+        # np.where(mask, np.where(x < level, level, x), np.where(b <= level, x, t)) as selects on
+        # the bits (a masked copy costs more than a select beyond a few percent of the entries).
+        # The bits, b and xm are dead here: their buffers take the temporaries and the output,
+        # whose fresh arrays' first touch would cost more than their passes.
+        if (level == 0).any():  # the negatives whose breakpoint is not <= the level, the positives below it
+            down = np.less_equal(b, level)
+            down |= ma
+            np.logical_not(down, out=down)
+            z = _select(_all_ones(down, ui, out=bits), t, xa, out=b.view(ui))
+            up = np.less(xa, level, out=down)
+            up &= ma
+            z = _select_in_place(_all_ones(up, ui, out=bits), level, z, scratch=xm.view(ui))
         else:
-            lo, hi = bounds
-        level = np.fmin(np.fmax(level, lo), hi)
-        # np.where(mask, np.where(x < level, level, x), np.where(b <= level, x, t)) as two selects
-        # on the bits (a masked copy costs more than a select beyond a few percent of the entries):
-        # the negatives whose breakpoint is not <= the level, the positives below it
-        # (the bits, b and xm are dead here: their buffers take the selects and the output, whose
-        # fresh arrays' first touch would cost more than their passes)
-        down = np.less_equal(b, level)
-        down |= ma
-        np.logical_not(down, out=down)
-        z = _select(_all_ones(down, ui, out=bits), t, xa, out=b.view(ui))
-        up = np.less(xa, level, out=down)
-        up &= ma
-        z = _select_in_place(_all_ones(up, ui, out=bits), level, z, scratch=xm.view(ui))
+            # One comparison: on the positives b is x, and x <= level differs from x < level only
+            # where x == level, a nonzero value, so level has x's bits there. Hence z = x where
+            # (b <= level) != mask, else level on the positives and t on the negatives.
+            kept = np.less_equal(b, level)
+            np.not_equal(kept, ma, out=kept)
+            tb = np.ascontiguousarray(t, dtype=xa.dtype).view(ui)
+            if norm == "l2":  # _l2_level_numpy took the bits as scratch
+                _all_ones(ma, ui, out=bits)
+            target = np.bitwise_and(bits, level.view(ui) ^ tb, out=bits)
+            target ^= tb
+            z = _select(_all_ones(kept, ui, out=xm.view(ui)), xa, target.view(xa.dtype), out=b.view(ui))
     else:
         level = np.fmin(np.fmax(level, x_pos), bounds)
         # np.where(xm <= level, xa, t) as a copy of the few entries that move; L2's b is xm but at
@@ -441,6 +455,36 @@ def _project_numpy(
         np.copyto(z, t, where=moves)
         z[rows, lab] = np.where(x_pos < level, level, x_pos)
     return torch.from_numpy(z).reshape(shape)
+
+
+def _l1_clamp(
+    level: np.ndarray,
+    unrounded: np.ndarray,
+    unsure: np.ndarray,
+    bits: np.ndarray,
+    xa: np.ndarray,
+    b: np.ndarray,
+) -> None:
+    """``level = fmin(fmax(level, lo), hi)`` in place for the mask L1 level, ``lo = min(min_P u, hi)``,
+    ``hi = max_N u``, with the bounds computed on the rows where the clamp can change a bit only.
+
+    In a row with a negative and no NaN, the unrounded level ``u_(|N|)`` lies in ``[lo, hi]``:
+    ``hi`` is the largest of ``|N|`` breakpoints, hence at least the ``|N|``-th smallest; a row
+    whose positives all lie above ``u_(|N|)`` keeps the margin, and there ``lo = hi = u_(|N|)``;
+    otherwise some positive lies at or below it. So where ``fl(fl(ℓ − m) + m)`` gives ``ℓ`` back
+    bit for bit and ``ℓ`` is not a zero (whose sign ``fmax`` / ``fmin`` may swap for an equal
+    bound), the clamp returns ``ℓ``. ``unsure`` marks the other rows (a NaN, no negative); ``b``
+    holds the breakpoints, ``bits`` the positives as all-ones.
+    """
+    ui = bits.dtype
+    keep = (level.view(ui) == unrounded.view(ui)) & (level != 0) & ~unsure
+    if keep.all():
+        return
+    r = np.flatnonzero(~keep)
+    inf = np.full(1, np.inf, xa.dtype)
+    hi = _select(bits[r], -inf, b[r]).max(-1, keepdims=True)
+    lo = np.minimum(_select(bits[r], xa[r], inf).min(-1, keepdims=True), hi)
+    level[r] = np.fmin(np.fmax(level[r], lo), hi)
 
 
 def _all_ones(flags: np.ndarray, ui: Any, out: np.ndarray | None = None) -> np.ndarray:

@@ -16,6 +16,8 @@ values only and pick. Hence:
 * :func:`sort_values` — values only: ``np.sort``; the two runs whose members compare equal but
   differ in bits (the zeros of both signs, the NaNs) are then rewritten in index order, on the rows
   that have them only, which makes the result equal to the stable reference.
+* :func:`values_at_ranks` — one order statistic per row (MEP L1's level with a mask): ``np.sort``
+  and a pick; only the rows whose picked value is a zero or a NaN need the runs rewritten.
 * :func:`stable_sort` — values and permutation: each float32 value becomes a 32-bit key whose
   unsigned order is the float order (``-0.0`` folded onto ``+0.0``, every NaN onto the largest
   key), shifted above its column index in one uint64, and the uint64 rows are sorted values only
@@ -66,6 +68,7 @@ __all__ = [
     "sort_with_flags",
     "stable_sort",
     "topk_stable",
+    "values_at_ranks",
 ]
 
 #: The CPU fast path is on; tests switch it off (``monkeypatch``) to run the torch reference.
@@ -147,6 +150,34 @@ def sort_values(x: torch.Tensor, *, descending: bool = False) -> torch.Tensor:
     if not fast_path(x):
         return torch.sort(x, dim=-1, descending=descending, stable=True).values
     return torch.from_numpy(_sort_values_np(_rows(x), descending)).reshape(x.shape)
+
+
+def values_at_ranks(
+    a: np.ndarray, index: np.ndarray, work: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of numpy ``a`` (``[rows, n]``, float32/float64), the value at rank ``index``
+    (``[rows, 1]``, ``0 <= index < n``) of the stable ascending order, and whether the row holds a NaN.
+
+    Equal to ``np.take_along_axis(sort_values(a), index, -1)`` bit for bit: a value's rank among
+    the others does not depend on how equal values are ordered, so ``np.sort`` alone gives the
+    picked value — except its bits where it is a zero (``-0.0`` or ``+0.0``, their order is the
+    index order) or a NaN (which NaN's payload): those rows take :func:`sort_values`. NaN sorts last
+    in both, so a row holds one exactly when its last sorted value is NaN. ``work`` (``a``'s shape
+    and dtype, C-contiguous) takes the sorted copy: a fresh array's first touch costs page faults.
+    """
+    if work is None:
+        u = np.sort(a, axis=-1)
+    else:
+        u = work
+        np.copyto(u, a)
+        u.sort(axis=-1)
+    picked = np.take_along_axis(u, index, -1)
+    nan = np.isnan(u[:, -1:])
+    redo = (picked == 0) | np.isnan(picked)
+    if redo.any():
+        r = np.flatnonzero(redo)
+        picked[r] = np.take_along_axis(_sort_values_np(a[r], False), index[r], -1)
+    return picked, nan
 
 
 def stable_sort(x: torch.Tensor, *, descending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
