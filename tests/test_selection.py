@@ -189,6 +189,23 @@ def test_mep_mask_fast_path_branches_equal_reference(monkeypatch):
     assert calls["clamped rows"] > 10 and calls["zero level"] == 2, calls
 
 
+@pytest.mark.filterwarnings("error")
+def test_mep_fast_path_non_finite_scores_without_validation():
+    """``validate=False`` with ±inf and NaN scores: the numpy path propagates them as the torch path
+    does, bit for bit, and warns no more than torch (numpy's floating-point warnings stay inside)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 50, generator=g) * 3
+    x[0, 0], x[1, 1], x[2, 2], x[3, :5] = math.inf, -math.inf, math.nan, math.inf
+    mask = torch.rand(6, 50, generator=g) < 0.2
+    labels = torch.randint(0, 50, (6,), generator=g)
+    for dtype in (torch.float32, torch.float64):
+        for positives in (mask, labels):
+            for norm in ("l1", "l2"):
+                args = (x.to(dtype), positives, 1.0, norm)
+                fast = mep(*args, validate=False)
+                assert torch.equal(bits(fast), bits(reference(mep, *args, validate=False)))
+
+
 def test_mep_fast_path_equals_reference_large_rows():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 700, generator=g) * 3

@@ -230,7 +230,9 @@ def project(
         return scores.clone()
     grad = torch.is_grad_enabled() and (x.requires_grad or (isinstance(m, torch.Tensor) and m.requires_grad))
     if not grad and fast_path(x):
-        return _project_numpy(x, mask, labels, m, norm).to(scores.dtype)
+        # (non-finite scores under validate=False: NaN and inf propagate silently, as in torch)
+        with np.errstate(all="ignore"):
+            return _project_numpy(x, mask, labels, m, norm).to(scores.dtype)
 
     # Breakpoints u: x_i for positives, x_j + m for negatives.
     xm = x + m
@@ -550,8 +552,7 @@ def _l2_level_numpy(
     total = torch.from_numpy(others).reshape(shape).sum(-1, keepdim=True, dtype=torch.float64)
     a = torch.cumsum(torch.from_numpy(s), -1, dtype=torch.float64).numpy()  # torch's is the faster scan
     a += total.numpy().reshape(-1, 1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        means = np.divide(a, c, out=a)
+    means = np.divide(a, c, out=a)
     idx = np.count_nonzero(u[:, 1:] < means[:, 1:], axis=-1).reshape(-1, 1)
     return np.take_along_axis(means, idx, -1), (np.minimum(lo, hi), hi)
 
