@@ -269,7 +269,9 @@ def sort_with_flags(x: torch.Tensor, flags: torch.Tensor) -> tuple[np.ndarray, n
     packed.sort(axis=-1)
     low = packed.view(np.uint32)[:, 0 if np.little_endian else 1 :: 2]
     moved = np.bitwise_and(low, 1, out=np.empty(low.shape, np.uint8), casting="unsafe").view(bool)
-    if np.isnan(a).any() or (a.view(np.uint32) == _SIGN32).any():  # a NaN or a -0.0 keeps its bits
+    # a NaN or a -0.0 keeps its bits: a NaN's key is the largest, so it sorts to the end of its row
+    high = packed.view(np.uint32)[:, 1 if np.little_endian else 0 :: 2]
+    if (high[:, -1] == np.uint32(0xFFFFFFFF)).any() or (a.view(np.uint32) == _SIGN32).any():
         values = np.take_along_axis(a, (low >> 1).astype(np.int64), axis=-1)
     else:
         values = _decode32(packed)
