@@ -155,7 +155,7 @@ def test_mep_mask_fast_path_branches_equal_reference(monkeypatch):
     from marginkit.ops import projection
 
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(200, 64, generator=g) * 3  # levels that fl(fl(l - m) + m) moves, in about 1 row in 5
+    x = torch.randn(200, 64, generator=g) * 3  # levels that fl(fl(l - m) + m) moves, in about 1 row in 7
     x[100:] = torch.round(x[100:] * 2) / 2  # ties across classes, zeros
     mask = torch.rand(200, 64, generator=g) < torch.linspace(0.1, 0.9, 200)[:, None]
     mask[0] = True  # no negative
