@@ -224,6 +224,12 @@ def bincount_at(codes: np.ndarray, where: np.ndarray, order: np.ndarray) -> np.n
     return np.bincount(codes[where], minlength=order.size)[order]
 
 
+def _halves(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(high, low)`` uint32 halves of uint64 keys ``[rows, n]``, as strided views."""
+    halves = packed.view(np.uint32)
+    return (halves[:, 1::2], halves[:, 0::2]) if np.little_endian else (halves[:, 0::2], halves[:, 1::2])
+
+
 def _packed(a: np.ndarray, descending: bool, flags: np.ndarray | None = None) -> np.ndarray:
     """uint64 keys ``(float order key << 32) | column`` (``| column << 1 | flag`` with ``flags``):
     their order is the stable order of ``a``'s rows. Written as two uint32 halves (numpy's widening
@@ -232,8 +238,7 @@ def _packed(a: np.ndarray, descending: bool, flags: np.ndarray | None = None) ->
     if descending:
         np.invert(key, out=key)
     out = np.empty(a.shape, np.uint64)
-    halves = out.view(np.uint32)
-    high, low = (halves[:, 1::2], halves[:, 0::2]) if np.little_endian else (halves[:, 0::2], halves[:, 1::2])
+    high, low = _halves(out)
     high[...] = key
     if flags is None:
         low[...] = np.arange(a.shape[1], dtype=np.uint32)
@@ -246,8 +251,7 @@ def _packed(a: np.ndarray, descending: bool, flags: np.ndarray | None = None) ->
 
 def _decode32(packed: np.ndarray) -> np.ndarray:
     """The float32 values of packed ascending keys (``-0.0`` comes back as ``+0.0``, NaN canonical)."""
-    high = packed.view(np.uint32)[:, 1 if np.little_endian else 0 :: 2]
-    key = np.bitwise_xor(high, _SIGN32).view(np.int32)
+    key = np.bitwise_xor(_halves(packed)[0], _SIGN32).view(np.int32)
     neg = key >> 31
     key += neg
     neg &= 0x7FFFFFFF
@@ -267,10 +271,9 @@ def sort_with_flags(x: torch.Tensor, flags: torch.Tensor) -> tuple[np.ndarray, n
     f = flags.contiguous().numpy().reshape(a.shape)
     packed = _packed(a, False, f)
     packed.sort(axis=-1)
-    low = packed.view(np.uint32)[:, 0 if np.little_endian else 1 :: 2]
+    high, low = _halves(packed)
     moved = np.bitwise_and(low, 1, out=np.empty(low.shape, np.uint8), casting="unsafe").view(bool)
     # a NaN or a -0.0 keeps its bits: a NaN's key is the largest, so it sorts to the end of its row
-    high = packed.view(np.uint32)[:, 1 if np.little_endian else 0 :: 2]
     if (high[:, -1] == np.uint32(0xFFFFFFFF)).any() or (a.view(np.uint32) == _SIGN32).any():
         values = np.take_along_axis(a, (low >> 1).astype(np.int64), axis=-1)
     else:
@@ -279,7 +282,7 @@ def sort_with_flags(x: torch.Tensor, flags: torch.Tensor) -> tuple[np.ndarray, n
 
 
 def _columns(packed: np.ndarray) -> np.ndarray:
-    return packed.view(np.uint32)[:, 0 if np.little_endian else 1 :: 2].astype(np.int64)
+    return _halves(packed)[1].astype(np.int64)
 
 
 def topk_stable(
