@@ -380,8 +380,8 @@ def trainer_section(device: torch.device, small: bool) -> None:
         ("timm:resnet18", 112, 256, "bf16", True),
     ]
     n, classes, epochs = (64, 4, 3) if small else (16_384, 100, 3)
-    if small:
-        cases = [("resnet", 32, 16, "off", False)]
+    if small:  # (both models and both precisions of the GPU run; compile: tests/test_compile.py)
+        cases = [("timm:resnet18", 32, 16, "bf16", False), ("resnet", 32, 16, "off", False)]
     counted: dict[str, int] = {}
     real_epoch = trainer_module._one_epoch
 
@@ -415,9 +415,8 @@ def trainer_section(device: torch.device, small: bool) -> None:
                     eval_every=1000, compile=compiled,
                 )  # fmt: skip
                 counted.clear()
-                result = train(
-                    config, Path(tmp) / f"run-{size}-{compiled}", quiet=True, report=False, stop_after=epochs
-                )
+                run_dir = Path(tmp) / f"run-{model_name.replace(':', '-')}-{size}-{compiled}"
+                result = train(config, run_dir, quiet=True, report=False, stop_after=epochs)
                 later = [r["samples_per_second"] for r in result.history[1:]]
                 rate_train = statistics.median(later)
                 first = result.history[0]["epoch_seconds"]
