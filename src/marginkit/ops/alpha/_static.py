@@ -289,12 +289,23 @@ def _newton_static(
 
 
 # The lean solver (1 < α <= 2, a scalar α, one process, the candidate filter): Newton steps on the
-# candidates from one Newton step past the verified block-maxima bound. Measured worst cases (80 batches
-# of 64 rows of 10^3 to 10^5 classes, α in [1.05, 1.9], s in [4, 64], margins 0 to 0.4, from
-# near-uniform to one dominant class): 4 steps in float32, 5 in float64. Sparsemax (α = 2: the mass is
-# piecewise linear, Newton crosses one kink per step) keeps the margin of the near-tie cases.
-_LEAN_ITERATIONS = {torch.float32: 5, torch.float64: 6}
+# candidates from one Newton step past the verified block-maxima bound, by band of β = α − 1 (the steps
+# grow as the mass turns piecewise linear towards α = 2). Measured worst cases, float32 / float64: random
+# batches (benchmarks/_lean_iterations.py: 50-80 per band, 64 rows of 10^3 to 10^5 classes, s in [4, 64],
+# margins 0 to 0.4, near-uniform to one dominant class) α < 1.5: 4 / 5; α <= 1.75: 4 / 6; α <= 1.9:
+# 5 / 7; α < 2: 5 / 7; rows of staircase logits x_j = −(d·j)^p (s from 2 to 10) α in [1.45, 1.75]:
+# 5 / 7; α in [1.8, 2): 6 / 7. The table is the random worst case + 1 where α < 1.5, the staircase's
+# + 1 above; sparsemax's steps above 1.9. Sparsemax (α = 2: the mass is piecewise linear, Newton
+# crosses one kink per step) keeps the margin of the near-tie cases. Small scales (s <= 6) with wide
+# supports can need more, or not converge to the verdict's 16 ulps at all (docs/qmargin.md, Limitations).
+_LEAN_ITERATIONS = {torch.float32: (5, 6, 7), torch.float64: (7, 8, 8)}  # β < 0.5, β <= 0.75, β <= 0.9
 _LEAN_SPARSEMAX_ITERATIONS = {torch.float32: 10, torch.float64: 12}
+
+
+def _lean_iterations(beta: float, dtype: torch.dtype) -> int:
+    """The lean solver's Newton steps for ``β = α − 1`` in ``dtype`` (a number: no data read)."""
+    band = 0 if beta < 0.5 else 1 if beta <= 0.75 else 2 if beta <= 0.9 else None
+    return _LEAN_SPARSEMAX_ITERATIONS[dtype] if band is None else _LEAN_ITERATIONS[dtype][band]
 
 
 # alpha == 1 rows of a per-row alpha tensor run through the same formulas with beta floored
@@ -381,7 +392,7 @@ def _solve_lean(
     2. The candidates :math:`\theta_j > \tau_{lo} - 1/\beta` of the whole matrix (lowered by a
        few ulps) in a buffer of the batch's budget (``torch.nonzero_static``), the unused tail a
        padding entry of a very negative logit (inactive at every τ, in the last row).
-    3. ``_LEAN_ITERATIONS`` Newton steps on the candidates (row sums: one segment sum each).
+    3. :func:`_lean_iterations` Newton steps on the candidates (row sums: one segment sum each).
        The result is exact when the candidates fitted the budget and the last Newton step is
        within ``_CONVERGED_ULPS`` ulps of :math:`1 + |\tau|` (the returned 0-d flag is then false).
 
@@ -439,8 +450,7 @@ def _solve_lean(
         if override:
             assert label is not None and logq_value is not None
             q = torch.ones_like(a).masked_fill_(col == label.index_select(0, row), math.exp(logq_value))
-        table = _LEAN_SPARSEMAX_ITERATIONS if power == 1 else _LEAN_ITERATIONS
-        iterations = table[cdt]
+        iterations = _lean_iterations(b, cdt)
         tol = _CONVERGED_ULPS * eps
         z = start
         for it in range(iterations + 1):
