@@ -238,6 +238,42 @@ def test_the_lean_solver_converges_on_staircase_rows_towards_alpha_2(alpha):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("alpha", [1.02, 1.25])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_lean_verdict_accepts_a_mass_exact_to_its_own_rounding(alpha, dtype, monkeypatch):
+    """A row with a thousand live classes: the row sum M is off by up to ~k·ε/2 after any number of
+    Newton steps (hundreds of ulps), so the next step cannot get within the verdict's 16 ulps of
+    1 + |τ|; the verdict now discounts ε·k·M. Before, such rows were "not exact" at any number of
+    steps (a library call redid them; inside ``deferred_checks()`` the run stopped)."""
+    import marginkit.ops.alpha._static as static
+    from marginkit.ops.alpha._candidates import _Blocks, _logits
+
+    n, scale = 1000, 2.0
+    j = torch.arange(n, dtype=torch.float64)
+    d = torch.tensor([5e-4, 1e-3, 2e-3, 5e-3], dtype=torch.float64).unsqueeze(1)
+    x = (-((d * j) ** 0.25)).clamp(-1, 1)
+    y = torch.full((4,), n - 1)
+    monkeypatch.setattr(static, "ROW_BUDGET", n)  # every entry a candidate: the verdict alone decides
+    taus = {}
+    for dt in (dtype, torch.float64):
+        xs = x.to(dt)
+        blocks = _Blocks(xs)
+        theta_y = _logits(xs[:, -1], blocks.rowmax, scale, dt)
+        sol, not_exact = static._solve_lean(
+            xs, blocks, scale=scale, beta_scalar=alpha - 1.0, label=y, logq_value=None, k=None,
+            shift=blocks.rowmax, theta_y=theta_y,
+        )  # fmt: skip
+        assert int(sol.stats.support.min()) > 500
+        assert not bool(not_exact)
+        taus[dt] = sol.tau.double()
+    exact = QMarginLoss(alpha=alpha, scale=scale, margin=0.0, reduction="none", candidates=False)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(taus[dtype], taus[torch.float64], **tol)
+    loss = QMarginLoss(alpha=alpha, scale=scale, margin=0.0, reduction="none")
+    # (the library call: exact, whichever solver)
+    torch.testing.assert_close(loss(x, y), exact(x, y), rtol=1e-12, atol=1e-12)
+
+
 def test_budget_overflow_is_exact_in_a_library_call_and_a_deferred_error_in_the_trainer():
     g = torch.Generator().manual_seed(5)
     cos = torch.randn(4, 4000, generator=g) * 0.01  # near-uniform rows: hundreds of active classes

@@ -290,14 +290,14 @@ def _newton_static(
 
 # The lean solver (1 < α <= 2, a scalar α, one process, the candidate filter): Newton steps on the
 # candidates from one Newton step past the verified block-maxima bound, by band of β = α − 1 (the steps
-# grow as the mass turns piecewise linear towards α = 2). Measured worst cases, float32 / float64: random
-# batches (benchmarks/_lean_iterations.py: 50-80 per band, 64 rows of 10^3 to 10^5 classes, s in [4, 64],
-# margins 0 to 0.4, near-uniform to one dominant class) α < 1.5: 4 / 5; α <= 1.75: 4 / 6; α <= 1.9:
-# 5 / 7; α < 2: 5 / 7; rows of staircase logits x_j = −(d·j)^p (s from 2 to 10) α in [1.45, 1.75]:
-# 5 / 7; α in [1.8, 2): 6 / 7. The table is the random worst case + 1 where α < 1.5, the staircase's
-# + 1 above; sparsemax's steps above 1.9. Sparsemax (α = 2: the mass is piecewise linear, Newton
-# crosses one kink per step) keeps the margin of the near-tie cases. Small scales (s <= 6) with wide
-# supports can need more, or not converge to the verdict's 16 ulps at all (docs/qmargin.md, Limitations).
+# grow as the mass turns piecewise linear towards α = 2). Worst cases measured, float32 / float64:
+# random batches (benchmarks/_lean_iterations.py: 50 per band, 64 rows of 10^3 to 10^5 classes, s in
+# [4, 64], margins 0 to 0.4, near-uniform to one dominant class) α < 1.5: 3 / 5; α <= 1.75: 4 / 6;
+# α <= 1.9: 5 / 6; α < 2: 5 / 7; rows of staircase logits x_j = −(d·j)^p, p in [1/4, 0.7], s from 3 to
+# 32 (s = 2 in brackets): α <= 1.45: 4 (5) / 6 (7); α in [1.5, 1.75]: 5 (5) / 6 (7); α in [1.8, 2): 5 (6)
+# / 6 (7). The table is the worst case at s >= 3 + 1, and covers s = 2 with a step to spare above
+# α = 1.5; sparsemax's steps above 1.9. Sparsemax (α = 2: the mass is piecewise linear, Newton crosses
+# one kink per step) keeps the margin of the near-tie cases.
 _LEAN_ITERATIONS = {torch.float32: (5, 6, 7), torch.float64: (7, 8, 8)}  # β < 0.5, β <= 0.75, β <= 0.9
 _LEAN_SPARSEMAX_ITERATIONS = {torch.float32: 10, torch.float64: 12}
 
@@ -460,12 +460,17 @@ def _solve_lean(
                 z = _cheap_step(z, mass, slope, b)
         tau = torch.add(z, 1.0).div_(b)
         # the verdict: the next Newton step at the last iterate, M(1 − M^{−β})/Σw = β(M − 1)/Σw to
-        # first order in M − 1, within tol·β·(1 + |τ|): |M − 1|/(tol Σw) > 1 + |τ|
-        not_converged = torch.addcdiv(tau.abs(), (mass - 1.0).abs_(), slope, value=-1.0 / tol) < -1.0
+        # first order in M − 1, within tol·β·(1 + |τ|), once |M − 1| is past the rounding of M itself:
+        # a recursive sum of k positive terms is off by up to (k − 1)·ε/2·M, and each term by a few
+        # ulps, so ε·k·M (k: the active terms) is what no step can resolve — at hundreds of live
+        # classes more than the 16 ulps. (|M − 1| − ε k M)/(tol Σw) > 1 + |τ|
+        live = entries.rowsum(torch.sign(p))
+        beyond = torch.addcmul((mass - 1.0).abs_(), live, mass, value=-eps)
+        not_converged = torch.addcdiv(tau.abs(), beyond, slope, value=-1.0 / tol) < -1.0
         inner = support = None
         if theta_y is not None:
             inner = entries.rowsum(p * (theta - entries.per_entry(theta_y.to(cdt))))
-            support = entries.rowsum(torch.sign(p)).long()
+            support = live.long()
         # a loss (theta_y) takes p unnormalised and divides by the mass where it uses p (its backward)
         p_mass = None if theta_y is None else mass
         if p_mass is None:
