@@ -10,6 +10,10 @@ the fewest for which the verdict is "exact" (``--most`` + 1: not within ``--most
 ``_LEAN_ITERATIONS`` is the worst case + 1.
 
     PYTHONPATH=src python benchmarks/_lean_iterations.py --dtype float32 --alpha 1.5 1.75 --batches 50
+    PYTHONPATH=src python benchmarks/_lean_iterations.py --full-rows --alpha 1.75 1.9 --batches 60
+
+``--full-rows``: the solver of rows of at most the budget's classes (``_ITERATIONS``), through
+``QMarginLoss`` inside ``deferred_checks()``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import marginkit.ops.alpha._static as static
+from marginkit._validation import deferred_checks
+from marginkit.losses import QMarginLoss
 from marginkit.ops.alpha._candidates import _Blocks, _logits
 
 
@@ -45,8 +51,30 @@ def steps_needed(x: torch.Tensor, y: torch.Tensor, alpha: float, s: float, m: fl
         static.ROW_BUDGET, static._lean_iterations = saved
 
 
-def draw(g: torch.Generator, b: int, lo: float, hi: float, dtype: torch.dtype) -> tuple:
-    n = int(10 ** (3 + 2 * torch.rand(1, generator=g).item()))
+def full_row_steps_needed(
+    x: torch.Tensor, y: torch.Tensor, alpha: float, s: float, m: float, most: int
+) -> int:
+    """The same for the full-row solver (``_ITERATIONS``; classes no more than the budget): the fewest
+    steps for which Q-Margin inside ``deferred_checks()`` raises no "not exact" error."""
+    saved = static._iterations
+    try:
+        for steps in range(most + 1):
+            static._iterations = lambda beta, dtype, steps=steps: steps
+            try:
+                with deferred_checks() as checks:
+                    QMarginLoss(alpha=alpha, scale=s, margin=m, reduction="none")(x, y)
+                    checks.raise_if_failed()
+                return steps
+            except ValueError:
+                continue
+        return most + 1
+    finally:
+        static._iterations = saved
+
+
+def draw(g: torch.Generator, b: int, lo: float, hi: float, dtype: torch.dtype, full: bool = False) -> tuple:
+    decades = (1, 1.7) if full else (3, 2)  # full rows: 10 to 500 classes (within the default budget)
+    n = int(10 ** (decades[0] + decades[1] * torch.rand(1, generator=g).item()))
     alpha = lo + (hi - lo) * torch.rand(1, generator=g).item()
     s = 4 * 16 ** torch.rand(1, generator=g).item()
     m = 0.4 * torch.rand(1, generator=g).item()
@@ -70,18 +98,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--most", type=int, default=14)
+    parser.add_argument("--full-rows", action="store_true", help="the full-row solver (10 to 500 classes)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(args.seed)
     counts: Counter[int] = Counter()
     worst = (-1, "")
     for b in range(args.batches):
-        x, y, alpha, s, m, what = draw(g, b, *args.alpha, dtype)
-        steps = steps_needed(x, y, alpha, s, m, args.most)
+        x, y, alpha, s, m, what = draw(g, b, *args.alpha, dtype, args.full_rows)
+        measure = full_row_steps_needed if args.full_rows else steps_needed
+        steps = measure(x, y, alpha, s, m, args.most)
         counts[steps] += 1
         if steps > worst[0]:
             worst = (steps, f"alpha={alpha:.3f} s={s:.2f} m={m:.3f} {what}")
-    table = static._lean_iterations(args.alpha[1] - 1.0, dtype)
+    table = (static._iterations if args.full_rows else static._lean_iterations)(args.alpha[1] - 1.0, dtype)
     print(
         f"{args.dtype} alpha in [{args.alpha[0]}, {args.alpha[1]}]: batches per steps needed "
         f"{dict(sorted(counts.items()))}; worst {worst[0]} ({worst[1]}); the table runs {table}"

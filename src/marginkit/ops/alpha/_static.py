@@ -12,7 +12,7 @@ For a measure that is 1 except at the label (``q ≡ 1``: entmax / sparsemax; Q-
 2. **A fixed number of Newton steps** from :math:`\tau_{lo}` (mass :math:`\ge 1`): for
    :math:`1 < \alpha \le 2` the mass is convex and decreasing in τ, so Newton on
    :math:`h = (M^\beta - 1)/\beta` rises monotonically to the root and converges quadratically
-   near it; ``_ITERATIONS`` is measured per dtype with margin. For α > 2 (or a per-row α, which
+   near it; ``_ITERATIONS`` is measured per dtype and band of α with margin. For α > 2 (or a per-row α, which
    may be) the safeguarded Newton–bisection of :func:`marginkit.ops.alpha._newton._find_tau`
    runs a fixed number of rounds, and in float32 a float64 refinement follows.
 3. **Exactness verified on the device**: the result is exact when the candidates fitted their
@@ -57,9 +57,14 @@ ROW_BUDGET = 512
 ROW_FRACTION = 256
 # Candidate blocks (of _BLOCK columns) per row, on average (candidates of a row scatter: one block each).
 BLOCK_BUDGET = 512
-# Newton steps from τ_lo for 1 < α <= 2 (measured worst cases: 5 in float32, 6 in float64 for
-# random rows of 10 to 2·10^4 classes at α in [1.01, 2], 9 for sparsemax on 2·10^4 near-ties).
-_ITERATIONS = {torch.float32: 6, torch.float64: 8}
+# Newton steps from τ_lo for 1 < α <= 2 on full rows (no candidate filter: a budget that would cover
+# the matrix, C <= 512 by default), by band of β = α − 1 as the lean solver's (_lean_iterations).
+# Measured worst cases (benchmarks/_lean_iterations.py --full-rows: 60 random batches per band, 64 rows
+# of 10 to 500 classes, and 60 more with embeddings of 8 to 128 dimensions), float32 /
+# float64: α < 1.5: 5 / 6; α <= 1.75: 6 / 8; α <= 1.9: 6 / 8; α < 2: 9 / 10. The table: that + 1, at
+# least the former 6 / 8 (it gave every α those: the batches near α = 2 that needed more stopped a
+# training run); sparsemax's steps above 1.9.
+_ITERATIONS = {torch.float32: (6, 7, 7), torch.float64: (8, 9, 9)}  # β < 0.5, β <= 0.75, β <= 0.9
 # α = 2 (sparsemax): the mass is piecewise linear, Newton crosses one kink per step (9 measured
 # for 2·10^4 near-equal logits in float32).
 _SPARSEMAX_ITERATIONS = {torch.float32: 12, torch.float64: 14}
@@ -302,10 +307,20 @@ _LEAN_ITERATIONS = {torch.float32: (5, 6, 7), torch.float64: (7, 8, 8)}  # β < 
 _LEAN_SPARSEMAX_ITERATIONS = {torch.float32: 10, torch.float64: 12}
 
 
-def _lean_iterations(beta: float, dtype: torch.dtype) -> int:
-    """The lean solver's Newton steps for ``β = α − 1`` in ``dtype`` (a number: no data read)."""
+def _band_steps(beta: float, dtype: torch.dtype, table: dict, sparsemax: dict) -> int:
+    """Newton steps for ``β = α − 1 <= 1`` in ``dtype`` from a table by band of β (a number: no read)."""
     band = 0 if beta < 0.5 else 1 if beta <= 0.75 else 2 if beta <= 0.9 else None
-    return _LEAN_SPARSEMAX_ITERATIONS[dtype] if band is None else _LEAN_ITERATIONS[dtype][band]
+    return sparsemax[dtype] if band is None else table[dtype][band]
+
+
+def _lean_iterations(beta: float, dtype: torch.dtype) -> int:
+    """The lean solver's Newton steps for ``β = α − 1`` in ``dtype``."""
+    return _band_steps(beta, dtype, _LEAN_ITERATIONS, _LEAN_SPARSEMAX_ITERATIONS)
+
+
+def _iterations(beta: float, dtype: torch.dtype) -> int:
+    """The full-row (and partitioned) solver's Newton steps for ``β = α − 1 <= 1`` in ``dtype``."""
+    return _band_steps(beta, dtype, _ITERATIONS, _SPARSEMAX_ITERATIONS)
 
 
 # alpha == 1 rows of a per-row alpha tensor run through the same formulas with beta floored
@@ -551,16 +566,16 @@ def _solve_static(
     with _serial(theta.numel(), x.device):
         lq = _entry_logq(entries, cdt, None, label, logq_label)
         problem = _Problem(entries, theta, lq, beta, beta_scalar, min(0.0, logq_label_min))
-        table = _HYBRID_ITERATIONS if hybrid else _ITERATIONS if beta_scalar < 1 else _SPARSEMAX_ITERATIONS
+        steps = _HYBRID_ITERATIONS[cdt] if hybrid or beta_scalar is None else _iterations(beta_scalar, cdt)
         fused = theta_y if axis.partitioned else None
         lean = None
         if not hybrid and not axis.partitioned:
             assert beta_scalar is not None
-            tau, mass, slope, converged, lean = _lean_newton(_Lean(problem), lo, beta_scalar, table[cdt])
+            tau, mass, slope, converged, lean = _lean_newton(_Lean(problem), lo, beta_scalar, steps)
             stats = _Stats(mass, slope)
         else:
             tau, stats, converged = _newton_static(
-                problem, lo, hi, hybrid=hybrid, iterations=table[cdt], axis=axis, theta_y=fused
+                problem, lo, hi, hybrid=hybrid, iterations=steps, axis=axis, theta_y=fused
             )
         if hybrid and cdt != torch.float64:  # (docs: _solve._refined)
             eps = torch.finfo(cdt).eps
