@@ -409,7 +409,9 @@ def _solve_lean(
        padding entry of a very negative logit (inactive at every τ, in the last row).
     3. :func:`_lean_iterations` Newton steps on the candidates (row sums: one segment sum each).
        The result is exact when the candidates fitted the budget and the last Newton step is
-       within ``_CONVERGED_ULPS`` ulps of :math:`1 + |\tau|` (the returned 0-d flag is then false).
+       within ``_CONVERGED_ULPS`` ulps of :math:`1 + |\tau|` once :math:`|M - 1|` is past the
+       rounding of the row sum, :math:`\varepsilon k M` for k live terms (the returned 0-d flag
+       is then false).
 
     With ``theta_y`` (and a label), the solution's ``stats`` carry the loss terms
     :math:`\sum_j p_j(\theta_j - \theta_y)` (unnormalised p) and the support size, and its ``p`` is
