@@ -221,7 +221,7 @@ def test_fixed_shape_solver_equals_the_exact_solver(alpha, dtype):
 @pytest.mark.parametrize("alpha", [1.8, 1.95])
 @pytest.mark.parametrize("n", [1000, 400])
 def test_the_fixed_step_solvers_converge_on_staircase_rows_towards_alpha_2(alpha, n):
-    """Logits spaced like a staircase (x_j = −(d·j)^{1/4}): towards α = 2 the mass turns piecewise linear
+    """Logits spaced like a staircase (x_j = −(d·j)^p): towards α = 2 the mass turns piecewise linear
     and Newton crosses about one kink per step. With the candidate filter (1,000 classes) these rows
     need 6 steps in float32 at α = 1.8 and 1.95, more than the 5 every α was given before; on full rows
     (400 classes, within the budget) 7 at α = 1.95, more than the former 6 (inside ``deferred_checks()``
