@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from marginkit._validation import deferred_checks
 from marginkit.distributed import all_gather_no_grad, record_collectives
 from marginkit.heads.cosine import NormedCosines, class_cosines, cosine_similarity_matrix, embedding_norms
 from marginkit.heads.sharded import ShardedCosineHead
@@ -383,6 +384,25 @@ def check_sub_centres(me, world, sizes, tol):
             assert_close(head.weight.grad, ref_gw[mine], tol, f"sub-centre {loss!r} weight grad")
 
 
+def check_qmargin_deferred_at_a_random_start(me, world):
+    """Q-Margin on a fresh sharded head at a random start (4,000 classes, D = 64, s = 8: hundreds of
+    live classes per row) inside ``deferred_checks()``, as the distributed trainer runs it. The
+    candidate filter starts from the largest block-maxima bound of the processes; from the label
+    bounds alone (before) its candidates overflowed the budget and the run stopped with "not exact".
+    Equal to the library call (verified there, and redone exactly where not)."""
+    head = ShardedCosineHead(4000, 64, seed=5)
+    g = torch.Generator().manual_seed(6 + me)
+    e = torch.randn(32, 64, generator=g)
+    y = torch.randint(0, 4000, (32,), generator=g)
+    loss_fn = QMarginLoss(alpha=1.25, scale=8.0, margin=0.2, reduction="none")
+    expected = loss_fn(head(e), y)
+    assert float(loss_fn.last_support_size.double().mean()) > 300
+    with deferred_checks() as checks:
+        got = loss_fn(head(e), y)
+        checks.raise_if_failed()
+    assert_close(got, expected, 1e-5, "Q-Margin inside deferred_checks")
+
+
 def _worker(me, world, expected_weight):
     torch.manual_seed(1234 + me)  # the code under test must not depend on the global RNG per rank
     sizes = [3 + (r * 2) % 5 for r in range(world)]  # unequal local batches
@@ -398,6 +418,7 @@ def _worker(me, world, expected_weight):
     check_pair_losses(me, world, 1e-10)
     check_pair_losses_trained(me, world, 1e-10)
     check_communication(me, world)
+    check_qmargin_deferred_at_a_random_start(me, world)
     dist.barrier()
 
 

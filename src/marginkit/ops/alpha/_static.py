@@ -544,7 +544,7 @@ def _solve_static(
     picked = None
     if candidates and budgets(n_rows, n, k)[0] < x.numel():
         with _serial(blocks.bmax.numel(), x.device):
-            if not hybrid and not axis.partitioned:
+            if not hybrid:
                 lo = _subset_bound(
                     blocks,
                     x,
@@ -558,6 +558,10 @@ def _solve_static(
                     shift,
                     min(0.0, logq_label_min),
                 )
+                if axis.partitioned:
+                    # each process's block maxima are a subset of the whole row: its bound is one; the
+                    # largest (one MAX) is the same on every process, as the collective Newton needs
+                    (lo,) = axis.max_(lo)
             picked = _candidates(x, blocks, _threshold(lo, beta, scale, shift), shift, scale, cdt, k)
     if picked is None:
         entries = _Entries(n_rows, n)
