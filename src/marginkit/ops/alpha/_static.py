@@ -12,9 +12,10 @@ For a measure that is 1 except at the label (``q ≡ 1``: entmax / sparsemax; Q-
 2. **A fixed number of Newton steps** from :math:`\tau_{lo}` (mass :math:`\ge 1`): for
    :math:`1 < \alpha \le 2` the mass is convex and decreasing in τ, so Newton on
    :math:`h = (M^\beta - 1)/\beta` rises monotonically to the root and converges quadratically
-   near it; ``_ITERATIONS`` is measured per dtype and band of α with margin. For α > 2 (or a per-row α, which
-   may be) the safeguarded Newton–bisection of :func:`marginkit.ops.alpha._newton._find_tau`
-   runs a fixed number of rounds, and in float32 a float64 refinement follows.
+   near it; ``_ITERATIONS`` is measured per dtype and band of α with margin. For α > 2 (or a
+   per-row α, which may be) the safeguarded Newton–bisection of
+   :func:`marginkit.ops.alpha._newton._find_tau` runs a fixed number of rounds, and in float32 a
+   float64 refinement follows.
 3. **Exactness verified on the device**: the result is exact when the candidates fitted their
    budgets (then they contain the support) and the Newton step at the final iterate is within a
    few ulps (the root converged in the working precision). :func:`_solve_static` returns that
