@@ -12,7 +12,9 @@ is kept — on a shared, loaded machine the minimum is the least disturbed estim
 - ``scan L2``: the source's algorithm, batched over rows but O(n²) work per row — f′ is
   evaluated at every breakpoint against every score, then the bracketing pair is
   interpolated. It is run in row chunks (to bound memory) and skipped when B·n² is too big.
-Scores are 3·N(0, 1) in float32; positives are integer labels (one per row) or a random bool
+``mep`` L2 on float32 CPU rows runs the compiled kernel when numba is installed (the ``fast``
+extra; the first line says which); ``--no-kernel`` times the numpy path instead. Scores are
+3·N(0, 1) in float32; positives are integer labels (one per row) or a random bool
 mask with 10 % density (multi-label). ``L2 err`` / ``scan err``: max |Δ| of each float32
 answer against ``mep`` in float64.
 """
@@ -29,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from marginkit.ops import mep
+from marginkit.ops import mep, projection
 
 SIZES = [(256, 100), (256, 1000), (64, 4000), (8, 100000)]
 QUICK_SIZES = [(16, 50), (16, 300)]
@@ -189,12 +191,23 @@ def main() -> None:
     parser.add_argument(
         "--sizes", nargs="+", metavar="BxN", help="sizes to run, e.g. 256x1000 (default: all)"
     )
+    parser.add_argument(
+        "--no-kernel", action="store_true", help="MEP L2 by the numpy path even where numba is installed"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    projection.COMPILED = not args.no_kernel
     sizes = QUICK_SIZES if args.quick else SIZES
     if args.sizes:
         sizes = [(int(b), int(n)) for b, n in (size.lower().split("x") for size in args.sizes)]
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s), float32, margin 1.0")
+    if projection.COMPILED and projection._compiled_l2() is not None:
+        import numba
+
+        mep(torch.zeros(1, 2), torch.tensor([0]), 1.0)  # compiled (or loaded from its cache) before timing
+        print(f"mep L2: the compiled kernel (numba {numba.__version__})")
+    else:
+        print("mep L2: the numpy path" + ("" if args.no_kernel else " (numba is not installed)"))
     print("ratios: L2/sort and L1/sort = time relative to one torch.sort (targets <= 2.5x and <= 2x);")
     print(
         "L2/np and L1/np = time relative to numpy's sort of the same array (issue 39: <= 3x at 256 x 1000);"

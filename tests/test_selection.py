@@ -15,9 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatch_counts import DispatchCounter
-from marginkit.ops import mep, selection
+from marginkit.ops import mep, projection, selection
 
 POOL = [0.0, -0.0, 1.0, -1.0, 2.5, -2.5, math.inf, -math.inf, math.nan, -math.nan, 1e-40, -3e38]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _numpy_path():
+    """These tests are the numpy path's: MEP L2's compiled kernel (tests/test_mep_kernel.py) is off."""
+    projection.COMPILED = False
+    yield
+    projection.COMPILED = True
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

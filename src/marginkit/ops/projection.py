@@ -7,6 +7,7 @@ and the O(n log n) algorithm used here are written up in ``docs/mep.md`` and SPE
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,23 @@ from marginkit.ops.selection import fast_path, sort_values, sort_with_flags, sta
 __all__ = ["margin_gap", "mep"]
 
 NORMS = ("l1", "l2")
+
+#: MEP L2 of float32 rows runs the compiled kernel (:mod:`marginkit.ops._mep_kernel`) when numba is
+#: installed; tests switch it off to run the numpy path.
+COMPILED = True
+_kernel: Any = None
+
+
+def _compiled_l2() -> Any:
+    """The kernel's ``project_l2``, or ``None`` without numba (or when it fails to load)."""
+    global _kernel
+    if _kernel is None:
+        try:
+            from marginkit.ops._mep_kernel import project_l2
+        except ImportError:  # (numba missing, or too old or too new for this numpy)
+            project_l2 = False
+        _kernel = project_l2
+    return _kernel or None
 
 
 # --------------------------------------------------------------------------- validation
@@ -355,7 +373,12 @@ def _l1_level(
 
 
 def _project_numpy(
-    x: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, m: Any, norm: str
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    m: Any,
+    norm: str,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """:func:`project` on the CPU without a gradient, in numpy: the same IEEE operations on the
     same operands in the same order, hence the same bits.
@@ -371,12 +394,45 @@ def _project_numpy(
     ``max_N u`` are read off the sorted rows (L2), or computed on the rows whose clamp can change
     a bit (L1 with a mask: :func:`_l1_clamp`), whose level is one order statistic, numpy's sort
     and a pick (:func:`~marginkit.ops.selection.values_at_ranks`).
+
+    float32 L2 rows go first to the compiled kernel when numba is installed
+    (:mod:`marginkit.ops._mep_kernel`: no sort, the same bits); the rows it leaves take the path
+    above (``kernel=False``).
     """
     shape = x.shape
     n = shape[-1]
     xa = x.detach().contiguous().numpy().reshape(-1, n)
     ui = np.uint32 if xa.dtype == np.float32 else np.uint64
     mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
+    compiled = _compiled_l2() if kernel and COMPILED and norm == "l2" and xa.dtype == np.float32 else None
+    if compiled is not None:
+        ma = None if mask is None else mask.contiguous().numpy().reshape(-1, n)
+        lab = None if labels is None else labels.contiguous().numpy().reshape(-1, 1)
+        try:
+            z, redo = compiled(xa, ma, lab, mv)
+        except Exception as error:  # a numba that cannot compile the kernel: the numpy path, said once
+            if not type(error).__module__.startswith("numba"):
+                raise
+            global _kernel
+            _kernel = False
+            warnings.warn(
+                f"marginkit: MEP's compiled kernel is unavailable ({error}); numpy runs it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return _project_numpy(x, mask, labels, m, norm, kernel=False)
+        if redo.any():
+            r = np.flatnonzero(redo)
+            rest = _project_numpy(
+                torch.from_numpy(xa[r]),
+                None if ma is None else torch.from_numpy(ma[r]),
+                None if lab is None else torch.from_numpy(lab[r]),
+                torch.from_numpy(mv[r]) if isinstance(mv, np.ndarray) else mv,
+                norm,
+                kernel=False,
+            )
+            z[r] = rest.numpy()
+        return torch.from_numpy(z).reshape(shape)
     rows = np.arange(xa.shape[0])[:, None]
     xm = None  # x + m in the working dtype with m rounded to it first, as torch's x + m
     if labels is None:

@@ -1,0 +1,200 @@
+"""The MEP L2 projection of float32 rows without a sort: a compiled kernel (numba, optional).
+
+The torch reference (:func:`marginkit.ops.projection._l2_level`) sorts the breakpoints ``u`` (``x_i`` on
+the positives, ``x_j + m`` on the negatives) and reads the level off float64 prefix sums. Those sums
+depend on the sorted order only through their rounding, and a row can rule rounding out: every
+float32 value is a multiple of the spacing at the row's smallest nonzero magnitude,
+``g = 2^(e_small - 24)`` (``frexp`` exponents), and every sum of up to ``2n`` of them is below
+``2n · 2^e_big``, so where ``ceil(log2(2n)) + e_big - e_small + 24 <= 53`` every such sum is a float64
+number, exact in any order. On such a row:
+
+* the reference's comparisons ``u_k < fl(A_k / C_k)`` are exact: a breakpoint and a quotient that
+  differ, differ by at least ``g / n``, more than half a float64 ulp of the quotient; so the
+  reference's level is ``fl(A / C)`` for the active set of the root ``ℓ*``,
+  ``A = Σ_{P: u < ℓ*} u + Σ_{N: u ≥ ℓ*} u`` and ``C`` its size (entries equal to ``ℓ*`` change
+  neither the exact quotient nor its rounding);
+* that set is found by Newton's iteration on the piecewise-linear
+  ``h(ℓ) = Σ_P (ℓ - u)_+ - Σ_N (u - ℓ)_+``: ``ℓ ← fl(A(ℓ) / C(ℓ))``, one pass over the row each,
+  summed in any order (the loop is vectorised with reassociation allowed: the sums are exact). It
+  has converged when a step leaves the active set unchanged: no breakpoint lies between ``ℓ`` and
+  the exact quotient (their gap is below the spacing above), so the quotient is the root of the
+  piece it came from. Steps that leave the bracket ``[min_P u, max_N u]`` narrowed so far bisect it.
+
+The output is then the reference's, entry by entry (``t = fl32(ℓ - m)``, ``ℓ ← fl32(t + m)``, the
+clamp, the selects), bit for bit. A row the kernel cannot vouch for — a NaN or an infinity, a spread of
+magnitudes beyond the bound, a level that lands on a zero bound (whose sign ``fmax`` / ``fmin``
+choose), no convergence within ``_MAX_STEPS`` — is flagged, and the caller projects it by the sorting
+path. Rows without a positive or a negative, and rows that keep the margin, are copied.
+
+This module imports numba, an optional dependency (``pip install marginkit[fast]``):
+:mod:`marginkit.ops.projection` imports it when numba is there, and runs its numpy path otherwise.
+The kernel compiles on first use, then loads from numba's on-disk cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+__all__ = ["project_l2"]
+
+_MAX_STEPS = 64
+
+
+# Each loop does one thing, so that it is vectorised: the float64 sums with reassociation
+# allowed (they are exact in any order), the extremes as integer keys.
+@njit(cache=True, nogil=True)
+def breakpoints(x: Any, pos: Any, m: Any, b: Any) -> bool:  # pragma: no cover (compiled)
+    # b = x on the positives, x + m elsewhere (float32); whether b holds a NaN
+    nan = False
+    for j in range(x.shape[0]):
+        bv = x[j] if pos[j] else x[j] + m
+        b[j] = bv
+        nan |= bv != bv
+    return nan
+
+
+@njit(cache=True, nogil=True)
+def extremes(b: Any, pos: Any) -> tuple[Any, Any, Any, Any, int]:  # pragma: no cover
+    # order keys of min_P b and max_N b (integer order = float order), the largest biased
+    # exponent and the smallest of the nonzero entries (1 for a subnormal: their spacing is
+    # 2^(1 - 150)), |P|
+    bits = b.view(np.int32)
+    top = np.int32(2**31 - 1)
+    key_p, key_n = top, np.int32(-(2**31))
+    e_big, e_small = np.int32(0), np.int32(255)
+    n_pos = 0
+    for j in range(bits.shape[0]):
+        v = bits[j]
+        key = v ^ ((v >> 31) & top)
+        e = (v >> 23) & np.int32(0xFF)
+        e_big = max(e_big, e)
+        e_small = min(e_small, max(e, np.int32(1)) if v & top else np.int32(255))
+        p = pos[j]
+        key_p = min(key_p, key if p else top)
+        key_n = max(key_n, np.int32(-(2**31)) if p else key)
+        n_pos += p
+    return key_p, key_n, e_big, e_small, n_pos
+
+
+@njit(cache=True, fastmath={"reassoc"}, nogil=True)
+def magnitude(b: Any) -> float:  # pragma: no cover
+    total = 0.0
+    for j in range(b.shape[0]):
+        total += abs(np.float64(b[j]))
+    return total
+
+
+@njit(cache=True, fastmath={"reassoc"}, nogil=True)
+def active_set(b: Any, pos: Any, level: float) -> tuple[float, int]:  # pragma: no cover
+    # the active set at `level` (positives below it, negatives at or above it): sum and size
+    total = 0.0
+    count = 0
+    for j in range(b.shape[0]):
+        u = np.float64(b[j])
+        act = (u < level) == pos[j]
+        total += u if act else 0.0
+        count += act
+    return total, count
+
+
+@njit(cache=True, fastmath={"reassoc"}, nogil=True)
+def near(b: Any, level: float, width: float) -> int:  # pragma: no cover
+    count = 0
+    for j in range(b.shape[0]):
+        count += abs(np.float64(b[j]) - level) <= width
+    return count
+
+
+@njit(cache=True, nogil=True)
+def value(key: Any) -> Any:  # pragma: no cover
+    out = np.empty(1, np.int32)
+    out[0] = key ^ ((key >> 31) & np.int32(2**31 - 1))
+    return out.view(np.float32)[0]
+
+
+@njit(cache=True, nogil=True)
+def rows(x: Any, mask: Any, labels: Any, m32: Any, m64: Any, z: Any, redo: Any) -> None:  # pragma: no cover
+    n_rows, n = x.shape
+    b = np.empty(n, np.float32)
+    own = np.zeros(n, np.bool_)  # the positives of a labelled row
+    log_n = math.log2(n)
+    for r in range(n_rows):
+        pos = own if labels.shape[0] else mask[r]
+        if labels.shape[0]:
+            own[labels[r]] = True
+        mm = m32[r]
+        redo[r] = breakpoints(x[r], pos, mm, b)
+        key_p, key_n, e_big, e_small, n_pos = extremes(b, pos)
+        if redo[r] or e_big == 255:  # a NaN or an infinity
+            redo[r] = True
+        elif n_pos == 0 or n_pos == n or key_n <= key_p:  # nothing to move
+            z[r] = x[r]
+        elif math.frexp(2.0 * magnitude(b) * (1.0 + 2.0**-40))[1] > e_small - 97:
+            # not every partial sum (at most 2 Σ|b|) is a float64 multiple of the spacing
+            # g = 2^(e_small - 150)
+            redo[r] = True
+        else:
+            min_p, max_n = value(key_p), value(key_n)
+            lo, hi = np.float64(min_p), np.float64(max_n)  # h(lo) < 0 < h(hi)
+            level = 0.5 * (lo + hi)
+            last_total, last_count, newton, done = 0.0, -1, False, False
+            for _ in range(_MAX_STEPS):
+                total, count = active_set(b, pos, level)
+                if newton and total == last_total and count == last_count:
+                    done = True  # `level` = fl(total / count), the root of this piece
+                    break
+                if count * level - total < 0:  # (rounded: the sign only narrows the bracket)
+                    lo = max(lo, level)
+                else:
+                    hi = min(hi, level)
+                last_total, last_count = total, count
+                step = total / count
+                newton = lo <= step <= hi  # (closed: a step back onto the level converges)
+                level = step if newton else 0.5 * (lo + hi)
+            if done and e_big - e_small + log_n >= 29:
+                # g / n is not above half a float64 ulp of every quotient (at most
+                # max |b| < 2^(e_big - 126)), so a breakpoint within (n + 1) such half ulps of
+                # the root could compare otherwise in the reference: none may lie there
+                done = near(b, level, n * 2.0 ** (e_big - 177)) == 0
+            t = np.float32(level - m64[r])
+            cut = np.float32(t + mm)
+            if not done or (cut <= min_p and min_p == 0) or (cut >= max_n and max_n == 0):
+                redo[r] = True  # (a zero bound: fmax / fmin choose its sign)
+            else:
+                cut = max(cut, min_p)
+                cut = min(cut, max_n)
+                for j in range(n):
+                    xv = x[r, j]
+                    z[r, j] = (cut if xv < cut else xv) if pos[j] else (xv if b[j] <= cut else t)
+        if labels.shape[0]:
+            own[labels[r]] = False
+
+
+def project_l2(
+    x: np.ndarray, mask: np.ndarray | None, labels: np.ndarray | None, margin: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """MEP L2 of float32 rows ``x`` (``[rows, n]``, C-contiguous) by the kernel: ``(z, redo)``.
+
+    ``mask``: bool ``[rows, n]``, or ``labels``: int64 ``[rows, 1]``; ``margin`` a Python float or a
+    float32 ``[rows, 1]`` array. ``redo[r]`` marks the rows left for the sorting path (their ``z`` is
+    unspecified).
+    """
+    n_rows = x.shape[0]
+    if isinstance(margin, np.ndarray):
+        m32 = np.ascontiguousarray(margin.reshape(-1), dtype=np.float32)
+        m64 = m32.astype(np.float64)
+    else:
+        m32 = np.full(n_rows, np.float32(margin))
+        m64 = np.full(n_rows, float(margin))
+    z = np.empty_like(x)
+    redo = np.empty(n_rows, np.bool_)
+    if labels is None:
+        assert mask is not None
+        rows(x, mask, np.empty(0, np.int64), m32, m64, z, redo)
+    else:
+        rows(x, np.empty((1, 1), np.bool_), np.ascontiguousarray(labels.reshape(-1)), m32, m64, z, redo)
+    return z, redo
