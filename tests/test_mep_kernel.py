@@ -3,6 +3,8 @@ to the sorting path — never a different value."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def reference(*args, **kwargs) -> torch.Tensor:
+    """The torch path (the fast path off)."""
     selection.FAST_CPU = False
     try:
         return mep(*args, **kwargs)
@@ -27,7 +30,9 @@ def reference(*args, **kwargs) -> torch.Tensor:
         selection.FAST_CPU = True
 
 
-def kernel_rows(x: torch.Tensor, positives: torch.Tensor, margin) -> tuple[np.ndarray, np.ndarray]:
+def kernel_rows(
+    x: torch.Tensor, positives: torch.Tensor, margin, norm: str = "l2"
+) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's own output and its rows left to the sorting path."""
     n = x.shape[-1]
     mask = labels = None
@@ -36,6 +41,8 @@ def kernel_rows(x: torch.Tensor, positives: torch.Tensor, margin) -> tuple[np.nd
     else:
         labels = positives.numpy().reshape(-1, 1)
     m = margin.numpy().reshape(-1, 1).astype(np.float32) if isinstance(margin, torch.Tensor) else margin
+    if norm == "l1":
+        return _mep_kernel.project_l1_mask(x.numpy().reshape(-1, n), mask, m)
     return _mep_kernel.project_l2(x.numpy().reshape(-1, n), mask, labels, m)
 
 
@@ -64,18 +71,20 @@ def problems(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(prob=problems())
-def test_the_kernel_gives_the_reference_bits(prob):
+@given(prob=problems(), norm=st.sampled_from(["l2", "l1"]))
+def test_the_kernel_gives_the_reference_bits(prob, norm):
     x, positives, margin = prob
-    assert torch.equal(bits(mep(x, positives, margin)), bits(reference(x, positives, margin)))
-    z, redo = kernel_rows(x, positives, margin)
-    ref = reference(x, positives, margin).numpy()
-    assert np.array_equal(z[~redo].view(np.int32), ref[~redo].view(np.int32))
+    ref = reference(x, positives, margin, norm)
+    assert torch.equal(bits(mep(x, positives, margin, norm)), bits(ref))
+    if norm == "l1" and positives.dtype != torch.bool:
+        return  # (L1 with labels needs no sort: a top-2, no kernel)
+    z, redo = kernel_rows(x, positives, margin, norm)
+    assert np.array_equal(z[~redo].view(np.int32), ref.numpy()[~redo].view(np.int32))
 
 
 @pytest.mark.parametrize("family", ["scores", "cosines", "ties", "dominant"])
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_the_kernel_projects_nearly_every_row_itself(family, one_hot):
+@pytest.mark.parametrize(("one_hot", "norm"), [(False, "l2"), (True, "l2"), (False, "l1")])
+def test_the_kernel_projects_nearly_every_row_itself(family, one_hot, norm):
     """Not a vacuous test: the rows of realistic batches are the kernel's (exact sums), not the
     sorting path's."""
     g = torch.Generator().manual_seed(3)
@@ -94,11 +103,11 @@ def test_the_kernel_projects_nearly_every_row_itself(family, one_hot):
         positives = torch.rand(rows, n, generator=g) < 0.1
         if family == "dominant":
             x[positives] += 2.0
-    z, redo = kernel_rows(x, positives, 0.5)
+    z, redo = kernel_rows(x, positives, 0.5, norm)
     assert redo.mean() < 0.02, redo.sum()
-    ref = reference(x, positives, 0.5).numpy()
+    ref = reference(x, positives, 0.5, norm).numpy()
     assert np.array_equal(z[~redo].view(np.int32), ref[~redo].view(np.int32))
-    assert torch.equal(bits(mep(x, positives, 0.5)), bits(torch.from_numpy(ref)))
+    assert torch.equal(bits(mep(x, positives, 0.5, norm)), bits(torch.from_numpy(ref)))
 
 
 def test_rows_the_kernel_cannot_vouch_for_take_the_sorting_path():
@@ -113,9 +122,12 @@ def test_rows_the_kernel_cannot_vouch_for_take_the_sorting_path():
     mask[4] = False  # no positive: copied
     _, redo = kernel_rows(x, mask, 1.0)
     assert redo.tolist() == [False, True, True, True, False, False]
-    fast = mep(x, mask, 1.0, validate=False)
-    assert torch.equal(bits(fast), bits(reference(x, mask, 1.0, validate=False)))
-    assert torch.equal(fast[4], x[4])
+    _, redo = kernel_rows(x, mask, 1.0, "l1")  # (L1 sums nothing: the spread is no matter)
+    assert redo.tolist() == [False, True, True, False, False, False]
+    for norm in ("l2", "l1"):
+        fast = mep(x, mask, 1.0, norm, validate=False)
+        assert torch.equal(bits(fast), bits(reference(x, mask, 1.0, norm, validate=False)))
+        assert torch.equal(fast[4], x[4])
 
 
 def test_without_numba_the_numpy_path_gives_the_same_bits(monkeypatch):
@@ -123,7 +135,7 @@ def test_without_numba_the_numpy_path_gives_the_same_bits(monkeypatch):
     x = 3 * torch.randn(32, 300, generator=g)
     mask = torch.rand(32, 300, generator=g) < 0.1
     with_kernel = mep(x, mask, 1.0)
-    monkeypatch.setattr(projection, "_compiled_l2", lambda: None)
+    monkeypatch.setattr(projection, "_compiled", lambda: None)
     called = []
     original = projection._project_numpy
     monkeypatch.setattr(projection, "_project_numpy", lambda *a, **k: called.append(1) or original(*a, **k))
@@ -140,16 +152,16 @@ def test_a_kernel_numba_cannot_compile_falls_back_with_a_warning(monkeypatch):
     g = torch.Generator().manual_seed(7)
     x, labels = 3 * torch.randn(8, 50, generator=g), torch.randint(0, 50, (8,), generator=g)
     expected = reference(x, labels, 1.0)
-    monkeypatch.setattr(projection, "_kernel", broken)
+    monkeypatch.setattr(projection, "_kernel", SimpleNamespace(project_l2=broken))
     with pytest.warns(RuntimeWarning, match="compiled kernel is unavailable .*no implementation"):
         assert torch.equal(bits(mep(x, labels, 1.0)), bits(expected))
-    assert projection._compiled_l2() is None  # said once: the numpy path from now on
+    assert projection._compiled() is None  # said once: the numpy path from now on
 
 
 def test_other_errors_of_the_kernel_call_are_not_swallowed(monkeypatch):
     def failing(*args):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(projection, "_kernel", failing)
+    monkeypatch.setattr(projection, "_kernel", SimpleNamespace(project_l2=failing))
     with pytest.raises(ValueError, match="a bug"):
         mep(torch.randn(2, 5), torch.tensor([0, 1]), 1.0)

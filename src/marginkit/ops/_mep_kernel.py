@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["project_l2"]
+__all__ = ["project_l1_mask", "project_l2"]
 
 _MAX_STEPS = 64
 
@@ -117,6 +117,22 @@ def value(key: Any) -> Any:  # pragma: no cover
 
 
 @njit(cache=True, nogil=True)
+def output(
+    x: Any, pos: Any, b: Any, min_p: Any, max_n: Any, t: Any, cut: Any, z: Any
+) -> bool:  # pragma: no cover
+    # the reference's clamp of ℓ = fl(t + m) into [min_P b, max_N b] and its selects; False (nothing
+    # written) where a zero bound decides the clamp (fmax / fmin choose its sign)
+    if (cut <= min_p and min_p == 0) or (cut >= max_n and max_n == 0):
+        return False
+    cut = max(cut, min_p)
+    cut = min(cut, max_n)
+    for j in range(x.shape[0]):
+        xv = x[j]
+        z[j] = (cut if xv < cut else xv) if pos[j] else (xv if b[j] <= cut else t)
+    return True
+
+
+@njit(cache=True, nogil=True)
 def rows(x: Any, mask: Any, labels: Any, m32: Any, m64: Any, z: Any, redo: Any) -> None:  # pragma: no cover
     n_rows, n = x.shape
     b = np.empty(n, np.float32)
@@ -161,17 +177,58 @@ def rows(x: Any, mask: Any, labels: Any, m32: Any, m64: Any, z: Any, redo: Any) 
                 # the root could compare otherwise in the reference: none may lie there
                 done = near(b, level, n * 2.0 ** (e_big - 177)) == 0
             t = np.float32(level - m64[r])
-            cut = np.float32(t + mm)
-            if not done or (cut <= min_p and min_p == 0) or (cut >= max_n and max_n == 0):
-                redo[r] = True  # (a zero bound: fmax / fmin choose its sign)
-            else:
-                cut = max(cut, min_p)
-                cut = min(cut, max_n)
-                for j in range(n):
-                    xv = x[r, j]
-                    z[r, j] = (cut if xv < cut else xv) if pos[j] else (xv if b[j] <= cut else t)
+            redo[r] = not (done and output(x[r], pos, b, min_p, max_n, t, np.float32(t + mm), z[r]))
         if labels.shape[0]:
             own[labels[r]] = False
+
+
+@njit(cache=True, nogil=True)
+def l1_breakpoints(x: Any, mask: Any, m32: Any, b: Any) -> None:  # pragma: no cover
+    for r in range(x.shape[0]):
+        breakpoints(x[r], mask[r], m32[r], b[r])
+
+
+@njit(cache=True, nogil=True)
+def l1_rows(x: Any, mask: Any, b: Any, u: Any, m32: Any, z: Any, redo: Any) -> None:  # pragma: no cover
+    # the L1 level u_(|N|) read off each row's ascending values u: the reference's value, unless it
+    # is a zero (the stable order decides which sign comes first) or the row holds a NaN
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        key_p, key_n, e_big, _, n_pos = extremes(b[r], mask[r])
+        redo[r] = False
+        if e_big == 255:  # a NaN or an infinity
+            redo[r] = True
+        elif n_pos == 0 or n_pos == n or key_n <= key_p:  # nothing to move
+            z[r] = x[r]
+        else:
+            level = u[r, n - 1 - n_pos]
+            mm = m32[r]
+            t = level - mm  # (float32, as the reference's)
+            cut = t + mm
+            ok = level != 0 and output(x[r], mask[r], b[r], value(key_p), value(key_n), t, cut, z[r])
+            redo[r] = not ok
+
+
+def _margins(margin: Any, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row margins in float32 (as the breakpoints add them) and in float64 (as ℓ - m subtracts them)."""
+    if isinstance(margin, np.ndarray):
+        m32 = np.ascontiguousarray(margin.reshape(-1), dtype=np.float32)
+        return m32, m32.astype(np.float64)
+    return np.full(n_rows, np.float32(margin)), np.full(n_rows, float(margin))
+
+
+def project_l1_mask(x: np.ndarray, mask: np.ndarray, margin: Any) -> tuple[np.ndarray, np.ndarray]:
+    """MEP L1 of float32 rows ``x`` with a bool ``mask`` (``[rows, n]``): ``(z, redo)`` as
+    :func:`project_l2`. The level is one order statistic: numpy's sort of the breakpoints' values
+    (the fastest sort here), the rest in the kernel."""
+    m32, _ = _margins(margin, x.shape[0])
+    b = np.empty_like(x)
+    l1_breakpoints(x, mask, m32, b)
+    u = np.sort(b, axis=-1)
+    z = np.empty_like(x)
+    redo = np.empty(x.shape[0], np.bool_)
+    l1_rows(x, mask, b, u, m32, z, redo)
+    return z, redo
 
 
 def project_l2(
@@ -184,12 +241,7 @@ def project_l2(
     unspecified).
     """
     n_rows = x.shape[0]
-    if isinstance(margin, np.ndarray):
-        m32 = np.ascontiguousarray(margin.reshape(-1), dtype=np.float32)
-        m64 = m32.astype(np.float64)
-    else:
-        m32 = np.full(n_rows, np.float32(margin))
-        m64 = np.full(n_rows, float(margin))
+    m32, m64 = _margins(margin, n_rows)
     z = np.empty_like(x)
     redo = np.empty(n_rows, np.bool_)
     if labels is None:

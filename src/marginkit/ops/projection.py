@@ -20,21 +20,22 @@ __all__ = ["margin_gap", "mep"]
 
 NORMS = ("l1", "l2")
 
-#: MEP L2 of float32 rows runs the compiled kernel (:mod:`marginkit.ops._mep_kernel`) when numba is
-#: installed; tests switch it off to run the numpy path.
+#: MEP of float32 CPU rows (L2; L1 with a mask) runs the compiled kernel (:mod:`marginkit.ops._mep_kernel`)
+#: when numba is installed; tests switch it off to run the numpy path.
 COMPILED = True
 _kernel: Any = None
 
 
-def _compiled_l2() -> Any:
-    """The kernel's ``project_l2``, or ``None`` without numba (or when it fails to load)."""
+def _compiled() -> Any:
+    """The kernel module (:mod:`marginkit.ops._mep_kernel`), or ``None`` without numba (or when it
+    fails to load)."""
     global _kernel
     if _kernel is None:
         try:
-            from marginkit.ops._mep_kernel import project_l2
+            from marginkit.ops import _mep_kernel
         except ImportError:  # (numba missing, or too old or too new for this numpy)
-            project_l2 = False
-        _kernel = project_l2
+            _mep_kernel = False
+        _kernel = _mep_kernel
     return _kernel or None
 
 
@@ -395,21 +396,25 @@ def _project_numpy(
     a bit (L1 with a mask: :func:`_l1_clamp`), whose level is one order statistic, numpy's sort
     and a pick (:func:`~marginkit.ops.selection.values_at_ranks`).
 
-    float32 L2 rows go first to the compiled kernel when numba is installed
-    (:mod:`marginkit.ops._mep_kernel`: no sort, the same bits); the rows it leaves take the path
-    above (``kernel=False``).
+    float32 rows (L2, and L1 with a mask) go first to the compiled kernel when numba is installed
+    (:mod:`marginkit.ops._mep_kernel`: the same bits, L2 without a sort); the rows it leaves take
+    the path above (``kernel=False``).
     """
     shape = x.shape
     n = shape[-1]
     xa = x.detach().contiguous().numpy().reshape(-1, n)
     ui = np.uint32 if xa.dtype == np.float32 else np.uint64
     mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
-    compiled = _compiled_l2() if kernel and COMPILED and norm == "l2" and xa.dtype == np.float32 else None
+    use = kernel and COMPILED and xa.dtype == np.float32 and (norm == "l2" or labels is None)
+    compiled = _compiled() if use else None
     if compiled is not None:
         ma = None if mask is None else mask.contiguous().numpy().reshape(-1, n)
         lab = None if labels is None else labels.contiguous().numpy().reshape(-1, 1)
         try:
-            z, redo = compiled(xa, ma, lab, mv)
+            if norm == "l2":
+                z, redo = compiled.project_l2(xa, ma, lab, mv)
+            else:
+                z, redo = compiled.project_l1_mask(xa, ma, mv)
         except Exception as error:  # a numba that cannot compile the kernel: the numpy path, said once
             if not type(error).__module__.startswith("numba"):
                 raise
