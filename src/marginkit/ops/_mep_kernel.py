@@ -1,30 +1,39 @@
-"""The MEP L2 projection of float32 rows without a sort: a compiled kernel (numba, optional).
+"""MEP of float32 rows by a compiled kernel (numba, optional): L2 without a sort, and L1 with a mask.
 
 The torch reference (:func:`marginkit.ops.projection._l2_level`) sorts the breakpoints ``u`` (``x_i`` on
 the positives, ``x_j + m`` on the negatives) and reads the level off float64 prefix sums. Those sums
-depend on the sorted order only through their rounding, and a row can rule rounding out: every
-float32 value is a multiple of the spacing at the row's smallest nonzero magnitude,
-``g = 2^(e_small - 24)`` (``frexp`` exponents), and every sum of up to ``2n`` of them is below
-``2n · 2^e_big``, so where ``ceil(log2(2n)) + e_big - e_small + 24 <= 53`` every such sum is a float64
-number, exact in any order. On such a row:
+depend on the sorted order only through their rounding, and a row can rule rounding out (docs/mep.md):
 
-* the reference's comparisons ``u_k < fl(A_k / C_k)`` are exact: a breakpoint and a quotient that
-  differ, differ by at least ``g / n``, more than half a float64 ulp of the quotient; so the
-  reference's level is ``fl(A / C)`` for the active set of the root ``ℓ*``,
-  ``A = Σ_{P: u < ℓ*} u + Σ_{N: u ≥ ℓ*} u`` and ``C`` its size (entries equal to ``ℓ*`` change
-  neither the exact quotient nor its rounding);
-* that set is found by Newton's iteration on the piecewise-linear
-  ``h(ℓ) = Σ_P (ℓ - u)_+ - Σ_N (u - ℓ)_+``: ``ℓ ← fl(A(ℓ) / C(ℓ))``, one pass over the row each,
-  summed in any order (the loop is vectorised with reassociation allowed: the sums are exact). It
-  has converged when a step leaves the active set unchanged: no breakpoint lies between ``ℓ`` and
-  the exact quotient (their gap is below the spacing above), so the quotient is the root of the
-  piece it came from. Steps that leave the bracket ``[min_P u, max_N u]`` narrowed so far bisect it.
+* **exact sums**: every float32 breakpoint is a multiple of the spacing ``g = 2^(e_small - 150)``
+  at the row's smallest nonzero magnitude (``e`` the biased exponent field; 1 for subnormals), and
+  every partial sum of the reference is at most ``2 Σ|u|``; where that is below ``2^53 g`` every
+  such sum is a float64 number, exact in any order;
+* **exact comparisons**: a breakpoint and a quotient ``A_k / C_k`` that differ do so by at least
+  ``g / n``; where that exceeds half a float64 ulp of every quotient
+  (``e_big - e_small + log2 n < 29``) the reference's ``u_k < fl(A_k / C_k)`` are decided exactly;
+  otherwise (``h`` rises with slope ≥ 1 on the row's range) only a breakpoint within ``n`` such
+  half ulps of the root can be misjudged, and the row is kept only if none lies within
+  ``n · 2^(e_big - 177)`` of the level.
+
+On such a row the reference's level is ``fl(A / C)`` for the active set of the root ``ℓ*``,
+``A = Σ_{P: u < ℓ*} u + Σ_{N: u ≥ ℓ*} u`` and ``C`` its size (entries equal to ``ℓ*`` change neither
+the exact quotient nor its rounding). The set is found by Newton's iteration on the piecewise-linear
+``h(ℓ) = Σ_P (ℓ - u)_+ - Σ_N (u - ℓ)_+``, ``ℓ ← fl(A(ℓ) / C(ℓ))``, one pass over the row each,
+summed in any order (the loop is vectorised with reassociation allowed: the sums are exact). It has
+converged when a Newton step leaves ``(A, C)`` unchanged: no breakpoint lies between a level and its
+float64 rounding, so the quotient is the root of the piece it came from. A step outside the bracket
+``[min_P u, max_N u]``, narrowed by the steps' signs, bisects it instead.
 
 The output is then the reference's, entry by entry (``t = fl32(ℓ - m)``, ``ℓ ← fl32(t + m)``, the
-clamp, the selects), bit for bit. A row the kernel cannot vouch for — a NaN or an infinity, a spread of
-magnitudes beyond the bound, a level that lands on a zero bound (whose sign ``fmax`` / ``fmin``
-choose), no convergence within ``_MAX_STEPS`` — is flagged, and the caller projects it by the sorting
-path. Rows without a positive or a negative, and rows that keep the margin, are copied.
+clamp, the selects), bit for bit. A row the kernel cannot vouch for — a NaN or an infinity, sums
+that may be inexact, a breakpoint near the root, a level clamped onto a zero bound (whose sign
+``fmax`` / ``fmin`` choose), no convergence within ``_MAX_STEPS`` — is flagged, and the caller
+projects it by the sorting path. Rows without a positive or a negative, and rows that keep the
+margin, are copied.
+
+L1 with a mask (:func:`project_l1_mask`) needs no sums: its level is the order statistic
+``u_(|N|)``, read off numpy's sort of the breakpoints' values (a zero, whose sign the stable order
+decides, goes back to the sorting path); the breakpoints, clamp and selects are the kernel's.
 
 This module imports numba, an optional dependency (``pip install marginkit[fast]``):
 :mod:`marginkit.ops.projection` imports it when numba is there, and runs its numpy path otherwise.
