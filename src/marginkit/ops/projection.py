@@ -190,7 +190,11 @@ def mep(
     leading dimensions without Python loops. For integer labels with ``"l1"`` no sort is
     needed (``u_{(n-1)}`` is a top-2); the mask ``"l1"`` level is an order statistic (values
     only). The sort is stable (ties in index order), through :mod:`marginkit.ops.selection`
-    (numpy's sort on the CPU when no gradient is needed; ``torch.sort`` elsewhere). Works in
+    (numpy's sort on the CPU when no gradient is needed; ``torch.sort`` elsewhere). With numba
+    installed (``pip install marginkit[fast]``), float32 CPU rows without a gradient take a
+    compiled kernel (:mod:`marginkit.ops._mep_kernel`): ``"l2"`` without a sort where the row's
+    float64 sums are exact in any order, the mask ``"l1"`` level picked from a values-only sort;
+    the same bits, other rows as above. Works in
     float32 or float64 (float64 input) and returns the input dtype. Differentiable: the map is
     piecewise linear and autograd gives its Jacobian on the current piece (active entries share
     the mean of their gradients).
