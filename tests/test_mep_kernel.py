@@ -165,3 +165,22 @@ def test_other_errors_of_the_kernel_call_are_not_swallowed(monkeypatch):
     monkeypatch.setattr(projection, "_kernel", SimpleNamespace(project_l2=failing))
     with pytest.raises(ValueError, match="a bug"):
         mep(torch.randn(2, 5), torch.tensor([0, 1]), 1.0)
+
+
+def test_labels_out_of_range_without_validation_fail_as_without_the_kernel(monkeypatch):
+    """The compiled loop does not check indices: such rows go to the numpy path, which fails as
+    it did before (validate=False skips the clear check)."""
+    x, labels = torch.randn(4, 10), torch.tensor([1, 10, -1, 3])
+
+    def outcome():
+        try:
+            return bits(mep(x, labels, 1.0, validate=False))
+        except Exception as error:  # (compared below, not swallowed)
+            return type(error)
+
+    with_kernel = outcome()
+    monkeypatch.setattr(projection, "COMPILED", False)
+    without = outcome()
+    assert isinstance(with_kernel, type) and with_kernel is without, (with_kernel, without)
+    _, redo = _mep_kernel.project_l2(x.numpy(), None, labels.numpy().reshape(-1, 1), 1.0)
+    assert redo[1] and redo[2]

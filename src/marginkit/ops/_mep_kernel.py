@@ -158,7 +158,7 @@ def rows(x: Any, mask: Any, labels: Any, m32: Any, m64: Any, z: Any, redo: Any) 
             redo[r] = True
         elif n_pos == 0 or n_pos == n or key_n <= key_p:  # nothing to move
             z[r] = x[r]
-        elif math.frexp(2.0 * magnitude(b) * (1.0 + 2.0**-40))[1] > e_small - 97:
+        elif math.frexp(2.0 * magnitude(b) * (1.0 + n * 2.0**-50))[1] > e_small - 97:
             # not every partial sum (at most 2 Σ|b|) is a float64 multiple of the spacing
             # g = 2^(e_small - 150)
             redo[r] = True
@@ -256,6 +256,11 @@ def project_l2(
     if labels is None:
         assert mask is not None
         rows(x, mask, np.empty(0, np.int64), m32, m64, z, redo)
-    else:
-        rows(x, np.empty((1, 1), np.bool_), np.ascontiguousarray(labels.reshape(-1)), m32, m64, z, redo)
+        return z, redo
+    # (labels out of range, possible with validate=False, are the sorting path's to report: the
+    # compiled loop does not check its indices)
+    labels = labels.reshape(-1).astype(np.int64)
+    outside = (labels < 0) | (labels >= x.shape[1])
+    rows(x, np.empty((1, 1), np.bool_), np.where(outside, 0, labels), m32, m64, z, redo)
+    redo |= outside
     return z, redo
