@@ -14,8 +14,8 @@ is kept — on a shared, loaded machine the minimum is the least disturbed estim
   interpolated. It is run in row chunks (to bound memory) and skipped when B·n² is too big.
 ``mep`` on float32 CPU rows (L2; L1 with a mask) runs the compiled kernel when numba is installed
 (the ``fast`` extra; the output's second line says which); ``--no-kernel`` times the numpy path
-instead, ``--repeat K`` the fastest of K calls in a row (warm caches) instead of one per round. Scores are
-3·N(0, 1) in float32; positives are integer labels (one per row) or a random bool
+instead, ``--repeat K`` the fastest of K calls in a row (warm caches) instead of one per round.
+Scores are 3·N(0, 1) in float32; positives are integer labels (one per row) or a random bool
 mask with 10 % density (multi-label). ``L2 err`` / ``scan err``: max |Δ| of each float32
 answer against ``mep`` in float64.
 """

@@ -22,7 +22,7 @@ POOL = [0.0, -0.0, 1.0, -1.0, 2.5, -2.5, math.inf, -math.inf, math.nan, -math.na
 
 @pytest.fixture(autouse=True, scope="module")
 def _numpy_path():
-    """These tests are the numpy path's: MEP L2's compiled kernel (tests/test_mep_kernel.py) is off."""
+    """These tests are the numpy path's: MEP's compiled kernel (tests/test_mep_kernel.py) is off."""
     projection.COMPILED = False
     yield
     projection.COMPILED = True
