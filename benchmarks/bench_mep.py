@@ -67,24 +67,19 @@ def scan_l2(x: torch.Tensor, pos: torch.Tensor, m: float) -> torch.Tensor:
     return torch.where(feasible, x, z)
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    """Seconds of the fastest of ``REPEAT`` consecutive calls of ``fn`` (1: one call, whose caches
-    the previous function left cold), and its output."""
+#: consecutive calls of each function per round (``--repeat``)
+REPEAT = 1
+
+
+def timed(fn: Callable[[], object], repeat: int | None = None) -> tuple[float, object]:
+    """Seconds of the fastest of ``repeat`` (default ``REPEAT``) consecutive calls of ``fn`` (1: one
+    call, whose caches the previous function left cold), and its output."""
     best, out = math.inf, None
-    for _ in range(REPEAT):
+    for _ in range(REPEAT if repeat is None else repeat):
         start = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - start)
     return best, out
-
-
-REPEAT = 1
-
-
-def timed_once(fn: Callable[[], object]) -> tuple[float, object]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
 
 
 def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
@@ -122,7 +117,7 @@ def bench(sizes: list[tuple[int, int]], rounds: int, kind: str) -> list[str]:
         for r in range(rounds):
             for k, fn in fns.items():
                 if k != "scan" or r < scan_rounds:
-                    elapsed, outputs[k] = timed(fn) if k != "scan" else timed_once(fn)
+                    elapsed, outputs[k] = timed(fn, 1 if k == "scan" else None)
                     times[k].append(elapsed)
         t = {k: min(v) for k, v in times.items()}  # best of the rounds: least disturbed by load
         ref = mep(x.double(), pos, 1.0)  # float64 answer, to report the float32 errors

@@ -255,7 +255,7 @@ def project(
     if not grad and fast_path(x):
         # (non-finite scores under validate=False: NaN and inf propagate silently, as in torch)
         with np.errstate(all="ignore"):
-            return _project_numpy(x, mask, labels, m, norm).to(scores.dtype)
+            return _project_cpu(x, mask, labels, m, norm).to(scores.dtype)
 
     # Breakpoints u: x_i for positives, x_j + m for negatives.
     xm = x + m
@@ -377,13 +377,53 @@ def _l1_level(
     return torch.sort(b, dim=-1, stable=True).values.gather(-1, index), None
 
 
+def _project_cpu(
+    x: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, m: Any, norm: str
+) -> torch.Tensor:
+    """:func:`project` on the CPU without a gradient: float32 rows (L2, and L1 with a mask) by the
+    compiled kernel when numba is installed (:mod:`marginkit.ops._mep_kernel`: the same bits, L2
+    without a sort), the rows it leaves and every other call by :func:`_project_numpy`."""
+    compiled = (
+        _compiled() if COMPILED and x.dtype == torch.float32 and (norm == "l2" or labels is None) else None
+    )
+    if compiled is None:
+        return _project_numpy(x, mask, labels, m, norm)
+    n = x.shape[-1]
+    xa = x.detach().contiguous().numpy().reshape(-1, n)
+    mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
+    ma = None if mask is None else mask.contiguous().numpy().reshape(-1, n)
+    lab = None if labels is None else labels.contiguous().numpy().reshape(-1, 1)
+    try:
+        if norm == "l2":
+            z, redo = compiled.project_l2(xa, ma, lab, mv)
+        else:
+            z, redo = compiled.project_l1_mask(xa, ma, mv)
+    except Exception as error:  # a numba that cannot compile the kernel: the numpy path, said once
+        if not type(error).__module__.startswith("numba"):
+            raise
+        global _kernel
+        _kernel = False
+        warnings.warn(
+            f"marginkit: MEP's compiled kernel is unavailable ({error}); numpy runs it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return _project_numpy(x, mask, labels, m, norm)
+    if redo.any():
+        r = np.flatnonzero(redo)
+        rest = _project_numpy(
+            torch.from_numpy(xa[r]),
+            None if ma is None else torch.from_numpy(ma[r]),
+            None if lab is None else torch.from_numpy(lab[r]),
+            torch.from_numpy(mv[r]) if isinstance(mv, np.ndarray) else mv,
+            norm,
+        )
+        z[r] = rest.numpy()
+    return torch.from_numpy(z).reshape(x.shape)
+
+
 def _project_numpy(
-    x: torch.Tensor,
-    mask: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    m: Any,
-    norm: str,
-    kernel: bool = True,
+    x: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor | None, m: Any, norm: str
 ) -> torch.Tensor:
     """:func:`project` on the CPU without a gradient, in numpy: the same IEEE operations on the
     same operands in the same order, hence the same bits.
@@ -400,48 +440,13 @@ def _project_numpy(
     a bit (L1 with a mask: :func:`_l1_clamp`), whose level is one order statistic, numpy's sort
     and a pick (:func:`~marginkit.ops.selection.values_at_ranks`).
 
-    float32 rows (L2, and L1 with a mask) go first to the compiled kernel when numba is installed
-    (:mod:`marginkit.ops._mep_kernel`: the same bits, L2 without a sort); the rows it leaves take
-    the path above (``kernel=False``).
+    (:func:`_project_cpu` sends float32 rows to the compiled kernel first, when numba is installed.)
     """
     shape = x.shape
     n = shape[-1]
     xa = x.detach().contiguous().numpy().reshape(-1, n)
     ui = np.uint32 if xa.dtype == np.float32 else np.uint64
     mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
-    use = kernel and COMPILED and xa.dtype == np.float32 and (norm == "l2" or labels is None)
-    compiled = _compiled() if use else None
-    if compiled is not None:
-        ma = None if mask is None else mask.contiguous().numpy().reshape(-1, n)
-        lab = None if labels is None else labels.contiguous().numpy().reshape(-1, 1)
-        try:
-            if norm == "l2":
-                z, redo = compiled.project_l2(xa, ma, lab, mv)
-            else:
-                z, redo = compiled.project_l1_mask(xa, ma, mv)
-        except Exception as error:  # a numba that cannot compile the kernel: the numpy path, said once
-            if not type(error).__module__.startswith("numba"):
-                raise
-            global _kernel
-            _kernel = False
-            warnings.warn(
-                f"marginkit: MEP's compiled kernel is unavailable ({error}); numpy runs it",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return _project_numpy(x, mask, labels, m, norm, kernel=False)
-        if redo.any():
-            r = np.flatnonzero(redo)
-            rest = _project_numpy(
-                torch.from_numpy(xa[r]),
-                None if ma is None else torch.from_numpy(ma[r]),
-                None if lab is None else torch.from_numpy(lab[r]),
-                torch.from_numpy(mv[r]) if isinstance(mv, np.ndarray) else mv,
-                norm,
-                kernel=False,
-            )
-            z[r] = rest.numpy()
-        return torch.from_numpy(z).reshape(shape)
     rows = np.arange(xa.shape[0])[:, None]
     xm = None  # x + m in the working dtype with m rounded to it first, as torch's x + m
     if labels is None:
