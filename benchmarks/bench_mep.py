@@ -223,7 +223,7 @@ def main() -> None:
         f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s), float32, margin 1.0; each"
         f" function {REPEAT} call(s) in a row per round"
     )
-    if projection.COMPILED and projection._compiled() is not None:
+    if projection.COMPILED and projection.KERNEL.get() is not None:
         import numba
 
         mep(torch.zeros(1, 2), torch.tensor([0]), 1.0)  # compiled (or loaded from its cache) before timing

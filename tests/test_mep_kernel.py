@@ -135,7 +135,7 @@ def test_without_numba_the_numpy_path_gives_the_same_bits(monkeypatch):
     x = 3 * torch.randn(32, 300, generator=g)
     mask = torch.rand(32, 300, generator=g) < 0.1
     with_kernel = mep(x, mask, 1.0)
-    monkeypatch.setattr(projection, "_compiled", lambda: None)
+    monkeypatch.setattr(projection.KERNEL, "loaded", False)
     called = []
     original = projection._project_numpy
     monkeypatch.setattr(projection, "_project_numpy", lambda *a, **k: called.append(1) or original(*a, **k))
@@ -152,17 +152,17 @@ def test_a_kernel_numba_cannot_compile_falls_back_with_a_warning(monkeypatch):
     g = torch.Generator().manual_seed(7)
     x, labels = 3 * torch.randn(8, 50, generator=g), torch.randint(0, 50, (8,), generator=g)
     expected = reference(x, labels, 1.0)
-    monkeypatch.setattr(projection, "_kernel", SimpleNamespace(project_l2=broken))
+    monkeypatch.setattr(projection.KERNEL, "loaded", SimpleNamespace(project_l2=broken))
     with pytest.warns(RuntimeWarning, match="compiled kernel is unavailable .*no implementation"):
         assert torch.equal(bits(mep(x, labels, 1.0)), bits(expected))
-    assert projection._compiled() is None  # said once: the numpy path from now on
+    assert projection.KERNEL.get() is None  # said once: the numpy path from now on
 
 
 def test_other_errors_of_the_kernel_call_are_not_swallowed(monkeypatch):
     def failing(*args):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(projection, "_kernel", SimpleNamespace(project_l2=failing))
+    monkeypatch.setattr(projection.KERNEL, "loaded", SimpleNamespace(project_l2=failing))
     with pytest.raises(ValueError, match="a bug"):
         mep(torch.randn(2, 5), torch.tensor([0, 1]), 1.0)
 

@@ -617,6 +617,11 @@ class _SyncCounter:
     ],
 )
 def test_one_host_sync_per_forward(gen, monkeypatch, make, syncs_without_validation):
+    """Counted on the path an accelerator runs: the CPU's compiled selection
+    (:func:`marginkit.ops.selection.local_select`) hands CPU tensors to numpy, which reads no device."""
+    from marginkit.ops import selection
+
+    monkeypatch.setattr(selection, "FAST_CPU", False)
     emb, labels = _batch(gen, n=16, classes=4, dtype=torch.float32)
     x = emb.clone().requires_grad_(True)
     losses = (make(True), make(False))

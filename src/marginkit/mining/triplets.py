@@ -18,7 +18,7 @@ import torch
 from marginkit._validation import choice, float_tensor, positive_float, positive_int
 from marginkit.ops.norms import unit_rows
 from marginkit.ops.pairs import DISTANCES, PairBatch, distance_matrix, label_masks, prepare_pairs
-from marginkit.ops.selection import kth_smallest_column
+from marginkit.ops.selection import kth_smallest_column, local_select
 
 Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -57,8 +57,13 @@ def _local_select(
     NaN last): for float32, the column of one ``torch.topk`` of the keys of :func:`_order_keys`
     (distinct: exact whatever order topk leaves ties in); for other dtypes
     :func:`marginkit.ops.selection.kth_smallest_column`. The nearest negative is the
-    first minimal one (``torch.min``).
+    first minimal one (``torch.min``). float32 on the CPU with numba installed:
+    :func:`marginkit.ops.selection.local_select`, the same bits in one compiled pass (``dist`` is
+    then left as it was).
     """
+    fast = local_select(dist, labels, ref_labels, self_ref, k)
+    if fast is not None:  # float32 on the CPU with numba: the same bits without a topk
+        return fast
     same = labels.unsqueeze(1) == ref_labels
     n_same = same.sum(1)
     npos = n_same - 1 if self_ref else n_same

@@ -7,13 +7,13 @@ and the O(n log n) algorithm used here are written up in ``docs/mep.md`` and SPE
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
 from marginkit._validation import choice, compute_dtype, float_tensor, label_tensor, real
+from marginkit.ops._compiled import CompiledKernel
 from marginkit.ops.selection import fast_path, sort_values, sort_with_flags, stable_sort, values_at_ranks
 
 __all__ = ["margin_gap", "mep"]
@@ -23,20 +23,7 @@ NORMS = ("l1", "l2")
 #: MEP of float32 CPU rows (L2; L1 with a mask) runs the compiled kernel (:mod:`marginkit.ops._mep_kernel`)
 #: when numba is installed; tests switch it off to run the numpy path.
 COMPILED = True
-_kernel: Any = None
-
-
-def _compiled() -> Any:
-    """The kernel module (:mod:`marginkit.ops._mep_kernel`), or ``None`` without numba (or when it
-    fails to load)."""
-    global _kernel
-    if _kernel is None:
-        try:
-            from marginkit.ops import _mep_kernel
-        except ImportError:  # (numba missing, or too old or too new for this numpy)
-            _mep_kernel = False
-        _kernel = _mep_kernel
-    return _kernel or None
+KERNEL = CompiledKernel("_mep_kernel", "MEP's compiled kernel")
 
 
 # --------------------------------------------------------------------------- validation
@@ -383,32 +370,21 @@ def _project_cpu(
     """:func:`project` on the CPU without a gradient: float32 rows (L2, and L1 with a mask) by the
     compiled kernel when numba is installed (:mod:`marginkit.ops._mep_kernel`: the same bits, L2
     without a sort), the rows it leaves and every other call by :func:`_project_numpy`."""
-    compiled = (
-        _compiled() if COMPILED and x.dtype == torch.float32 and (norm == "l2" or labels is None) else None
-    )
-    if compiled is None:
+    kernel = COMPILED and x.dtype == torch.float32 and (norm == "l2" or labels is None)
+    if not kernel or KERNEL.get() is None:
         return _project_numpy(x, mask, labels, m, norm)
     n = x.shape[-1]
     xa = x.detach().contiguous().numpy().reshape(-1, n)
     mv = m if not isinstance(m, torch.Tensor) else m.detach().contiguous().numpy().reshape(-1, 1)
     ma = None if mask is None else mask.contiguous().numpy().reshape(-1, n)
     lab = None if labels is None else labels.contiguous().numpy().reshape(-1, 1)
-    try:
-        if norm == "l2":
-            z, redo = compiled.project_l2(xa, ma, lab, mv)
-        else:
-            z, redo = compiled.project_l1_mask(xa, ma, mv)
-    except Exception as error:  # a numba that cannot compile the kernel: the numpy path, said once
-        if not type(error).__module__.startswith("numba"):
-            raise
-        global _kernel
-        _kernel = False
-        warnings.warn(
-            f"marginkit: MEP's compiled kernel is unavailable ({error}); numpy runs it",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    if norm == "l2":
+        out = KERNEL.run("project_l2", xa, ma, lab, mv)
+    else:
+        out = KERNEL.run("project_l1_mask", xa, ma, mv)
+    if out is None:  # numba could not compile it (said once)
         return _project_numpy(x, mask, labels, m, norm)
+    z, redo = out
     if redo.any():
         r = np.flatnonzero(redo)
         rest = _project_numpy(

@@ -29,12 +29,15 @@ values only and pick. Hence:
   for the ``k`` smallest packed keys, then a sort of those ``k`` only. Exact with ties straddling
   the cut (the index is part of the key), where ``torch.topk`` leaves the choice among ties open.
 * :func:`kth_smallest` — the value at a per-row rank ``< bound`` of the ascending order, for a
-  small ``bound`` (the local-margin triplet's k-th nearest positive): ``torch.topk`` of ``bound``
-  smallest on every device. It is a selection already (a bounded heap per row). Numpy's sort of
-  short rows is faster (``[256, 256]`` float32: ~2.3x ``torch.topk(5)``; on ``[1024, 1024]``
-  ``torch.topk`` is ~2x faster), but the op runs inside a training step, where the library
-  counts a trip through numpy as a host read (tests/test_triplet.py), and the selection is ~5 %
-  of the loss's forward + backward: torch's kernel stays.
+  small ``bound`` (:func:`kth_smallest_column`'s other dtypes): ``torch.topk`` of ``bound``
+  smallest on every device, a selection already (a partial sort per row).
+* :func:`local_select` — the local-margin triplet's whole selection (each anchor's k-th nearest
+  positive, in the stable order, and its nearest negative) for float32 CPU distances by a compiled
+  kernel (:mod:`marginkit.ops._local_kernel`, numba; optional): one pass per row with a ``k``-entry
+  sorted buffer of the reference's distinct keys, where ``torch.topk`` partial-sorts each row (the
+  selection was about half of the loss's forward at ``[256, 256]``). ``None`` elsewhere (no numba,
+  another device or dtype, ``k > 64``): the caller runs its torch reference, which every device
+  runs and which the tests compare bit for bit.
 * :func:`kth_smallest_column` — the column of that entry in the stable order (ties in index
   order), in torch on every device: float32 rows become int64 ``(order key << 32) | column`` and
   one ``torch.topk`` of the packed integers gives the column exactly (~1.6x the value selection
@@ -57,12 +60,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from marginkit.ops._compiled import CompiledKernel
+
 __all__ = [
     "FAST_CPU",
     "fast_path",
     "histogram",
     "kth_smallest",
     "kth_smallest_column",
+    "local_select",
     "packed_column_keys",
     "sort_values",
     "sort_with_flags",
@@ -75,6 +81,9 @@ __all__ = [
 FAST_CPU = True
 
 _NUMPY_DTYPES = (torch.float32, torch.float64)
+LOCAL_KERNEL = CompiledKernel("_local_kernel", "the local-margin triplet's compiled selection")
+#: the largest ``k`` :func:`local_select` takes (its buffer's insertions cost up to ``k`` each)
+LOCAL_MAX_K = 64
 _SIGN32 = np.uint32(0x80000000)
 
 
@@ -357,6 +366,30 @@ def kth_smallest(x: torch.Tensor, index: torch.Tensor, bound: int) -> torch.Tens
     """
     bound = min(bound, x.shape[-1])
     return torch.topk(x.detach(), bound, dim=-1, largest=False, sorted=True).values.gather(-1, index[:, None])
+
+
+def local_select(
+    d: torch.Tensor, labels: torch.Tensor, ref_labels: torch.Tensor, self_ref: bool, k: int
+) -> tuple[torch.Tensor, ...] | None:
+    """The local-margin triplet's selection by the compiled kernel, or ``None`` (see the module).
+
+    ``d [B, R]`` the squared distances (float32, ``>= 0`` or NaN), ``labels [B]`` / ``ref_labels
+    [R]``; returns :func:`marginkit.mining.triplets._local_select`'s ``(p_idx, n_idx, d_pos, d_neg,
+    has_pos, has_neg)`` with its bits, reading ``d`` without writing it.
+    """
+    if not (fast_path(d) and d.dtype == torch.float32 and d.dim() == 2 and d.shape[1] < 2**29):
+        return None
+    if not 1 <= k <= LOCAL_MAX_K or LOCAL_KERNEL.get() is None:
+        return None
+    out = LOCAL_KERNEL.run(
+        "local_select",
+        d.detach().contiguous().numpy(),
+        np.ascontiguousarray(labels.numpy(), np.int64),
+        np.ascontiguousarray(ref_labels.numpy(), np.int64),
+        bool(self_ref),
+        int(k),
+    )
+    return None if out is None else tuple(torch.from_numpy(a) for a in out)
 
 
 def packed_column_keys(x: torch.Tensor, *, descending: bool = False) -> torch.Tensor:
