@@ -23,6 +23,8 @@ the fastest run of each (the least disturbed by other processes on a shared mach
 medians are printed next to it. Each pass follows the other implementation's, so it starts with
 the caches that one left (a fixed cost of a step's code paths, not of its size);
 ``--in-a-row K`` times the fastest of K passes in a row instead (warm, as ``timeit`` measures).
+``--no-kernel``: the local-margin triplet's selection by torch's ``topk`` even where numba (the
+``fast`` extra) would run the compiled selection (the first line says which ran).
 
 Peak memory: each (implementation, B) runs in a fresh subprocess. The process resets its
 peak resident set size (Linux: ``echo 5 > /proc/self/clear_refs``) after building the
@@ -297,6 +299,11 @@ def main() -> None:
         "--only", nargs="+", help=f"rows by our implementation's name: {', '.join(n for _, n, _ in PAIRS)}"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
+    parser.add_argument(
+        "--no-kernel",
+        action="store_true",
+        help="the local-margin triplet's selection by torch even where numba is installed",
+    )
     parser.add_argument("--_peak", nargs=2, metavar=("NAME", "B"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._peak:
@@ -304,13 +311,19 @@ def main() -> None:
         return
 
     torch.set_num_threads(args.threads)
+    from marginkit.ops import selection
+
+    if args.no_kernel:
+        selection.LOCAL_KERNEL.loaded = False
+    kernel = selection.LOCAL_KERNEL.get() is not None
     sizes = [32, 64] if args.quick else (args.sizes or [128, 256, 512, 1024])
     repeats = 2 if args.quick else args.repeats
     mem_batch = 256 if args.quick else args.memory_batch
     only = set(args.only) if args.only else None
     print(
         f"torch {torch.__version__}, threads={args.threads}, D={DIM}, {PER_CLASS} samples per class,"
-        f" {max(1, args.in_a_row)} pass(es) in a row per round"
+        f" {max(1, args.in_a_row)} pass(es) in a row per round; the local-margin triplet's selection by"
+        f" {'the compiled kernel' if kernel else 'torch (topk)'}"
     )
     rows = time_all(sizes, repeats, loop_max=1024, only=only, in_a_row=max(1, args.in_a_row))
     print()
