@@ -11,9 +11,10 @@ same-label entry set to ``+inf``: the first NaN of the row, else the first small
 
 The kernel computes the same keys, one row at a time, and keeps the ``min(k, R)`` smallest in a
 sorted buffer (an entry enters only below the buffer's largest key: a pass over the row and a few
-insertions, where ``topk`` runs a partial sort per row); the nearest negative is the same scan as
-``torch.min``'s. Distinct keys make the selection exact whatever the method; the values it returns
-are the entries of ``|d|`` themselves. So the outputs equal the reference's bit for bit, including
+insertions, where ``topk`` runs a partial sort per row); the nearest negative is the least of the
+keys ``(bits of the masked |d|) << 32 | column`` — the first least entry, as ``torch.min`` picks
+it — or, in a row with a NaN, the first NaN. Distinct keys make the selection exact whatever the
+method; the values it returns are the entries of ``|d|`` themselves. So the outputs equal the reference's bit for bit, including
 the entries of rows without a positive or a negative (in range, unused by the loss).
 
 This module imports numba, an optional dependency (``pip install marginkit[fast]``);
@@ -27,11 +28,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["MAX_K", "local_select"]
-
-#: The largest ``k`` for the kernel (the buffer's insertions cost up to ``k`` each); larger ``k``
-#: runs the reference.
-MAX_K = 64
+__all__ = ["local_select"]
 
 _INF_KEY = 0x7FF0000000000000  # the bits of the float64 +inf
 _INF_BITS = np.int32(0x7F800000)  # the bits of the float32 +inf
@@ -120,7 +117,8 @@ def local_select(
     d: np.ndarray, labels: np.ndarray, ref_labels: np.ndarray, self_ref: bool, k: int
 ) -> tuple[np.ndarray, ...]:
     """The reference's ``(p_idx, n_idx, d_pos, d_neg, has_pos, has_neg)`` (all ``[B]``) for float32
-    ``d [B, R]`` (C-contiguous, ``R < 2**29``) and int64 labels, ``1 <= k <= MAX_K``."""
+    ``d [B, R]`` (C-contiguous, ``R < 2**29``), int64 labels and ``k >= 1`` (the caller keeps ``k``
+    small: an insertion into the buffer costs up to ``k``)."""
     n = d.shape[0]
     p_idx, n_idx = np.empty(n, np.int64), np.empty(n, np.int64)
     d_pos, d_neg = np.empty(n, np.float32), np.empty(n, np.float32)
