@@ -14,8 +14,9 @@ sorted buffer (an entry enters only below the buffer's largest key: a pass over 
 insertions, where ``topk`` runs a partial sort per row); the nearest negative is the least of the
 keys ``(bits of the masked |d|) << 32 | column`` — the first least entry, as ``torch.min`` picks
 it — or, in a row with a NaN, the first NaN. Distinct keys make the selection exact whatever the
-method; the values it returns are the entries of ``|d|`` themselves. So the outputs equal the reference's bit for bit, including
-the entries of rows without a positive or a negative (in range, unused by the loss).
+method; the values it returns are the entries of ``|d|`` themselves. So the outputs equal the
+reference's bit for bit, including the entries of rows without a positive or a negative (in
+range, unused by the loss).
 
 This module imports numba, an optional dependency (``pip install marginkit[fast]``);
 :mod:`marginkit.mining.triplets` runs the torch reference without it.

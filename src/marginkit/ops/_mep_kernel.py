@@ -27,7 +27,8 @@ float64 rounding, so the quotient is the root of the piece it came from. A step 
 The output is then the reference's, entry by entry (``t = fl32(ℓ - m)``, ``ℓ ← fl32(t + m)``, the
 clamp, the selects), bit for bit. A row the kernel cannot vouch for — a NaN or an infinity, sums
 that may be inexact, a breakpoint near the root, a level clamped onto a zero bound (whose sign
-``fmax`` / ``fmin`` choose), no convergence within ``_MAX_STEPS`` — is flagged, and the caller
+``fmax`` / ``fmin`` choose), no convergence within ``_MAX_STEPS``, a label outside the row (only
+with ``validate=False``; the sorting path reports it) — is flagged, and the caller
 projects it by the sorting path. Rows without a positive or a negative, and rows that keep the
 margin, are copied.
 
@@ -150,6 +151,9 @@ def rows(x: Any, mask: Any, labels: Any, m32: Any, m64: Any, z: Any, redo: Any) 
     for r in range(n_rows):
         pos = own if labels.shape[0] else mask[r]
         if labels.shape[0]:
+            if not 0 <= labels[r] < n:  # (possible with validate=False: the sorting path reports it)
+                redo[r] = True
+                continue
             own[labels[r]] = True
         mm = m32[r]
         redo[r] = breakpoints(x[r], pos, mm, b)
@@ -257,10 +261,5 @@ def project_l2(
         assert mask is not None
         rows(x, mask, np.empty(0, np.int64), m32, m64, z, redo)
         return z, redo
-    # (labels out of range, possible with validate=False, are the sorting path's to report: the
-    # compiled loop does not check its indices)
-    labels = labels.reshape(-1).astype(np.int64)
-    outside = (labels < 0) | (labels >= x.shape[1])
-    rows(x, np.empty((1, 1), np.bool_), np.where(outside, 0, labels), m32, m64, z, redo)
-    redo |= outside
+    rows(x, np.empty((1, 1), np.bool_), np.ascontiguousarray(labels.reshape(-1), np.int64), m32, m64, z, redo)
     return z, redo
