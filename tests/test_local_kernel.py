@@ -161,3 +161,19 @@ def test_without_numba_or_with_a_broken_one_the_reference_runs(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_same(_local_select(d.clone(), labels, labels, True, 3), expected)
+
+
+def test_under_torch_compile_the_reference_runs():
+    """Dynamo cannot trace into numba's dispatcher: while it traces, the torch path runs (the same
+    bits; the kernel once broke ``torch.compile`` of a function that calls the loss)."""
+    g = torch.Generator().manual_seed(2)
+    emb, labels = torch.randn(40, 8, generator=g), torch.randint(0, 5, (40,), generator=g)
+    loss = LocalMarginTripletLoss(k=3)
+    compiled = torch.compile(lambda x, y: loss(x, y), backend="eager")
+    x1, x2 = emb.clone().requires_grad_(True), emb.clone().requires_grad_(True)
+    value = compiled(x1, labels)
+    value.backward()
+    expected = loss(x2, labels)
+    expected.backward()
+    assert torch.equal(bits(value.detach()), bits(expected.detach()))
+    assert torch.equal(bits(x1.grad), bits(x2.grad))

@@ -184,3 +184,15 @@ def test_labels_out_of_range_without_validation_fail_as_without_the_kernel(monke
     assert isinstance(with_kernel, type) and with_kernel is without, (with_kernel, without)
     _, redo = _mep_kernel.project_l2(x.numpy(), None, labels.numpy().reshape(-1, 1), 1.0)
     assert redo[1] and redo[2]
+
+
+def test_under_torch_compile_the_reference_runs():
+    """Dynamo cannot trace into numba's dispatcher, nor the numpy path's uint32 keys (a mask): while
+    it traces, the torch path runs, with the same bits (both once broke ``torch.compile`` of a
+    function that calls ``mep`` on the CPU)."""
+    g = torch.Generator().manual_seed(8)
+    x, labels = 3 * torch.randn(16, 50, generator=g), torch.randint(0, 50, (16,), generator=g)
+    mask = torch.rand(16, 50, generator=g) < 0.2
+    for positives in (labels, mask):
+        compiled = torch.compile(lambda x, p: mep(x, p, 1.0), backend="eager")
+        assert torch.equal(bits(compiled(x, positives)), bits(mep(x, positives, 1.0)))

@@ -1,9 +1,10 @@
 """The optional compiled kernels of :mod:`marginkit.ops` (numba), loaded on first use.
 
 A kernel module imports numba at its top (``pip install marginkit[fast]`` installs it) and computes
-the bits of a torch reference path. Without numba, or once numba has failed to compile a kernel
-(said once, as a ``RuntimeWarning``), :meth:`CompiledKernel.run` returns ``None`` and its caller
-runs that reference path; any other exception is a bug and propagates.
+the bits of a torch reference path. Without numba, once numba has failed to compile a kernel (said
+once, as a ``RuntimeWarning``), or while ``torch.compile`` traces the caller (dynamo cannot trace
+into numba's dispatcher), :meth:`CompiledKernel.get` and :meth:`CompiledKernel.run` return ``None``
+and the caller runs that reference path; any other exception is a bug and propagates.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib
 import warnings
 from types import ModuleType
 from typing import Any
+
+import torch
 
 __all__ = ["CompiledKernel"]
 
@@ -28,6 +31,8 @@ class CompiledKernel:
         self.loaded: ModuleType | bool | None = None
 
     def get(self) -> ModuleType | None:
+        if torch.compiler.is_compiling():
+            return None
         if self.loaded is None:
             try:
                 self.loaded = importlib.import_module(f"marginkit.ops.{self.module}")

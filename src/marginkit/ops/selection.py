@@ -50,7 +50,8 @@ values only and pick. Hence:
   histogram, then the few values of the bins that matter (``marginkit.metrics``).
 
 Elsewhere — a CUDA tensor, a tensor that needs its gradient, a switched-off fast path
-(:data:`FAST_CPU`, the tests' reference switch) — every function calls ``torch.sort`` with
+(:data:`FAST_CPU`, the tests' reference switch), a call that ``torch.compile`` traces — every
+function calls ``torch.sort`` with
 ``stable=True``: the device-agnostic reference. Callers that need a gradient gather their
 differentiable values with the returned indices, as before.
 """
@@ -88,9 +89,11 @@ _SIGN32 = np.uint32(0x80000000)
 
 
 def fast_path(x: torch.Tensor) -> bool:
-    """Whether ``x`` takes the numpy path: a float32/float64 CPU tensor whose gradient is not needed."""
+    """Whether ``x`` takes the numpy path: a float32/float64 CPU tensor whose gradient is not needed,
+    outside ``torch.compile``'s tracing (dynamo's numpy emulation lacks some of its integer ops)."""
     return (
         FAST_CPU
+        and not torch.compiler.is_compiling()
         and x.device.type == "cpu"
         and x.dtype in _NUMPY_DTYPES
         and not (x.requires_grad and torch.is_grad_enabled())
