@@ -413,7 +413,8 @@ class LocalMarginTripletLoss(_TripletBase):
     anchors are skipped (0 in ``"none"``).
 
     Fully vectorised: one ``[B, R]`` distance matrix, one ``topk`` of distinct keys for the
-    k-th positive (the rank of a stable sort: ties in index order), one masked ``min``; the
+    k-th positive (the rank of a stable sort: ties in index order), one masked ``min`` (on the
+    CPU with numba, one compiled pass over the same keys: the same bits); the
     gradient flows through the two selected distances of each anchor only, identical to the
     per-anchor formulation, by a hand-written backward (``O((B + R)·D)``; first derivatives
     only: ``create_graph=True`` is refused).
