@@ -267,7 +267,12 @@ def float_tensor(
         return x
     if not x.numel():
         return x
-    if allow_inf:
+    a = _numpy_values(x)
+    if a is not None:  # a library call on the CPU: numpy's vectorised min / max, read at once
+        hi = float(a.max())
+        if not hi < math.inf or (not allow_inf and not -math.inf < float(a.min())):
+            raise ValueError((_NAN_OR_POSINF if allow_inf else _NAN_OR_INF).format(name))
+    elif allow_inf:
         # the maximum propagates NaN and shows +inf: one pass, no full-size temporaries
         check_flag(f"{name} values", ~(x.detach().amax() < math.inf), lambda: _NAN_OR_POSINF.format(name))
     else:
@@ -278,6 +283,25 @@ def float_tensor(
             f"{name} values", ~(torch.isfinite(lo) & torch.isfinite(hi)), lambda: _NAN_OR_INF.format(name)
         )
     return x
+
+
+def _numpy_values(x: torch.Tensor) -> np.ndarray | None:
+    """``x`` as numpy where :func:`float_tensor` checks its values there, else ``None``: a dense
+    float32 / float64 CPU tensor outside :func:`deferred_checks` and ``torch.compile``'s tracing (the
+    host reads the verdict at once either way, and numpy's min and max take about half the time of
+    ``torch.aminmax``)."""
+    if not (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and x.layout == torch.strided
+        and _ACTIVE.get() is None
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    try:
+        return x.detach().numpy()
+    except (RuntimeError, TypeError):  # (torch.func's wrapped tensors, subclasses without storage)
+        return None
 
 
 _NAN_OR_INF = "{} contains NaN or infinite values"
