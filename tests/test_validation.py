@@ -65,3 +65,30 @@ def test_cosine_tensor_accepts_tensors_that_require_grad(recwarn):
     x = torch.rand(4, 5, requires_grad=True)
     v.cosine_tensor(x * 2 - 1, "cos")
     assert not [w for w in recwarn if "requires_grad" in str(w.message)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("allow_inf", [False, True])
+def test_float_tensor_numpy_and_torch_checks_agree(monkeypatch, dtype, allow_inf):
+    """A library call on the CPU checks finiteness with numpy (float32 / float64); the torch check
+    (devices, deferred checks) must give the same verdict and message, on strided and grad inputs."""
+
+    def verdict(x):
+        try:
+            v.float_tensor(x, "scores", allow_inf=allow_inf)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    base = torch.arange(24, dtype=dtype).reshape(4, 6) / 7
+    cases = [base, base[:, ::2], base.clone().requires_grad_(True)]
+    for bad in (math.nan, math.inf, -math.inf):
+        x = base.clone()
+        x[2, 3] = bad
+        cases += [x, x[:, 1::2], x.t()]
+    numpy_side = [verdict(x) for x in cases]
+    assert any(numpy_side) and not all(numpy_side)
+    if dtype != torch.float16:
+        assert v._numpy_values(base) is not None  # (the numpy check ran: the test is not vacuous)
+    monkeypatch.setattr(v, "_numpy_values", lambda x: None)
+    assert [verdict(x) for x in cases] == numpy_side
