@@ -427,6 +427,38 @@ def test_mep_validate_false_keeps_type_checks():
 
 
 # --------------------------------------------------------------------------------------- metrics
+def without_bins_kernel(f, *args, **kwargs):
+    """``f`` with the histogram's numpy path (no compiled kernel, as without numba)."""
+    saved, selection.BINS_KERNEL.loaded = selection.BINS_KERNEL.loaded, False
+    try:
+        return f(*args, **kwargs)
+    finally:
+        selection.BINS_KERNEL.loaded = saved
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_histogram_counts_and_takes_as_numpy(dtype):
+    pytest.importorskip("numba", reason="the compiled histogram needs numba")
+    rng = np.random.default_rng(4)
+    special = np.array([0.0, -0.0, 1e-40, -1e-40, 5e-324, 3e38, -3e38, 1.0, np.nextafter(1.0, 2.0)])
+    a = np.concatenate([rng.normal(0, 3, 5000), special.astype(dtype)]).astype(dtype)
+    flags = rng.random(a.size) < 0.2
+    fast = selection.flagged_histogram(a, flags)
+    slow = without_bins_kernel(selection.flagged_histogram, a, flags)
+    assert fast[0] is None and slow[0] is not None  # (the kernel ran: the test is not vacuous)
+    for f, s_ in zip(fast[1:], slow[1:], strict=True):
+        assert np.array_equal(f, s_)
+    counts, order = fast[1], fast[3]
+    for r in (int(np.argmax(counts)), int(np.flatnonzero(counts)[0]), int(np.flatnonzero(counts)[-1])):
+        for other in (r, int(np.flatnonzero(counts)[1])):
+            wanted, size = (order[r], order[other]), int(counts[r] + (counts[other] if other != r else 0))
+            got = selection.take_bins(a, flags, None, wanted, size)
+            ref = selection.take_bins(a, flags, slow[0], wanted, size)
+            assert all(
+                np.array_equal(g.view(np.uint8), e.view(np.uint8)) for g, e in zip(got, ref, strict=True)
+            )
+
+
 @st.composite
 def trials(draw):
     n = draw(st.integers(2, 60))
@@ -454,12 +486,14 @@ def test_eer_and_tar_at_far_by_histogram_equal_the_sorted_path(t, far):
 
     s, y = t
     fast = eer(s, y)
+    assert fast == without_bins_kernel(eer, s, y)  # (the compiled histogram and numpy's agree)
     assert fast == reference(eer, s, y)  # the sorted path (torch.sort)
     assert fast == _roc.eer(*_roc.sides(s, y))  # the sorted path (numpy sort)
     tar, threshold = tar_at_far(s, y, far)
     ref = reference(verification_metrics, s, y, fars=(far,))
     assert tar == ref["tar_at_far"][far] and threshold == ref["thresholds"][far]
     assert (tar, threshold) == reference(tar_at_far, s, y, far)
+    assert (tar, threshold) == without_bins_kernel(tar_at_far, s, y, far)
 
 
 def test_eer_and_tar_of_many_scores_equal_the_sorted_path():
@@ -472,10 +506,11 @@ def test_eer_and_tar_of_many_scores_equal_the_sorted_path():
         s = (torch.randn(200_000, generator=g, dtype=torch.float64) + 2.5 * y).to(dtype)
         s[:1000] = torch.round(s[:1000] * 4) / 4  # ties
         sides = _roc.sides(s, y)
-        assert eer(s, y) == _roc.eer(*sides)
+        assert eer(s, y) == _roc.eer(*sides) == without_bins_kernel(eer, s, y)
         for far in (1e-5, 1e-3, 0.01, 0.3):
             thresholds, tars = _roc.rates_at_targets(*sides, (far,))
             assert tar_at_far(s, y, far) == (tars[far], thresholds[far])
+            assert without_bins_kernel(tar_at_far, s, y, far) == (tars[far], thresholds[far])
     assert tar_at_far(s, y, 1e-7) == (None, None)
 
 

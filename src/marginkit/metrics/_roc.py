@@ -293,8 +293,7 @@ def eer_by_histogram(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     the histogram.
     """
     a, y = _working_numpy(scores, is_genuine)
-    codes, counts, order = selection.histogram(a)
-    g_counts = selection.bincount_at(codes, np.flatnonzero(y), order)
+    codes, counts, g_counts, order = selection.flagged_histogram(a, y)
     i_counts = counts - g_counts
     g_cum, i_cum = np.cumsum(g_counts), np.cumsum(i_counts)
     n_gen, n_imp = int(g_cum[-1]), int(i_cum[-1])
@@ -302,10 +301,8 @@ def eer_by_histogram(scores: torch.Tensor, is_genuine: torch.Tensor) -> float:
     r = int(np.argmax((d <= 0) & (counts > 0)))  # the top bin crosses (FAR 0, FRR 1)
     earlier = np.flatnonzero(counts[:r])
     first = int(earlier[-1]) if earlier.size else r  # the bins [first, r] hold both points
-    pick = codes == order[r]
-    if first != r:
-        pick |= codes == order[first]
-    vals, gen = a[pick], y[pick]
+    size = int(counts[r] + (counts[first] if first != r else 0))
+    vals, gen = selection.take_bins(a, y, codes, (order[r], order[first]), size)
     srt = np.argsort(vals, kind="stable")
     vals, gen = vals[srt], gen[srt]
     g_le = int(g_cum[first] - g_counts[first]) + np.cumsum(gen)
@@ -343,12 +340,10 @@ def tar_at_far_by_histogram(
     j = max(0, math.ceil(n_imp - allowed))
     if j == 0:
         return 1.0, -math.inf
-    codes, counts, order = selection.histogram(a)
-    g_counts = selection.bincount_at(codes, np.flatnonzero(y), order)
+    codes, counts, g_counts, order = selection.flagged_histogram(a, y)
     i_cum = np.cumsum(counts - g_counts)
     r = int(np.searchsorted(i_cum, j))  # first bin with j impostors at or below it
-    pick = codes == order[r]
-    vals, gen = a[pick], y[pick]
+    vals, gen = selection.take_bins(a, y, codes, (order[r], order[r]), int(counts[r]))
     imp = vals[~gen]
     q = j - int(i_cum[r - 1] if r else 0) - 1
     t = np.partition(imp, q)[q]

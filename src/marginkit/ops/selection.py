@@ -58,6 +58,8 @@ differentiable values with the returned indices, as before.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -66,6 +68,7 @@ from marginkit.ops._compiled import CompiledKernel
 __all__ = [
     "FAST_CPU",
     "fast_path",
+    "flagged_histogram",
     "histogram",
     "kth_smallest",
     "kth_smallest_column",
@@ -74,6 +77,7 @@ __all__ = [
     "sort_values",
     "sort_with_flags",
     "stable_sort",
+    "take_bins",
     "topk_stable",
     "values_at_ranks",
 ]
@@ -83,6 +87,7 @@ FAST_CPU = True
 
 _NUMPY_DTYPES = (torch.float32, torch.float64)
 LOCAL_KERNEL = CompiledKernel("_local_kernel", "the local-margin triplet's compiled selection")
+BINS_KERNEL = CompiledKernel("_bins_kernel", "the scores' compiled histogram")
 #: the largest ``k`` :func:`local_select` takes (its buffer's insertions cost up to ``k`` each)
 LOCAL_MAX_K = 64
 _SIGN32 = np.uint32(0x80000000)
@@ -224,16 +229,65 @@ def histogram(a: np.ndarray, bits: int = 20) -> tuple[np.ndarray, np.ndarray, np
     raw = canon.view(np.uint32 if width == 32 else np.uint64)
     np.right_shift(raw, raw.dtype.type(width - bits), out=raw)
     codes = raw.view(np.int32) if width == 32 else raw.astype(np.int32)
-    half = 1 << (bits - 1)
-    # negative values: the larger the code, the smaller the value; then the positive codes
-    order = np.concatenate([np.arange(2 * half - 1, half - 1, -1), np.arange(half)])
-    counts = torch.bincount(torch.from_numpy(codes), minlength=2 * half).numpy()[order]
+    order = _bin_order(bits)
+    counts = torch.bincount(torch.from_numpy(codes), minlength=order.size).numpy()[order]
     return codes, counts, order
 
 
 def bincount_at(codes: np.ndarray, where: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Value-ordered counts (as :func:`histogram`'s) of the entries at the flat indices ``where``."""
     return np.bincount(codes[where], minlength=order.size)[order]
+
+
+@functools.lru_cache(maxsize=4)
+def _bin_order(bits: int) -> np.ndarray:
+    """The codes of :func:`histogram`'s bins in ascending value order (read-only)."""
+    half = 1 << (bits - 1)
+    # negative values: the larger the code, the smaller the value; then the positive codes
+    order = np.concatenate([np.arange(2 * half - 1, half - 1, -1), np.arange(half)])
+    order.setflags(write=False)
+    return order
+
+
+def flagged_histogram(
+    a: np.ndarray, flags: np.ndarray, bits: int = 20
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`histogram` of ``a`` and the counts of its flagged entries (bool ``flags``, as
+    :func:`bincount_at`): ``(codes, counts, flagged, order)``. With numba, one compiled pass
+    (:mod:`marginkit.ops._bins_kernel`) gives the same counts and no codes (``None``: :func:`take_bins`
+    codes the scores again)."""
+    a, flags = np.ascontiguousarray(a), np.ascontiguousarray(flags)
+    if a.size < 2**31 and BINS_KERNEL.get() is not None:
+        out = BINS_KERNEL.run("count", a, flags, bits)
+        if out is not None:
+            order = _bin_order(bits)
+            return None, out[0][order], out[1][order], order
+    codes, counts, order = histogram(a, bits)
+    return codes, counts, bincount_at(codes, np.flatnonzero(flags), order), order
+
+
+def take_bins(
+    a: np.ndarray,
+    flags: np.ndarray,
+    codes: np.ndarray | None,
+    wanted: tuple[int, int],
+    size: int,
+    bits: int = 20,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The entries of ``a`` and ``flags`` in the bins ``wanted`` (two codes of :func:`histogram`,
+    equal for one bin; ``size`` entries, from the counts), in index order. ``codes``: those of
+    :func:`flagged_histogram` (``None``: its compiled pass left none, and so does this one)."""
+    if codes is None:
+        out = BINS_KERNEL.run(
+            "take", np.ascontiguousarray(a), np.ascontiguousarray(flags), bits, wanted, size
+        )
+        if out is not None:
+            return out
+        codes = histogram(np.ascontiguousarray(a), bits)[0]  # (numba failed since the count)
+    pick = codes == wanted[0]
+    if wanted[1] != wanted[0]:
+        pick |= codes == wanted[1]
+    return a[pick], flags[pick]
 
 
 def _halves(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
