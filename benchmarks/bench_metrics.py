@@ -33,7 +33,8 @@ follows live memory. Inputs exist before the measurement; outputs count.
    selects the order statistics they need (a histogram of the float bits, then one bin) — against
    scikit-learn's ``roc_curve`` + interpolation (goal: >= 30x at one thread), against the sorted
    path they took before (which must give the bit-identical float), and their distance to
-   scikit-learn's value (within 1e-4).
+   scikit-learn's value (within 1e-4). With numba (the ``fast`` extra) the histogram and the
+   crossing bins' scores come from two compiled passes; ``--no-kernel`` times the numpy path.
 
     python benchmarks/bench_metrics.py [--quick] [--only as-norm|eer|selection|retrieval] [--threads 2]
         [--repeats 3] [--json out.json]
@@ -284,7 +285,12 @@ def eer_tar_selection(args: argparse.Namespace, scale: int) -> list[dict[str, An
 
     from marginkit.metrics import _roc
     from marginkit.metrics.verification import eer, tar_at_far
+    from marginkit.ops import selection
 
+    if args.no_kernel:
+        selection.BINS_KERNEL.loaded = False
+    kernel = selection.BINS_KERNEL.get() is not None
+    print(f"\nthe histogram: {'two compiled passes (numba)' if kernel else 'numpy'}")
     n, n_gen, far = 10_000_000 // scale, 100_000 // scale, 1e-3
     g = torch.Generator().manual_seed(args.seed)
     scores = torch.cat(
@@ -425,6 +431,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the numbers to this file")
+    p.add_argument(
+        "--no-kernel",
+        action="store_true",
+        help="the EER / TAR histogram by numpy even where numba is installed",
+    )
     args = p.parse_args()
     if any(os.environ.get(k) != v for k, v in _ENV.items()):  # allocator settings are read at start-up
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_ENV})
