@@ -56,7 +56,7 @@ EXTRAS: dict[str, str] = {
     **dict.fromkeys(("yaml", "matplotlib", "sklearn", "mnist1d", "PIL", "tqdm"), "cli"),
     "kornia": "augment",
     "faiss": "faiss",
-    "numba": "fast",  # (MEP's compiled kernel; without it the numpy path runs, nothing fails)
+    "numba": "fast",  # (the compiled CPU kernels; without it the torch / numpy paths run, nothing fails)
     **dict.fromkeys(("optuna", "mlxtend", "aeon"), "study"),
     **dict.fromkeys(("onnx", "onnxruntime", "onnxscript"), "export"),
     **dict.fromkeys(

@@ -257,11 +257,10 @@ def flagged_histogram(
     (:mod:`marginkit.ops._bins_kernel`) gives the same counts and no codes (``None``: :func:`take_bins`
     codes the scores again)."""
     a, flags = np.ascontiguousarray(a), np.ascontiguousarray(flags)
-    if a.size < 2**31 and BINS_KERNEL.get() is not None:
-        out = BINS_KERNEL.run("count", a, flags, bits)
-        if out is not None:
-            order = _bin_order(bits)
-            return None, out[0][order], out[1][order], order
+    out = BINS_KERNEL.run("count", a, flags, bits) if a.size < 2**31 else None
+    if out is not None:
+        order = _bin_order(bits)
+        return None, out[0][order], out[1][order], order
     codes, counts, order = histogram(a, bits)
     return codes, counts, bincount_at(codes, np.flatnonzero(flags), order), order
 
